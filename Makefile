@@ -1,0 +1,11 @@
+# The two commands a newcomer needs; both create or refresh .venv first (scripts/bootstrap).
+.PHONY: demo test venv
+
+venv:
+	@scripts/bootstrap
+
+demo: venv
+	.venv/bin/kvtrace --help
+
+test: venv
+	.venv/bin/python -m pytest

@@ -1,0 +1,82 @@
+"""``kvtrace info``: what a trace holds."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import click
+import msgspec
+
+
+@click.command("info")
+@click.argument("trace", type=click.Path(dir_okay=False))
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of text.")
+def command(trace: str, as_json: bool) -> None:
+    """Show a trace's header, record counts per kind, and whether it is complete.
+
+    Reads the whole trace (streaming). Exits 1 if the trace is truncated, after printing what
+    was recovered.
+
+    \b
+    Example:
+        kvtrace info prod.kvtrace
+    """
+    from kvtrace.cli.common import raise_if_truncated
+    from kvtrace.traceio import TraceReader
+
+    reader = TraceReader(trace)
+    counts: Counter = Counter()
+    num_dropped_in_markers = 0
+    for batch in reader.batches():
+        for tag, record_type, columns, kind_count in _kinds(batch):
+            counts[tag] += kind_count
+            if tag == "events_dropped" and record_type is not None:
+                num_dropped_in_markers += sum(columns[0])
+    dropped = reader.closing.num_dropped if reader.closing else num_dropped_in_markers
+    summary = {
+        "path": trace,
+        "header": msgspec.to_builtins(reader.header),
+        "num_records": reader.num_records,
+        "counts": dict(sorted(counts.items())),
+        "unknown_kinds": dict(reader.unknown_kinds),
+        "truncated": reader.truncated,
+        "dropped_events": dropped,
+    }
+    if as_json:
+        click.echo(msgspec.json.encode(summary).decode())
+    else:
+        _print_text(summary, reader)
+    raise_if_truncated(reader)
+
+
+def _kinds(batch):
+    by_index = Counter(batch.kinds)
+    for i, (tag, record_type) in enumerate(zip(batch.tags, batch.types)):
+        yield tag, record_type, batch.columns[i], by_index[i]
+
+
+def _print_text(summary: dict, reader) -> None:
+    header = reader.header
+    click.echo(f"trace:      {summary['path']}")
+    click.echo(f"format:     v{header.format_major}.{header.format_minor}, "
+               f"written by kvtrace {header.kvtrace_version}")
+    click.echo(f"source:     {header.source}"
+               + (f" (vLLM {header.vllm_version})" if header.vllm_version else ""))
+    if header.pid:
+        click.echo(f"process:    pid {header.pid} {header.process_title} on {header.host}")
+    if header.replay:
+        r = header.replay
+        click.echo(f"replay:     variant {r.variant}, backend {r.backend}, {r.mode}, from {r.source_path}")
+    if header.config:
+        c = header.config
+        groups = ", ".join(f"{g.kind}/{g.block_size}" for g in c.kv_cache_groups)
+        retention = "none (dense)" if c.retention_interval is None else c.retention_interval
+        click.echo(f"cache:      groups [{groups}], hash unit {c.hash_block_size}, "
+                   f"{c.num_gpu_blocks} blocks, retention {retention}")
+    click.echo(f"records:    {summary['num_records']}")
+    for tag, count in summary["counts"].items():
+        click.echo(f"  {tag:<26} {count:>12}")
+    for tag, count in summary["unknown_kinds"].items():
+        click.echo(f"  {tag:<26} {count:>12}  (unknown kind, skipped)")
+    click.echo(f"dropped:    {summary['dropped_events']}")
+    click.echo(f"complete:   {'no (truncated)' if summary['truncated'] else 'yes'}")

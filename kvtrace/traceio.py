@@ -1,0 +1,511 @@
+"""Reading and writing kvtrace trace files.
+
+Layout (all integers little-endian)::
+
+    b"KVTRACE\\0"  u16 format_major  u16 format_minor
+    frame*        u32 payload_len  u32 crc32(payload)  payload
+    payload       one type byte, then msgpack: H = TraceHeader, B = record batch, C = TraceClosed
+
+The first frame is the header; a cleanly closed trace ends with the closing frame. Records travel
+in batches stored column by column (ints at the narrowest fixed width that holds them), because
+bulk analysis wants columns and fixed-width columns cost a fraction of per-record msgpack to
+write, read and turn into Arrow (reference/environment-notes.md section 4). A batch keeps the
+exact order of its records in ``kinds`` (one byte per record: an index into its ``tags``).
+
+A writer cut off anywhere loses at most its last, incomplete frame: the reader recovers every
+complete frame, sets ``truncated`` and never fails on the cut. Bytes that fail their checksum or
+do not decode raise ``TraceFormatError`` naming the frame's offset. Kinds the reader does not
+know are skipped and counted; frame types it does not know likewise.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import struct
+import sys
+import time
+import zlib
+from array import array
+from collections import Counter
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, BinaryIO
+
+import msgspec
+
+from kvtrace.errors import TraceFormatError, TraceNotFoundError, TraceVersionError
+from kvtrace.events import (
+    FORMAT_MAJOR,
+    FORMAT_MINOR,
+    TAG_TO_TYPE,
+    Record,
+    TraceClosed,
+    TraceHeader,
+)
+
+MAGIC = b"KVTRACE\0"
+_PREAMBLE = struct.Struct("<8sHH")
+_FRAME_HEAD = struct.Struct("<II")
+FRAME_HEADER, FRAME_BATCH, FRAME_CLOSED = b"H", b"B", b"C"
+# A frame longer than this is damage, not data: batches are a few hundred KiB.
+MAX_FRAME_BYTES = 1 << 30
+DEFAULT_BATCH_SIZE = 8192
+
+_INT_CODES = ((1, "b"), (2, "h"), (4, "i"), (8, "q"))
+_INT_BOUNDS = tuple((-(1 << (8 * w - 1)), (1 << (8 * w - 1)) - 1, code) for w, code in _INT_CODES)
+_WIDTH_OF_CODE = {code: w for w, code in _INT_CODES}
+_SWAP = sys.byteorder == "big"  # columns are little-endian on disk
+
+
+# --- column codec ------------------------------------------------------------------------------
+# A column is a tuple: ("i", code, raw) fixed-width ints; ("l", lengths, values) a list of
+# int lists as two int columns; ("o", msgpack) anything else (strings, bytes, None).
+
+_OBJECT_ENCODER = msgspec.msgpack.Encoder()
+_OBJECT_DECODER = msgspec.msgpack.Decoder()
+
+
+def _int_column(values: list[int]) -> tuple:
+    if values:
+        low, high = min(values), max(values)
+    else:
+        low = high = 0
+    for lower, upper, code in _INT_BOUNDS:
+        if lower <= low and high <= upper:
+            break
+    else:
+        raise OverflowError("integer column value does not fit in 64 bits")
+    column = array(code, values)
+    if _SWAP:
+        column.byteswap()
+    return ("i", code, column.tobytes())
+
+
+def _encode_column(values: list, annotation: Any) -> tuple:
+    if annotation == "list[int]":
+        return ("l", _int_column([len(v) for v in values]), _int_column([x for v in values for x in v]))
+    if annotation in _INT_ANNOTATIONS:
+        return _int_column(values)
+    return ("o", _OBJECT_ENCODER.encode(values))
+
+
+def _decode_int_column(column: Any) -> array:
+    kind, code, raw = column
+    if kind != "i" or code not in _WIDTH_OF_CODE or len(raw) % _WIDTH_OF_CODE[code]:
+        raise ValueError("bad int column")
+    values = array(code)
+    values.frombytes(raw)
+    if _SWAP:
+        values.byteswap()
+    return values
+
+
+def decode_column(column: Any) -> Any:
+    """Decode one column to an ``array`` of ints, a ``ListColumn`` or a list of objects."""
+    kind = column[0]
+    if kind == "i":
+        return _decode_int_column(column)
+    if kind == "l":
+        lengths, values = _decode_int_column(column[1]), _decode_int_column(column[2])
+        if sum(lengths) != len(values) or (lengths and min(lengths) < 0):
+            raise ValueError("bad list column")
+        return ListColumn(lengths, values)
+    if kind == "o":
+        return _OBJECT_DECODER.decode(column[1])
+    raise ValueError(f"unknown column kind {kind!r}")
+
+
+@dataclass(frozen=True)
+class ListColumn:
+    """A column of int lists, Arrow-style: each row's length, and all values back to back."""
+
+    lengths: array
+    values: array
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def to_lists(self) -> list[list[int]]:
+        values = self.values.tolist()
+        rows, start = [], 0
+        for length in self.lengths:
+            rows.append(values[start : start + length])
+            start += length
+        return rows
+
+
+_INT_ANNOTATIONS = {"int", "bool", "StoreKind", "RemoveReason", "FinishStatus", "CheckpointClass"}
+
+
+def _field_annotations(record_type: type[Record]) -> list[str]:
+    annotations = {}
+    for klass in reversed(record_type.__mro__):
+        annotations.update(getattr(klass, "__annotations__", {}))
+    return [str(annotations[name]) for name in record_type.__struct_fields__]
+
+
+_ANNOTATIONS = {cls: _field_annotations(cls) for cls in TAG_TO_TYPE.values()}
+
+
+class _Batch(msgspec.Struct, array_like=True):
+    tags: list[str]
+    kinds: bytes
+    columns: list[list[Any]]
+
+
+def encode_batch(records: list[Record]) -> tuple[bytes, dict[str, int]]:
+    """Encode records (in order) as one batch payload, without the frame type byte.
+
+    Returns the payload and the number of records per tag."""
+    types = list(map(type, records))
+    distinct = list(dict.fromkeys(types))
+    index = {t: i for i, t in enumerate(distinct)}
+    columns, counts = [], {}
+    for record_type in distinct:
+        rows = [r for r in records if type(r) is record_type] if len(distinct) > 1 else records
+        counts[record_type.__struct_config__.tag] = len(rows)
+        by_field = zip(*map(msgspec.structs.astuple, rows))
+        annotations = _ANNOTATIONS[record_type]
+        columns.append([_encode_column(list(values), a) for values, a in zip(by_field, annotations)])
+    kinds = bytes(map(index.__getitem__, types))
+    return _BATCH_ENCODER.encode(_Batch(list(counts), kinds, columns)), counts
+
+
+_BATCH_ENCODER = msgspec.msgpack.Encoder()
+_BATCH_DECODER = msgspec.msgpack.Decoder(_Batch)
+_HEADER_DECODER = msgspec.msgpack.Decoder(TraceHeader)
+_CLOSED_DECODER = msgspec.msgpack.Decoder(TraceClosed)
+
+
+@dataclass
+class RecordBatch:
+    """One decoded batch: ``kinds[i]`` indexes ``types`` (None = unknown kind) for record i;
+    ``columns[j]`` holds the field columns of ``types[j]`` (rows in file order)."""
+
+    types: list[type[Record] | None]
+    tags: list[str]
+    kinds: bytes
+    columns: list[list[Any]]
+    first_seq: int
+
+    def __len__(self) -> int:
+        return len(self.kinds)
+
+    def records(self) -> Iterator[Record]:
+        """The batch's records of known kinds, in file order."""
+        row_iters = []
+        for record_type, columns in zip(self.types, self.columns):
+            if record_type is None:
+                row_iters.append(None)
+                continue
+            values = [c.to_lists() if isinstance(c, ListColumn) else c for c in columns]
+            row_iters.append(iter([record_type(*row) for row in zip(*values)]))
+        if len(row_iters) == 1 and row_iters[0] is not None:
+            yield from row_iters[0]
+            return
+        for kind in self.kinds:
+            rows = row_iters[kind]
+            if rows is not None:
+                yield next(rows)
+
+
+def _decode_batch(payload: memoryview, first_seq: int) -> tuple[RecordBatch, Counter]:
+    raw = _BATCH_DECODER.decode(payload)
+    if len(raw.tags) != len(raw.columns) or (raw.kinds and max(raw.kinds) >= len(raw.tags)):
+        raise ValueError("batch kinds do not match its tags")
+    counts = Counter(raw.kinds)
+    types: list[type[Record] | None] = []
+    columns: list[list[Any]] = []
+    unknown: Counter = Counter()
+    for i, (tag, raw_columns) in enumerate(zip(raw.tags, raw.columns)):
+        record_type = TAG_TO_TYPE.get(tag)
+        if record_type is None:
+            unknown[tag] += counts[i]
+            types.append(None)
+            columns.append([])
+            continue
+        decoded = [decode_column(c) for c in raw_columns[: len(record_type.__struct_fields__)]]
+        if any(len(c) != counts[i] for c in decoded):
+            raise ValueError(f"column lengths of {tag!r} do not match its record count")
+        decoded.extend(_default_columns(record_type, len(decoded), counts[i]))
+        types.append(record_type)
+        columns.append(decoded)
+    return RecordBatch(types, raw.tags, raw.kinds, columns, first_seq), unknown
+
+
+def _default_columns(record_type: type[Record], num_present: int, num_rows: int) -> list[list]:
+    """Columns for trailing fields an older writer did not know: their defaults."""
+    fields = record_type.__struct_fields__
+    defaults = record_type.__struct_defaults__
+    first_default = len(fields) - len(defaults)
+    if num_present < first_default:
+        missing = fields[num_present]
+        raise ValueError(f"{record_type.__name__} lacks required field {missing!r}")
+    return [[defaults[i - first_default]] * num_rows for i in range(num_present, len(fields))]
+
+
+# --- writer -------------------------------------------------------------------------------------
+
+
+class TraceWriter:
+    """Writes a trace: the header at once, records in batches, the closing frame on ``close``.
+
+    One thread owns a writer (the capture hook gives it to its writer thread). With
+    ``atomic=True`` the file appears under its name only when closed cleanly, so a failed run
+    leaves nothing half-written; otherwise it grows in place, readable while written.
+    """
+
+    def __init__(
+        self,
+        destination: str | os.PathLike | BinaryIO,
+        header: TraceHeader,
+        *,
+        batch_size: int = DEFAULT_BATCH_SIZE,
+        atomic: bool = False,
+    ) -> None:
+        self.header = header
+        self.batch_size = batch_size
+        self.counts: Counter = Counter()
+        self.num_records = 0
+        self._pending: list[Record] = []
+        self._final_path: str | None = None
+        if isinstance(destination, (str, os.PathLike)):
+            path = os.fspath(destination)
+            if atomic:
+                self._final_path, path = path, f"{path}.partial"
+            self._file: BinaryIO = open(path, "wb")
+            self._owns_file = True
+        else:
+            self._file, self._owns_file = destination, False
+        self._file.write(_PREAMBLE.pack(MAGIC, FORMAT_MAJOR, FORMAT_MINOR))
+        self._write_frame(FRAME_HEADER, msgspec.msgpack.encode(header))
+        self.closed = False
+
+    def _write_frame(self, frame_type: bytes, body: bytes) -> None:
+        payload = frame_type + body
+        self._file.write(_FRAME_HEAD.pack(len(payload), zlib.crc32(payload)))
+        self._file.write(payload)
+
+    def write(self, record: Record) -> None:
+        self._pending.append(record)
+        if len(self._pending) >= self.batch_size:
+            self.flush_batch()
+
+    def write_many(self, records: Iterable[Record]) -> None:
+        self._pending.extend(records)
+        while len(self._pending) >= self.batch_size:
+            self.flush_batch(self.batch_size)
+
+    def flush_batch(self, limit: int | None = None) -> None:
+        """Write pending records (at most ``limit``) as one batch frame."""
+        if not self._pending:
+            return
+        batch = self._pending if limit is None else self._pending[:limit]
+        self._pending = [] if limit is None else self._pending[limit:]
+        payload, counts = encode_batch(batch)
+        self._write_frame(FRAME_BATCH, payload)
+        self.num_records += len(batch)
+        self.counts.update(counts)
+
+    def flush(self) -> None:
+        self.flush_batch()
+        self._file.flush()
+
+    def close(self, num_dropped: int = 0) -> None:
+        """Write what is pending and the closing frame; publish the file if ``atomic``."""
+        if self.closed:
+            return
+        self.flush_batch()
+        closing = TraceClosed(
+            num_records=self.num_records,
+            num_dropped=num_dropped,
+            ended_ns=time.time_ns(),
+            counts=dict(self.counts),
+        )
+        self._write_frame(FRAME_CLOSED, msgspec.msgpack.encode(closing))
+        self._file.flush()
+        if self._owns_file:
+            self._file.close()
+        if self._final_path is not None:
+            os.replace(f"{self._final_path}.partial", self._final_path)
+        self.closed = True
+
+    def abandon(self) -> None:
+        """Stop without a closing frame; an atomic writer removes its partial file."""
+        if self.closed:
+            return
+        self.closed = True
+        if self._owns_file:
+            self._file.close()
+        if self._final_path is not None:
+            os.unlink(f"{self._final_path}.partial")
+
+    def __enter__(self) -> TraceWriter:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None or self._final_path is None:
+            self.close()
+        else:
+            self.abandon()
+
+
+# --- reader -------------------------------------------------------------------------------------
+
+
+@dataclass
+class TraceReader:
+    """Streams a trace frame by frame in constant memory.
+
+    The header is read on open. Iterate ``batches()`` (columns) or the reader itself (records);
+    after the stream ends, ``closing``, ``truncated`` and ``unknown_kinds`` tell how it ended.
+    """
+
+    path: str
+    header: TraceHeader = field(init=False)
+    closing: TraceClosed | None = field(init=False, default=None)
+    truncated: bool = field(init=False, default=False)
+    truncated_at: int | None = field(init=False, default=None)
+    num_records: int = field(init=False, default=0)
+    unknown_kinds: Counter = field(init=False, default_factory=Counter)
+    unknown_frames: int = field(init=False, default=0)
+    _file: BinaryIO = field(init=False, repr=False)
+    _offset: int = field(init=False, default=0)
+    _consumed: bool = field(init=False, default=False)
+
+    def __post_init__(self) -> None:
+        try:
+            self._file = open(self.path, "rb")
+        except FileNotFoundError:
+            raise TraceNotFoundError(f"no such trace: {self.path}") from None
+        except IsADirectoryError:
+            raise TraceNotFoundError(f"{self.path} is a directory, not a trace") from None
+        except OSError as error:
+            raise TraceNotFoundError(f"cannot open {self.path}: {error.strerror}") from None
+        try:
+            self._read_preamble()
+            frame = self._next_frame()
+            if frame is None or frame[0] != FRAME_HEADER:
+                if self.truncated or frame is None:
+                    raise TraceFormatError(
+                        f"{self.path} ends before its header is complete",
+                        hint="Nothing can be recovered from it; capture the trace again.",
+                    )
+                raise TraceFormatError(f"{self.path} does not start with a header frame", 0)
+            self.header = self._decode(_HEADER_DECODER, frame)
+        except BaseException:
+            self._file.close()
+            raise
+
+    def _read_preamble(self) -> None:
+        preamble = self._file.read(_PREAMBLE.size)
+        if not preamble:
+            raise TraceFormatError(
+                f"{self.path} is empty", hint="The writer never started; capture the trace again."
+            )
+        if not MAGIC.startswith(preamble[: len(MAGIC)]):
+            raise TraceFormatError(f"{self.path} is not a kvtrace trace (bad magic bytes)", 0)
+        if len(preamble) < _PREAMBLE.size:
+            raise TraceFormatError(
+                f"{self.path} ends before its header is complete",
+                hint="Nothing can be recovered from it; capture the trace again.",
+            )
+        _, major, _minor = _PREAMBLE.unpack(preamble)
+        if major > FORMAT_MAJOR:
+            raise TraceVersionError(
+                f"{self.path} is trace format v{major}, newer than this kvtrace reads "
+                f"(v{FORMAT_MAJOR})"
+            )
+        if major < 1:
+            raise TraceFormatError(f"{self.path} has invalid format version {major}", 8)
+        self._offset = _PREAMBLE.size
+
+    def _next_frame(self) -> tuple[bytes, memoryview, int] | None:
+        """The next complete frame as (type, body, offset); None at the end or a cut."""
+        offset = self._offset
+        head = self._file.read(_FRAME_HEAD.size)
+        if not head:
+            return None
+        if len(head) < _FRAME_HEAD.size:
+            return self._cut(offset)
+        length, checksum = _FRAME_HEAD.unpack(head)
+        if length == 0 or length > MAX_FRAME_BYTES:
+            raise TraceFormatError(f"{self.path}: frame has impossible length {length}", offset)
+        payload = self._file.read(length)
+        if len(payload) < length:
+            return self._cut(offset)
+        if zlib.crc32(payload) != checksum:
+            raise TraceFormatError(f"{self.path}: frame checksum mismatch (corrupt bytes)", offset)
+        self._offset = offset + _FRAME_HEAD.size + length
+        view = memoryview(payload)
+        return bytes(view[:1]), view[1:], offset
+
+    def _cut(self, offset: int) -> None:
+        self.truncated, self.truncated_at = True, offset
+        return None
+
+    def _decode(self, decoder: msgspec.msgpack.Decoder, frame: tuple[bytes, memoryview, int]) -> Any:
+        try:
+            return decoder.decode(frame[1])
+        except (msgspec.DecodeError, ValueError, TypeError) as error:
+            raise TraceFormatError(f"{self.path}: undecodable frame ({error})", frame[2]) from None
+
+    def batches(self) -> Iterator[RecordBatch]:
+        """Decoded batches in file order. A reader can be consumed once."""
+        if self._consumed:
+            raise RuntimeError("a TraceReader can be iterated once; open the trace again")
+        self._consumed = True
+        try:
+            while (frame := self._next_frame()) is not None:
+                frame_type, body, offset = frame
+                if self.closing is not None:
+                    raise TraceFormatError(f"{self.path}: data after the closing frame", offset)
+                if frame_type == FRAME_BATCH:
+                    try:
+                        batch, unknown = _decode_batch(body, self.num_records)
+                    except (msgspec.DecodeError, msgspec.ValidationError, ValueError, TypeError) as e:
+                        raise TraceFormatError(f"{self.path}: undecodable batch ({e})", offset) from None
+                    self.unknown_kinds.update(unknown)
+                    self.num_records += len(batch)
+                    yield batch
+                elif frame_type == FRAME_CLOSED:
+                    self.closing = self._decode(_CLOSED_DECODER, frame)
+                elif frame_type == FRAME_HEADER:
+                    raise TraceFormatError(f"{self.path}: a second header frame", offset)
+                else:
+                    self.unknown_frames += 1
+            if self.closing is None and not self.truncated:
+                self._cut(self._offset)
+        finally:
+            self._file.close()
+
+    def __iter__(self) -> Iterator[Record]:
+        for batch in self.batches():
+            yield from batch.records()
+
+    @property
+    def num_dropped(self) -> int:
+        return self.closing.num_dropped if self.closing else 0
+
+    def close(self) -> None:
+        self._file.close()
+
+    def __enter__(self) -> TraceReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def read_records(path: str | os.PathLike) -> tuple[TraceReader, list[Record]]:
+    """Read a whole (small) trace: its reader (for header and status) and all its records."""
+    reader = TraceReader(os.fspath(path))
+    return reader, list(reader)
+
+
+def write_trace(path: str | os.PathLike | io.BufferedIOBase, header: TraceHeader,
+                records: Iterable[Record], *, atomic: bool = True) -> None:
+    """Write a whole trace at once."""
+    with TraceWriter(path, header, atomic=atomic) as writer:
+        writer.write_many(records)
