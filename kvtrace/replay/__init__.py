@@ -1,0 +1,1 @@
+"""Replay: re-execute traffic against a prefix-cache backend under a checkpoint variant."""

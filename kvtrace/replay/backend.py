@@ -1,0 +1,49 @@
+"""The interface every replay backend implements (the real vLLM one; later a fast model).
+
+A backend owns one prefix cache built from an ``EngineConfig`` under one checkpoint variant,
+and reports everything through a ``RecordSink``: the *input* records for the calls it is
+given and the *effect* records the cache produced, in the trace schema (``kvtrace.events``).
+Drivers (the scheduler model, lockstep replay) call it in the order a vLLM scheduler would.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Protocol
+
+from kvtrace.events import FinishStatus, Record
+
+RecordSink = Callable[[Record], None]
+
+
+class CacheBackend(Protocol):
+    num_gpu_blocks: int
+
+    def new_step(self, step: int, ts_ns: int) -> None:
+        """Start a scheduler step (``KVCacheManager.new_step_starts``)."""
+
+    def add_request(self, req: int, prompt_len: int, hash_ids: list[int], max_tokens: int,
+                    output_hash_ids: list[int] | None = None) -> None:
+        """Make a request known. ``hash_ids`` cover the prompt's full hash units;
+        ``output_hash_ids`` (optional) name the units decode will complete, so that a later
+        turn's prompt can share them; missing ones get fresh ids."""
+
+    def get_computed_blocks(self, req: int) -> tuple[int, int]:
+        """Prefix lookup for a waiting request: (num_hit_tokens, shared_prefix_boundary)."""
+
+    def allocate_slots(self, req: int, num_new_tokens: int, num_new_computed_tokens: int = 0,
+                       num_lookahead_tokens: int = 0) -> bool:
+        """``KVCacheManager.allocate_slots``; False when the pool cannot fit the chunk.
+        ``num_new_computed_tokens`` > 0 only on the first allocation after a lookup."""
+
+    def advance(self, req: int, num_tokens: int) -> None:
+        """The scheduled tokens were computed: ``num_computed_tokens += num_tokens``; past the
+        prompt, each computed token appends an output token (completing hash units)."""
+
+    def free(self, req: int, status: FinishStatus = FinishStatus.FINISHED) -> None:
+        """The request finished or was aborted: release its blocks."""
+
+    def preempt(self, req: int) -> None:
+        """Free the request's blocks and reset it to wait again (recompute on resume)."""
+
+    def num_free_blocks(self) -> int:
+        """Blocks in the free queue (cached-evictable ones included)."""

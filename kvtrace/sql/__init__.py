@@ -1,0 +1,1 @@
+"""Shipped forensics queries, one per ``.sql`` file (package data)."""
