@@ -20,6 +20,7 @@ know are skipped and counted; frame types it does not know likewise.
 
 from __future__ import annotations
 
+import enum
 import io
 import os
 import struct
@@ -30,10 +31,12 @@ from array import array
 from collections import Counter
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
+from operator import attrgetter
 from typing import Any, BinaryIO
 
 import msgspec
 
+from kvtrace import events
 from kvtrace.errors import TraceFormatError, TraceNotFoundError, TraceVersionError
 from kvtrace.events import (
     FORMAT_MAJOR,
@@ -53,7 +56,7 @@ MAX_FRAME_BYTES = 1 << 30
 DEFAULT_BATCH_SIZE = 8192
 
 _INT_CODES = ((1, "b"), (2, "h"), (4, "i"), (8, "q"))
-_INT_BOUNDS = tuple((-(1 << (8 * w - 1)), (1 << (8 * w - 1)) - 1, code) for w, code in _INT_CODES)
+_INT_CODES_NARROW_FIRST = tuple(code for _, code in _INT_CODES)
 _WIDTH_OF_CODE = {code: w for w, code in _INT_CODES}
 _SWAP = sys.byteorder == "big"  # columns are little-endian on disk
 
@@ -67,19 +70,17 @@ _OBJECT_DECODER = msgspec.msgpack.Decoder()
 
 
 def _int_column(values: list[int]) -> tuple:
-    if values:
-        low, high = min(values), max(values)
-    else:
-        low = high = 0
-    for lower, upper, code in _INT_BOUNDS:
-        if lower <= low and high <= upper:
-            break
-    else:
-        raise OverflowError("integer column value does not fit in 64 bits")
-    column = array(code, values)
-    if _SWAP:
-        column.byteswap()
-    return ("i", code, column.tobytes())
+    # Try the narrowest width first: array() stops at the first value that does not fit,
+    # which is cheaper than scanning for min and max.
+    for code in _INT_CODES_NARROW_FIRST:
+        try:
+            column = array(code, values)
+        except OverflowError:
+            continue
+        if _SWAP:
+            column.byteswap()
+        return ("i", code, column.tobytes())
+    raise OverflowError("integer column value does not fit in 64 bits")
 
 
 def _encode_column(values: list, annotation: Any) -> tuple:
@@ -135,7 +136,11 @@ class ListColumn:
         return rows
 
 
-_INT_ANNOTATIONS = {"int", "bool", "StoreKind", "RemoveReason", "FinishStatus", "CheckpointClass"}
+# Fields stored as int columns: ints, bools and the schema's IntEnums.
+_INT_ANNOTATIONS = {"int", "bool"} | {
+    name for name, value in vars(events).items()
+    if isinstance(value, type) and issubclass(value, enum.IntEnum) and value is not enum.IntEnum
+}
 
 
 def _field_annotations(record_type: type[Record]) -> list[str]:
@@ -145,7 +150,13 @@ def _field_annotations(record_type: type[Record]) -> list[str]:
     return [str(annotations[name]) for name in record_type.__struct_fields__]
 
 
-_ANNOTATIONS = {cls: _field_annotations(cls) for cls in TAG_TO_TYPE.values()}
+def _field_codecs(record_type: type[Record]) -> list[tuple[Any, str]]:
+    """(getter, annotation) per field, in order: how to pull and encode each column."""
+    fields = record_type.__struct_fields__
+    return list(zip(map(attrgetter, fields), _field_annotations(record_type)))
+
+
+_FIELD_CODECS = {cls: _field_codecs(cls) for cls in TAG_TO_TYPE.values()}
 
 
 class _Batch(msgspec.Struct, array_like=True):
@@ -158,17 +169,20 @@ def encode_batch(records: list[Record]) -> tuple[bytes, dict[str, int]]:
     """Encode records (in order) as one batch payload, without the frame type byte.
 
     Returns the payload and the number of records per tag."""
-    types = list(map(type, records))
-    distinct = list(dict.fromkeys(types))
-    index = {t: i for i, t in enumerate(distinct)}
-    columns, counts = [], {}
-    for record_type in distinct:
-        rows = [r for r in records if type(r) is record_type] if len(distinct) > 1 else records
-        counts[record_type.__struct_config__.tag] = len(rows)
-        by_field = zip(*map(msgspec.structs.astuple, rows))
-        annotations = _ANNOTATIONS[record_type]
-        columns.append([_encode_column(list(values), a) for values, a in zip(by_field, annotations)])
-    kinds = bytes(map(index.__getitem__, types))
+    by_type: dict[type[Record], list[Record]] = {}
+    for record in records:
+        rows = by_type.get(type(record))
+        if rows is None:
+            rows = by_type[type(record)] = []
+        rows.append(record)
+    index = {record_type: i for i, record_type in enumerate(by_type)}
+    kinds = bytes(map(index.__getitem__, map(type, records)))
+    columns = [
+        [_encode_column(list(map(getter, rows)), annotation)
+         for getter, annotation in _FIELD_CODECS[record_type]]
+        for record_type, rows in by_type.items()
+    ]
+    counts = {record_type.__struct_config__.tag: len(rows) for record_type, rows in by_type.items()}
     return _BATCH_ENCODER.encode(_Batch(list(counts), kinds, columns)), counts
 
 

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import enum
+import functools
+import sys
+import typing
 
 import click
 
@@ -14,7 +17,7 @@ import click
 @click.option("--limit", type=click.IntRange(min=0), default=None, help="Stop after N records.")
 @click.option("--header", "show_header", is_flag=True, help="Print the header first.")
 def command(trace: str, kinds: tuple[str, ...], limit: int | None, show_header: bool) -> None:
-    """Print a trace's records as JSON lines: {"seq", "kind", fields...}.
+    """Print a trace's records as JSON lines: {"seq", "record": KIND, fields...}.
 
     Enum fields are printed by name. Exits 1 if the trace is truncated, after printing what was
     recovered.
@@ -37,7 +40,7 @@ def command(trace: str, kinds: tuple[str, ...], limit: int | None, show_header: 
     wanted = {TAG_TO_TYPE[k] for k in kinds} or None
     reader = TraceReader(trace)
     encoder = msgspec.json.Encoder()
-    stdout = click.get_text_stream("stdout")
+    stdout = sys.stdout
     if show_header:
         stdout.write(encoder.encode({"header": reader.header}).decode() + "\n")
     printed = 0
@@ -47,10 +50,21 @@ def command(trace: str, kinds: tuple[str, ...], limit: int | None, show_header: 
         if limit is not None and printed >= limit:
             reader.close()
             return
-        row = {"seq": seq, "kind": record.__struct_config__.tag}
+        row = {"seq": seq, "record": record.__struct_config__.tag}
+        enums = enum_fields(type(record))
         for name in record.__struct_fields__:
             value = getattr(record, name)
-            row[name] = value.name if isinstance(value, enum.Enum) else value
+            row[name] = enums[name](value).name if name in enums else value
         stdout.write(encoder.encode(row).decode() + "\n")
         printed += 1
     raise_if_truncated(reader)
+
+
+@functools.cache
+def enum_fields(record_type: type) -> dict[str, type[enum.Enum]]:
+    """The record's enum-typed fields (columns store them as plain ints)."""
+    from kvtrace import events
+
+    hints = typing.get_type_hints(record_type, vars(events))
+    return {name: hint for name, hint in hints.items()
+            if isinstance(hint, type) and issubclass(hint, enum.Enum)}

@@ -66,7 +66,8 @@ def _print_text(summary: dict, reader) -> None:
         click.echo(f"process:    pid {header.pid} {header.process_title} on {header.host}")
     if header.replay:
         r = header.replay
-        click.echo(f"replay:     variant {r.variant}, backend {r.backend}, {r.mode}, from {r.source_path}")
+        source = f", from {r.source_path}" if r.source_path else ""
+        click.echo(f"replay:     variant {r.variant}, backend {r.backend}, {r.mode}{source}")
     if header.config:
         c = header.config
         groups = ", ".join(f"{g.kind}/{g.block_size}" for g in c.kv_cache_groups)

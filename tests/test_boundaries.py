@@ -1,0 +1,159 @@
+"""The module boundaries of DESIGN.md section 3, checked by walking every import in kvtrace/."""
+
+from __future__ import annotations
+
+import ast
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).parent.parent / "kvtrace"
+THIRD_PARTY_OK_FOR_CORE = {"msgspec"}
+
+
+@dataclass(frozen=True)
+class Import:
+    module: str  # the imported module's full dotted name
+    top_level: bool  # at import time of the importing module, not inside a function
+    line: int
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imports_of(path: Path) -> list[Import]:
+    tree = ast.parse(path.read_text(), str(path))
+    package = module_name(path) if path.name == "__init__.py" else module_name(path).rpartition(".")[0]
+    found: list[Import] = []
+
+    def visit(node: ast.AST, in_function: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            nested = in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
+            if isinstance(child, ast.Import):
+                found.extend(Import(alias.name, not in_function, child.lineno) for alias in child.names)
+            elif isinstance(child, ast.ImportFrom):
+                base = child.module or ""
+                if child.level:
+                    anchor = package.split(".")[: len(package.split(".")) - child.level + 1]
+                    base = ".".join(anchor + ([base] if base else []))
+                for alias in child.names:
+                    # `from kvtrace import events` imports the submodule kvtrace.events.
+                    submodule = f"{base}.{alias.name}"
+                    target = submodule if submodule in KVTRACE_MODULES else base
+                    found.append(Import(target, not in_function, child.lineno))
+            visit(child, nested)
+
+    visit(tree, False)
+    return found
+
+
+KVTRACE_MODULES = {module_name(p) for p in PACKAGE.rglob("*.py")}
+MODULES = {module_name(p): imports_of(p) for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def root(module: str) -> str:
+    return module.split(".")[0]
+
+
+def is_stdlib(module: str) -> bool:
+    return root(module) in sys.stdlib_module_names or root(module) == "__future__"
+
+
+def under(module: str, *prefixes: str) -> bool:
+    return any(module == p or module.startswith(p + ".") for p in prefixes)
+
+
+def violations(rule) -> list[str]:
+    problems = []
+    for name, imports in MODULES.items():
+        for imp in imports:
+            reason = rule(name, imp)
+            if reason:
+                problems.append(f"{name}:{imp.line} imports {imp.module}: {reason}")
+    return problems
+
+
+def core_rule(name: str, imp: Import) -> str | None:
+    if name not in ("kvtrace.events", "kvtrace.errors"):
+        return None
+    if is_stdlib(imp.module) or root(imp.module) in THIRD_PARTY_OK_FOR_CORE:
+        return None
+    return "events/errors may import only the standard library and msgspec"
+
+
+def traceio_rule(name: str, imp: Import) -> str | None:
+    if name != "kvtrace.traceio":
+        return None
+    if is_stdlib(imp.module) or root(imp.module) == "msgspec" or imp.module in ("kvtrace.events", "kvtrace.errors"):
+        return None
+    return "traceio may import only stdlib, msgspec, events and errors"
+
+
+def in_engine_rule(name: str, imp: Import) -> str | None:
+    """capture/ and probes/ run inside a production vLLM engine."""
+    if not under(name, "kvtrace.capture", "kvtrace.probes"):
+        return None
+    if under(imp.module, "kvtrace.replay", "kvtrace.analysis", "kvtrace.cli"):
+        return "code that runs inside vLLM must not import replay, analysis or the CLI"
+    if root(imp.module) in ("click", "duckdb", "torch"):
+        return "code that runs inside vLLM must not import click, duckdb or torch"
+    if root(imp.module) == "vllm" and imp.top_level:
+        return "vllm only inside functions (the module must import without vLLM)"
+    return None
+
+
+def replay_rule(name: str, imp: Import) -> str | None:
+    if not under(name, "kvtrace.replay"):
+        return None
+    if under(imp.module, "kvtrace.capture", "kvtrace.analysis"):
+        return "replay must not import capture or analysis"
+    if root(imp.module) == "vllm" and name not in ("kvtrace.replay.vllm_backend", "kvtrace.replay.variants"):
+        return "vllm only in the real-vLLM backend"
+    if root(imp.module) == "torch" and not name.startswith("kvtrace.replay.execute"):
+        return "torch only in the execute mode"
+    return None
+
+
+def analysis_rule(name: str, imp: Import) -> str | None:
+    if not under(name, "kvtrace.analysis"):
+        return None
+    if under(imp.module, "kvtrace.capture", "kvtrace.replay", "kvtrace.probes"):
+        return "analysis reads traces; it never imports capture or replay internals"
+    if root(imp.module) in ("vllm", "torch"):
+        return "analysis never imports vllm or torch"
+    return None
+
+
+def cli_rule(name: str, imp: Import) -> str | None:
+    if not under(name, "kvtrace.cli") or not imp.top_level:
+        return None
+    if root(imp.module) in ("vllm", "torch", "duckdb") or under(
+        imp.module, "kvtrace.replay", "kvtrace.capture", "kvtrace.analysis", "kvtrace.probes"
+    ):
+        return "heavy imports go inside command bodies, so `kvtrace --help` stays fast"
+    return None
+
+
+RULES = [core_rule, traceio_rule, in_engine_rule, replay_rule, analysis_rule, cli_rule]
+
+
+@pytest.mark.parametrize("rule", RULES, ids=lambda r: r.__name__)
+def test_module_boundaries(rule):
+    assert violations(rule) == []
+
+
+def test_the_walker_sees_imports():
+    """Guards the checker itself: it must find known imports, top-level and nested."""
+    traceio_imports = {i.module for i in MODULES["kvtrace.traceio"]}
+    assert {"msgspec", "kvtrace.events", "zlib"} <= traceio_imports
+    cat_imports = MODULES["kvtrace.cli.cat"]
+    assert any(i.module == "kvtrace.traceio" and not i.top_level for i in cat_imports)
+    fake = Import("vllm.v1.core.block_pool", top_level=True, line=1)
+    assert in_engine_rule("kvtrace.capture.hook", fake)
+    assert not in_engine_rule("kvtrace.capture.hook", Import(fake.module, False, 1))
+    assert replay_rule("kvtrace.replay.scheduler", fake)
+    assert core_rule("kvtrace.events", Import("numpy", True, 1))

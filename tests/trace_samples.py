@@ -1,0 +1,106 @@
+"""Sample records and headers shared by the trace-format tests and the golden-file generator."""
+
+from __future__ import annotations
+
+import struct
+
+from kvtrace.events import (
+    BlockAllocated,
+    BlockFreed,
+    BlockRemoved,
+    BlockStored,
+    BlockTouched,
+    BoundaryStateOffloaded,
+    CheckpointClass,
+    CheckpointRecorded,
+    CheckpointSuppressed,
+    ComputedBlocksFound,
+    EngineConfig,
+    EventsDropped,
+    FinishStatus,
+    GpuSampled,
+    HashesExtended,
+    HashInterned,
+    KVCacheGroup,
+    RemoveReason,
+    ReplayInfo,
+    RequestArrived,
+    RequestFinished,
+    RequestPreempted,
+    SlotsAllocated,
+    StaleKeyLeft,
+    StepStarted,
+    StoreKind,
+    TraceHeader,
+)
+
+SEED_CONFIG = EngineConfig(
+    kv_cache_groups=[
+        KVCacheGroup(kind="full_attention", block_size=16),
+        KVCacheGroup(kind="mamba", block_size=32, mamba_cache_mode="align",
+                     num_prefill_checkpoint_blocks=1, prefill_checkpoint_alignment=16),
+    ],
+    hash_block_size=16,
+    num_gpu_blocks=64,
+    retention_interval=0,
+)
+
+
+def frame_ends(data: bytes) -> list[int]:
+    """Offsets where each frame of a trace ends, found by walking the framing (12-byte preamble,
+    then u32 length + u32 crc + payload) independently of the reader."""
+    offset, ends = 12, []
+    while offset < len(data):
+        length, _ = struct.unpack_from("<II", data, offset)
+        offset += 8 + length
+        ends.append(offset)
+    assert offset == len(data)
+    return ends
+
+
+def sample_header(**overrides) -> TraceHeader:
+    fields = dict(
+        kvtrace_version="0.1.0",
+        created_ns=1_790_000_000_000_000_000,
+        source="test",
+        config=SEED_CONFIG,
+        vllm_version="0.33.0",
+        pid=4242,
+        host="node-7",
+        process_title="VLLM::EngineCore_DP0",
+        cmdline=["vllm", "serve"],
+        replay=ReplayInfo(variant="fixed", backend="vllm", mode="reschedule"),
+        params={"seed": "7"},
+    )
+    fields.update(overrides)
+    return TraceHeader(**fields)
+
+
+def one_of_each_kind() -> list:
+    """One record of every kind, with values that exercise every column width and sign."""
+    return [
+        StepStarted(step=3, ts_ns=1_234_567_890_123),
+        RequestArrived(req=0, prompt_len=240, hash_ids=[0, 1, 2, 70_000], max_tokens=16,
+                       arrival_ns=5, salt_id=2, request_id="cmpl-abc-0"),
+        HashesExtended(req=0, hash_ids=[]),
+        ComputedBlocksFound(req=0, num_hit_tokens=96, shared_prefix_boundary=112),
+        SlotsAllocated(req=0, num_new_tokens=128, num_computed_tokens=0, num_new_computed_tokens=96,
+                       num_lookahead_tokens=0, num_external_computed_tokens=0, num_tokens=240,
+                       success=True),
+        RequestFinished(req=0, status=FinishStatus.ABORTED),
+        RequestPreempted(req=1),
+        BlockAllocated(block_id=17, req=-1),
+        BlockStored(block_id=17, hash_id=2**40, group=1, num_tokens=112, kind=StoreKind.CHECKPOINT, req=0),
+        BlockRemoved(block_id=17, hash_id=5, group=1, num_tokens=96, reason=RemoveReason.STALE_CHECKPOINT),
+        BlockTouched(block_id=300, req=0),
+        BlockFreed(block_id=300, ref_cnt=0, hashed=True),
+        BoundaryStateOffloaded(req=0, group=1, block_id=17, num_tokens=224),
+        CheckpointRecorded(req=0, group=1, position=112, block_idx=2,
+                           position_class=CheckpointClass.TRANSIENT),
+        CheckpointSuppressed(req=0, group=1, position=112, block_id=17, num_stripped=1),
+        StaleKeyLeft(req=0, group=1, block_id=17, hash_id=5, key_num_tokens=96, state_num_tokens=112),
+        HashInterned(hash_id=5, hash_bytes=bytes(range(32))),
+        GpuSampled(ts_ns=9, gpu_index=0, memory_used_bytes=80 * 2**30, memory_total_bytes=141 * 2**30,
+                   utilization_pct=97),
+        EventsDropped(count=12, ts_ns=10),
+    ]
