@@ -1,0 +1,129 @@
+"""Forensics at scale: load a 10,000,000-event trace into DuckDB and run checkpoint_pushouts.
+
+The trace comes from a small free-queue simulation (a pool of 4,096 blocks, zipf-popular
+system prompts, one published transient checkpoint per request), so evictions, hits and
+pushouts are all present. It is generated once, in a child process (so that its memory does
+not count), and cached beside the output. Target: load + query <= 30 s on 2 cores.
+
+    .venv/bin/python benchmarks/forensics.py [--events 10000000] [--trace PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from collections import OrderedDict
+
+POOL_BLOCKS = 4096
+SYSTEM_PROMPTS = 256
+UNIT = 16
+
+
+def generate(path: str, num_events: int, seed: int = 0) -> None:
+    from kvtrace.events import (BlockAllocated, BlockFreed, BlockRemoved, BlockStored,
+                                BlockTouched, CheckpointClass, CheckpointRecorded,
+                                ComputedBlocksFound, EngineConfig, KVCacheGroup, RemoveReason,
+                                RequestArrived, RequestFinished, SlotsAllocated, StepStarted,
+                                StoreKind, TraceHeader)
+    from kvtrace.traceio import TraceWriter
+
+    config = EngineConfig(
+        kv_cache_groups=[KVCacheGroup(kind="full_attention", block_size=UNIT),
+                         KVCacheGroup(kind="mamba", block_size=UNIT, mamba_cache_mode="align")],
+        hash_block_size=UNIT, num_gpu_blocks=POOL_BLOCKS + 1, retention_interval=0)
+    header = TraceHeader(kvtrace_version="bench", created_ns=time.time_ns(), source="synth",
+                         config=config)
+    rng = random.Random(seed)
+    free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(1, POOL_BLOCKS + 1))
+    keys: dict[int, tuple[int, int, int]] = {}  # block -> (hash_id, group, num_tokens)
+    cached: dict[tuple[int, int], int] = {}  # (hash_id, group) -> block
+    next_hash = SYSTEM_PROMPTS
+    lru, full, checkpoint = RemoveReason.LRU_REUSE, StoreKind.FULL, StoreKind.CHECKPOINT
+    with TraceWriter(path, header, atomic=True) as writer:
+        req = step = 0
+        while writer.num_records + len(writer._pending) < num_events:
+            step += 1
+            system_prompt = int(SYSTEM_PROMPTS * rng.random() ** 3)
+            units = [system_prompt, next_hash, next_hash + 1, next_hash + 2]
+            next_hash += 3
+            out = [StepStarted(step, step), RequestArrived(req, 64, units, 1)]
+            hit_block = cached.get((system_prompt, 0))
+            hit = UNIT if hit_block is not None else 0
+            out += [ComputedBlocksFound(req, hit, 0), SlotsAllocated(req, 64 - hit, 0, hit, 0, 0, 64, True)]
+            if hit_block is not None:
+                out.append(BlockTouched(hit_block, req))
+                free_queue.pop(hit_block, None)
+            blocks = []
+            for _ in range(5 - (1 if hit else 0)):
+                block, _ = free_queue.popitem(last=False)
+                if block in keys:
+                    hash_id, group, num_tokens = keys.pop(block)
+                    del cached[(hash_id, group)]
+                    out.append(BlockRemoved(block, hash_id, group, num_tokens, lru))
+                out.append(BlockAllocated(block, req))
+                blocks.append(block)
+            *full_blocks, checkpoint_block = blocks
+            first_unit = 0 if hit_block is None else 1
+            for offset, block in enumerate(full_blocks):
+                unit = first_unit + offset
+                keys[block] = (units[unit], 0, (unit + 1) * UNIT)
+                cached[(units[unit], 0)] = block
+                out.append(BlockStored(block, units[unit], 0, (unit + 1) * UNIT, full, req))
+            out.append(CheckpointRecorded(req, 1, 32, 1, CheckpointClass.TRANSIENT))
+            keys[checkpoint_block] = (units[1], 1, 32)
+            cached[(units[1], 1)] = checkpoint_block
+            out.append(BlockStored(checkpoint_block, units[1], 1, 32, checkpoint, req))
+            out.append(RequestFinished(req, 0))
+            held = ([hit_block] if hit_block is not None else []) + blocks
+            for block in reversed(held):  # vLLM frees a request's tail first
+                out.append(BlockFreed(block, 0, True))
+                free_queue[block] = None
+            writer.write_many(out)
+            req += 1
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--events", type=int, default=10_000_000)
+    parser.add_argument("--trace", help="trace path (generated if missing)")
+    parser.add_argument("--generate-only", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    trace = args.trace or os.path.join(tempfile.gettempdir(), f"kvtrace-bench-{args.events}.kvtrace")
+    if args.generate_only:
+        generate(trace, args.events)
+        return
+    if not os.path.exists(trace):
+        started = time.perf_counter()
+        subprocess.run([sys.executable, __file__, "--events", str(args.events), "--trace", trace,
+                        "--generate-only"], check=True)
+        print(f"generated {trace} in {time.perf_counter() - started:.1f} s")
+
+    from kvtrace.analysis.database import open_database
+    from kvtrace.analysis.load import load_traces
+    from kvtrace.analysis.queries import run_query
+
+    db_path = trace + ".duckdb"
+    started = time.perf_counter()
+    summary = load_traces([trace], db_path)
+    loaded = time.perf_counter()
+    connection = open_database(db_path)
+    result = run_query(connection, "checkpoint_pushouts")
+    queried = time.perf_counter()
+    connection.close()
+    peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print(f"records: {summary.num_records:,} ({os.path.getsize(trace) / 2**20:.0f} MiB trace, "
+          f"{os.path.getsize(db_path) / 2**20:.0f} MiB DB)")
+    print(f"load: {loaded - started:.1f} s ({summary.num_records / (loaded - started) / 1e6:.2f} M records/s)")
+    print(f"checkpoint_pushouts: {queried - loaded:.1f} s, {len(result.rows):,} pushouts, "
+          f"regret {sum(r[-1] for r in result.rows):,} tokens")
+    print(f"total: {queried - started:.1f} s (target <= 30 s); peak RSS {peak_mib:.0f} MiB")
+
+
+if __name__ == "__main__":
+    main()

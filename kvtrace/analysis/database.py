@@ -1,0 +1,243 @@
+"""The forensics database: one DuckDB file holding any number of traces ("runs").
+
+Layout (schema version ``DB_SCHEMA_VERSION``):
+
+* one table per record kind, named by its tag (``block_stored``, ``computed_blocks_found``...),
+  because kinds have different fields and a per-family table would be wide and mostly NULL.
+  Every row has ``run``, ``variant``, ``backend``, ``seq`` (position of the record in its trace)
+  and ``step`` (number of ``StepStarted`` at or before it, so a step's own ``StepStarted`` row
+  shares its step), then the record's fields. Renamed fields: ``group`` -> ``group_id`` (an SQL
+  keyword) and ``StepStarted.step`` -> ``engine_step``. Enums are DuckDB ENUMs of their names.
+* a list field (``hash_ids``) becomes a child table ``<kind>_<field>`` with one row per element
+  (``run, seq, req, pos, hash_id``) and a ``num_<field>`` column on the parent row, so that SQL
+  can join on "unit i of request r" directly.
+* ``runs``: one row per loaded trace with its provenance and engine configuration.
+* ``kvtrace_meta``: key/value pairs, among them ``db_schema_version``.
+* ``cache_entries``, derived once after loading (``DERIVED_TABLES``), and views shared by the
+  shipped queries (``VIEWS``).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import typing
+
+from kvtrace.errors import KvtraceError
+from kvtrace.events import RECORD_TYPES, CheckpointClass, FinishStatus, RemoveReason, StoreKind, tag_of
+
+DB_SCHEMA_VERSION = 1
+
+ENUM_TYPES = {
+    StoreKind: "store_kind",
+    RemoveReason: "remove_reason",
+    FinishStatus: "finish_status",
+    CheckpointClass: "checkpoint_class",
+}
+RENAMED_FIELDS = {"group": "group_id", "step": "engine_step"}
+RUN_COLUMNS = "run INTEGER, variant VARCHAR, backend VARCHAR, seq BIGINT, step BIGINT"
+
+
+class DatabaseError(KvtraceError):
+    """A forensics database that cannot be opened or was written by a newer kvtrace."""
+
+    default_hint = "Create it with `kvtrace load TRACE|OUTDIR ... -o DB.duckdb`."
+
+
+def column_name(field_name: str) -> str:
+    return RENAMED_FIELDS.get(field_name, field_name)
+
+
+@functools.cache
+def record_fields(record_type: type) -> tuple[tuple[str, object], ...]:
+    """(field name, resolved type) of a record kind, in schema order."""
+    hints = typing.get_type_hints(record_type)
+    return tuple((name, hints[name]) for name in record_type.__struct_fields__)
+
+
+def is_list_field(field_type: object) -> bool:
+    return typing.get_origin(field_type) is list
+
+
+def child_table(tag: str, field_name: str) -> str:
+    return f"{tag}_{field_name}"
+
+
+def element_column(field_name: str) -> str:
+    """``hash_ids`` -> ``hash_id``: the name of one element of a list field."""
+    return field_name[:-1] if field_name.endswith("s") else field_name
+
+
+def _sql_type(field_type: object) -> str:
+    if field_type in ENUM_TYPES:
+        return ENUM_TYPES[field_type]
+    return {int: "BIGINT", bool: "BOOLEAN", str: "VARCHAR", bytes: "BLOB"}[field_type]
+
+
+def schema_statements() -> list[str]:
+    """DDL for every table (and the ENUM types they use), before any view."""
+    statements = [
+        f"CREATE TYPE {name} AS ENUM ({', '.join(repr(m.name) for m in enum)})"
+        for enum, name in ENUM_TYPES.items()
+    ]
+    for record_type in RECORD_TYPES:
+        tag = tag_of(record_type)
+        columns = [RUN_COLUMNS]
+        for name, field_type in record_fields(record_type):
+            if is_list_field(field_type):
+                columns.append(f"num_{name} INTEGER")
+                statements.append(
+                    f"CREATE TABLE {child_table(tag, name)} (run INTEGER, seq BIGINT, req BIGINT, "
+                    f"pos INTEGER, {element_column(name)} BIGINT)"
+                )
+            else:
+                columns.append(f"{column_name(name)} {_sql_type(field_type)}")
+        statements.append(f"CREATE TABLE {tag} ({', '.join(columns)})")
+    statements += [
+        """CREATE TABLE runs (
+            run INTEGER PRIMARY KEY, path VARCHAR, source VARCHAR, variant VARCHAR,
+            backend VARCHAR, mode VARCHAR, source_key VARCHAR, kvtrace_version VARCHAR,
+            vllm_version VARCHAR, created_ns BIGINT, hash_block_size INTEGER,
+            num_gpu_blocks INTEGER, retention_interval INTEGER, block_sizes INTEGER[],
+            group_kinds VARCHAR[], num_records BIGINT, truncated BOOLEAN, num_dropped BIGINT,
+            header_json VARCHAR)""",
+        "CREATE TABLE kvtrace_meta (key VARCHAR PRIMARY KEY, value VARCHAR)",
+    ]
+    return statements
+
+
+# Tables derived once all runs are loaded: used several times per query, so built once.
+DERIVED_TABLES = {
+    # One row per cache entry: a hash stored on a block, until it was removed (NULL: still
+    # cached when the trace ended). ``position_class`` of a CHECKPOINT entry comes from the
+    # request's latest CheckpointRecorded at that position and group.
+    "cache_entries": """
+        SELECT s.run, s.variant, s.backend, s.seq AS stored_seq, s.step AS stored_step,
+               s.block_id, s.hash_id, s.group_id, s.num_tokens, s.kind, s.req,
+               r.seq AS removed_seq, r.step AS removed_step, r.reason AS removed_reason,
+               CASE WHEN s.kind = 'CHECKPOINT' THEN c.position_class END AS position_class,
+               coalesce(s.kind = 'CHECKPOINT' AND c.position_class = 'TRANSIENT', false) AS transient
+        FROM block_stored s
+        ASOF LEFT JOIN block_removed r
+            ON s.run = r.run AND s.block_id = r.block_id AND s.hash_id = r.hash_id
+               AND s.group_id = r.group_id AND r.seq > s.seq
+        ASOF LEFT JOIN checkpoint_recorded c
+            ON s.run = c.run AND s.req = c.req AND s.group_id = c.group_id
+               AND s.num_tokens = c.position AND c.seq < s.seq""",
+}
+
+# Views the shipped queries build on. Definitions of what is counted live here, once.
+VIEWS = {
+    # Every prefix lookup (get_computed_blocks). ``admitted``: the next allocate_slots of the
+    # request, before its next lookup, succeeded (a failed admission is looked up again later,
+    # and only the admitted lookup decides what gets prefilled). ``admission`` numbers a
+    # request's admitted lookups (a preempted request is admitted again) for pairing variants.
+    "lookups": """
+        WITH found AS (
+            SELECT c.*, lead(c.seq) OVER (PARTITION BY c.run, c.req ORDER BY c.seq) AS next_lookup_seq
+            FROM computed_blocks_found c),
+        judged AS (
+            SELECT f.run, f.variant, f.backend, f.seq, f.step, f.req, f.num_hit_tokens,
+                   f.shared_prefix_boundary, s.num_tokens AS num_query_tokens,
+                   coalesce(s.success AND s.seq < coalesce(f.next_lookup_seq, 9223372036854775807),
+                            false) AS admitted
+            FROM found f ASOF LEFT JOIN slots_allocated s
+                ON f.run = s.run AND f.req = s.req AND s.seq > f.seq)
+        SELECT *, CASE WHEN admitted THEN row_number() OVER (
+                      PARTITION BY run, req, admitted ORDER BY seq) END AS admission
+        FROM judged""",
+    # Every hash unit a request is known to have: its prompt units, then those decode added.
+    # ``unit`` i covers tokens [0, (i + 1) * hash_block_size).
+    "request_hashes": """
+        SELECT run, req, pos AS unit, hash_id FROM request_arrived_hash_ids
+        UNION ALL
+        SELECT e.run, e.req,
+               coalesce(a.num_hash_ids, 0)
+                 + row_number() OVER (PARTITION BY e.run, e.req ORDER BY e.seq, e.pos) - 1,
+               e.hash_id
+        FROM hashes_extended_hash_ids e
+        LEFT JOIN request_arrived a ON a.run = e.run AND a.req = e.req""",
+    # Hits per cache entry: a BlockTouched counts for the entry most recently stored on that
+    # block, if it was still there (blocks rarely hold two keys; then the newer one is credited).
+    "entry_hits": """
+        SELECT e.run, e.stored_seq, count(*) AS hits, max(t.seq) AS last_hit_seq,
+               max(t.step) AS last_hit_step
+        FROM block_touched t
+        ASOF JOIN block_stored s ON t.run = s.run AND t.block_id = s.block_id AND s.seq < t.seq
+        JOIN cache_entries e ON e.run = s.run AND e.stored_seq = s.seq
+        WHERE e.removed_seq IS NULL OR e.removed_seq > t.seq
+        GROUP BY e.run, e.stored_seq""",
+    # The state of a block after each event that changes it: ``in_use`` (ref_cnt > 0: allocated
+    # or touched, until freed to 0), ``num_keys`` (hashes on it), ``transient`` (its newest key is
+    # a TRANSIENT checkpoint); ``key_epoch`` counts the keys stored on it so far and ``is_touch``
+    # marks hits, so that hits since the newest key are a sum over (block_id, key_epoch).
+    "block_states": """
+        WITH events AS (
+            SELECT run, seq, step, block_id, true AS in_use, 0 AS key_delta,
+                   NULL::BOOLEAN AS transient, 0 AS is_store, 0 AS is_touch
+            FROM block_allocated
+            UNION ALL SELECT run, seq, step, block_id, true, 0, NULL, 0, 1 FROM block_touched
+            UNION ALL SELECT run, seq, step, block_id, ref_cnt > 0, 0, NULL, 0, 0 FROM block_freed
+            UNION ALL SELECT run, stored_seq, stored_step, block_id, NULL, 1, transient, 1, 0
+                      FROM cache_entries
+            UNION ALL SELECT run, seq, step, block_id, NULL, -1, NULL, 0, 0 FROM block_removed),
+        running AS (
+            SELECT run, seq, step, block_id, is_touch,
+                   coalesce(last_value(in_use IGNORE NULLS) OVER w, false) AS in_use,
+                   sum(key_delta) OVER w AS num_keys,
+                   coalesce(last_value(transient IGNORE NULLS) OVER w, false) AS transient,
+                   sum(is_store) OVER w AS key_epoch
+            FROM events
+            WINDOW w AS (PARTITION BY run, block_id ORDER BY seq ROWS UNBOUNDED PRECEDING))
+        SELECT run, seq, step, block_id, in_use, num_keys, transient AND num_keys > 0 AS transient,
+               key_epoch, is_touch
+        FROM running""",
+}
+
+
+def create_views(connection) -> None:
+    for name, body in VIEWS.items():
+        connection.execute(f"CREATE OR REPLACE VIEW {name} AS {body}")
+
+
+def build_derived_tables(connection) -> None:
+    """Fill the derived tables from everything loaded (they are views over data that no
+    longer changes, stored once)."""
+    for name, body in DERIVED_TABLES.items():
+        connection.execute(f"CREATE OR REPLACE TABLE {name} AS {body}")
+
+
+def open_database(path: str | os.PathLike, *, read_only: bool = True):
+    """Open a forensics DB, refusing a missing file, a non-kvtrace file and a newer schema."""
+    import duckdb
+
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise DatabaseError(f"no such database: {path}")
+    try:
+        connection = duckdb.connect(path, read_only=read_only)
+    except duckdb.Error as error:
+        raise DatabaseError(f"cannot open {path} as a DuckDB database: {_first_line(error)}") from None
+    try:
+        version = connection.execute(
+            "SELECT value FROM kvtrace_meta WHERE key = 'db_schema_version'").fetchone()
+    except duckdb.CatalogException:
+        version = None
+    if version is None:
+        connection.close()
+        raise DatabaseError(f"{path} is a DuckDB file but not a kvtrace forensics database")
+    if int(version[0]) > DB_SCHEMA_VERSION:
+        writer = connection.execute(
+            "SELECT value FROM kvtrace_meta WHERE key = 'kvtrace_version'").fetchone()
+        connection.close()
+        raise DatabaseError(
+            f"{path} has database schema v{version[0]} (written by kvtrace "
+            f"{writer[0] if writer else '?'}), newer than this kvtrace reads (v{DB_SCHEMA_VERSION})",
+            hint="Upgrade kvtrace (pip install -U kvtrace), or re-create the database with this "
+            "kvtrace: `kvtrace load TRACE ... -o DB.duckdb`.",
+        )
+    return connection
+
+
+def _first_line(error: Exception) -> str:
+    return str(error).strip().splitlines()[0]

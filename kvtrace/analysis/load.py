@@ -1,0 +1,266 @@
+"""Loading traces into the forensics database, column by column.
+
+Traces are read with ``TraceReader.batches()``: every batch already holds its records as
+fixed-width int columns, which ``numpy.frombuffer`` views without copying. Rows of one kind are
+gathered into chunks of about a million and handed to DuckDB as a dict of numpy arrays (its
+replacement scan reads them in bulk), so no record is ever turned into a Python object.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from enum import IntEnum
+
+import msgspec
+import numpy as np
+
+from kvtrace import __version__
+from kvtrace.analysis.database import (
+    DB_SCHEMA_VERSION,
+    ENUM_TYPES,
+    DatabaseError,
+    build_derived_tables,
+    child_table,
+    column_name,
+    create_views,
+    element_column,
+    is_list_field,
+    record_fields,
+    schema_statements,
+)
+from kvtrace.events import RECORD_TYPES, StepStarted, TraceHeader, tag_of
+from kvtrace.traceio import ListColumn, TraceReader
+
+TRACE_SUFFIX = ".kvtrace"
+CHUNK_ROWS = 1 << 20
+
+
+@dataclass
+class LoadedRun:
+    run: int
+    path: str
+    variant: str
+    backend: str
+    num_records: int
+    truncated: bool
+
+
+@dataclass
+class LoadSummary:
+    db_path: str
+    runs: list[LoadedRun] = field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def num_records(self) -> int:
+        return sum(run.num_records for run in self.runs)
+
+
+def trace_paths(paths: list[str | os.PathLike]) -> list[str]:
+    """Expand directories (replay output dirs) to the ``*.kvtrace`` files they hold."""
+    found = []
+    for path in map(os.fspath, paths):
+        if os.path.isdir(path):
+            inside = sorted(
+                os.path.join(path, name) for name in os.listdir(path) if name.endswith(TRACE_SUFFIX)
+            )
+            if not inside:
+                raise DatabaseError(
+                    f"{path} holds no *{TRACE_SUFFIX} traces",
+                    hint="Pass trace files, or the output directory of `kvtrace replay`.",
+                )
+            found.extend(inside)
+        else:
+            found.append(path)
+    if not found:
+        raise DatabaseError("no traces given", hint="kvtrace load TRACE|OUTDIR ... -o DB.duckdb")
+    return found
+
+
+def load_traces(paths: list[str | os.PathLike], db_path: str | os.PathLike) -> LoadSummary:
+    """Load traces (files or replay output directories) into a new DuckDB file at ``db_path``.
+
+    An existing file there is replaced, atomically: the DB is built beside it and renamed only
+    once every trace loaded, so a bad trace leaves nothing half-written."""
+    import duckdb
+
+    started = time.perf_counter()
+    traces = trace_paths(paths)
+    db_path = os.fspath(db_path)
+    partial = f"{db_path}.partial"
+    for stale in (partial, f"{partial}.wal"):
+        if os.path.exists(stale):
+            os.unlink(stale)
+    summary = LoadSummary(db_path)
+    connection = duckdb.connect(partial)
+    try:
+        for statement in schema_statements():
+            connection.execute(statement)
+        connection.executemany(
+            "INSERT INTO kvtrace_meta VALUES (?, ?)",
+            [("db_schema_version", str(DB_SCHEMA_VERSION)), ("kvtrace_version", __version__),
+             ("created_ns", str(time.time_ns()))],
+        )
+        for run, trace in enumerate(traces):
+            summary.runs.append(_load_trace(connection, run, trace))
+        build_derived_tables(connection)
+        create_views(connection)
+        connection.execute("CHECKPOINT")
+        connection.close()
+    except BaseException:
+        connection.close()
+        for leftover in (partial, f"{partial}.wal"):
+            if os.path.exists(leftover):
+                os.unlink(leftover)
+        raise
+    os.replace(partial, db_path)
+    summary.seconds = time.perf_counter() - started
+    return summary
+
+
+def run_labels(header: TraceHeader) -> tuple[str, str, str]:
+    """(variant, backend, mode) of a trace: its replay info, or its source for other traces."""
+    if header.replay is not None:
+        return header.replay.variant, header.replay.backend, header.replay.mode
+    return header.source, "live" if header.source == "capture" else "none", ""
+
+
+def _load_trace(connection, run: int, path: str) -> LoadedRun:
+    reader = TraceReader(path)
+    variant, backend, mode = run_labels(reader.header)
+    sink = _RunSink(connection, run, variant, backend)
+    steps_before = 0
+    for batch in reader.batches():
+        kinds = np.frombuffer(batch.kinds, dtype=np.uint8)
+        seqs = batch.first_seq + np.arange(len(kinds), dtype=np.int64)
+        steps = np.full(len(kinds), steps_before, dtype=np.int64)
+        for index, record_type in enumerate(batch.types):
+            if record_type is StepStarted:
+                steps += np.cumsum(kinds == index)
+                steps_before = int(steps[-1])
+        for index, record_type in enumerate(batch.types):
+            if record_type is None:
+                continue
+            rows = slice(None) if len(batch.types) == 1 else np.flatnonzero(kinds == index)
+            sink.add(record_type, seqs[rows], steps[rows], batch.columns[index])
+    sink.flush_all()
+    _insert_run_row(connection, run, path, reader, variant, backend, mode)
+    return LoadedRun(run, path, variant, backend, reader.num_records, reader.truncated)
+
+
+def _insert_run_row(connection, run, path, reader, variant, backend, mode) -> None:
+    header = reader.header
+    config = header.config
+    replay = header.replay
+    source_key = (replay.source_digest or replay.source_path) if replay else ""
+    connection.execute(
+        "INSERT INTO runs VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+        [run, os.path.abspath(path), header.source, variant, backend, mode,
+         source_key or os.path.abspath(path), header.kvtrace_version, header.vllm_version,
+         header.created_ns,
+         config.hash_block_size if config else None,
+         config.num_gpu_blocks if config else None,
+         config.retention_interval if config else None,
+         [g.block_size for g in config.kv_cache_groups] if config else None,
+         [g.kind for g in config.kv_cache_groups] if config else None,
+         reader.num_records, reader.truncated, reader.num_dropped,
+         msgspec.json.encode(header).decode()],
+    )
+
+
+class _RunSink:
+    """Gathers one run's columns per kind and inserts them a chunk at a time."""
+
+    def __init__(self, connection, run: int, variant: str, backend: str) -> None:
+        self.connection = connection
+        self.constants = {"run": run, "variant": variant, "backend": backend}
+        self.pending: dict[str, list[dict[str, np.ndarray]]] = {}
+        self.pending_rows: dict[str, int] = {}
+        self.child_tables: set[str] = set()
+
+    def add(self, record_type, seqs: np.ndarray, steps: np.ndarray, columns: list) -> None:
+        tag = tag_of(record_type)
+        chunk = {"seq": seqs, "step": steps}
+        for (name, field_type), column in zip(record_fields(record_type), columns):
+            if is_list_field(field_type):
+                chunk[f"num_{name}"] = self._add_children(tag, name, seqs, chunk, column)
+            else:
+                chunk[column_name(name)] = _as_numpy(column, field_type)
+        self._queue(tag, chunk, len(seqs))
+
+    def _add_children(self, tag: str, name: str, seqs: np.ndarray, parent: dict,
+                      column: ListColumn) -> np.ndarray:
+        lengths = np.frombuffer(column.lengths, dtype=column.lengths.typecode).astype(np.int64)
+        values = np.frombuffer(column.values, dtype=column.values.typecode)
+        starts = np.cumsum(lengths) - lengths
+        parent_reqs = parent.get("req", np.full(len(lengths), -1, dtype=np.int64))
+        children = {
+            "seq": np.repeat(seqs, lengths),
+            "req": np.repeat(parent_reqs, lengths),
+            "pos": np.arange(len(values), dtype=np.int64) - np.repeat(starts, lengths),
+            element_column(name): values,
+        }
+        self.child_tables.add(child_table(tag, name))
+        self._queue(child_table(tag, name), children, len(values))
+        return lengths
+
+    def _queue(self, table: str, chunk: dict[str, np.ndarray], num_rows: int) -> None:
+        self.pending.setdefault(table, []).append(chunk)
+        self.pending_rows[table] = self.pending_rows.get(table, 0) + num_rows
+        if self.pending_rows[table] >= CHUNK_ROWS:
+            self._flush(table)
+
+    def _flush(self, table: str) -> None:
+        chunks = self.pending.pop(table, [])
+        self.pending_rows.pop(table, None)
+        if not chunks or not any(len(c["seq"]) for c in chunks):
+            return
+        merged = {name: np.concatenate([c[name] for c in chunks]) for name in chunks[0]}
+        self.connection.register("kvtrace_chunk", merged)
+        labelled = table not in self.child_tables
+        constants = self.constants if labelled else {"run": self.constants["run"]}
+        try:
+            self.connection.execute(_insert_sql(table, tuple(merged), labelled), constants)
+        finally:
+            self.connection.unregister("kvtrace_chunk")
+
+    def flush_all(self) -> None:
+        for table in list(self.pending):
+            self._flush(table)
+
+
+def _as_numpy(column, field_type) -> np.ndarray:
+    if not isinstance(column, list):  # an array.array of fixed-width ints
+        values = np.frombuffer(column, dtype=column.typecode)
+        return values.astype(bool) if field_type is bool else values
+    if field_type in (str, bytes):
+        return np.array(column, dtype=object)
+    return np.asarray([int(v) for v in column], dtype=np.int64 if field_type is not bool else bool)
+
+
+_ENUM_OF_COLUMN = {
+    (tag_of(record_type), column_name(name)): field_type
+    for record_type in RECORD_TYPES
+    for name, field_type in record_fields(record_type)
+    if field_type in ENUM_TYPES
+}
+
+
+def _insert_sql(table: str, columns: tuple[str, ...], labelled: bool) -> str:
+    """INSERT of a chunk: the run's constants first, enum codes mapped to their names.
+
+    Child tables of list fields carry only ``run`` (join to the parent on run and seq)."""
+    run_columns = "$variant, $backend, " if labelled else ""
+    expressions = []
+    for name in columns:
+        enum: type[IntEnum] | None = _ENUM_OF_COLUMN.get((table, name))
+        if enum is None:
+            expressions.append(name)
+        else:
+            names = ", ".join(repr(member.name) for member in enum)
+            expressions.append(f"([{names}])[{name} + 1]::{ENUM_TYPES[enum]}")
+    target = "run, " + ("variant, backend, " if labelled else "") + ", ".join(columns)
+    return (f"INSERT INTO {table} ({target}) SELECT $run, {run_columns}{', '.join(expressions)} "
+            f"FROM kvtrace_chunk")

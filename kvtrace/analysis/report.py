@@ -1,0 +1,198 @@
+"""``kvtrace report``: the shipped queries summarised for a terminal, or as one HTML page.
+
+Everything shown comes from the shipped queries (no SQL of its own), so the report and
+``kvtrace sql --query`` always agree. The HTML embeds its plots as PNG data URIs (matplotlib,
+Agg backend) so the page is a single file that can be mailed or attached to an issue.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+from dataclasses import dataclass
+
+from kvtrace.analysis.queries import Result, run_query
+from kvtrace.analysis.render import format_table
+
+TOP_ROWS = 10
+OCCUPANCY_CATEGORIES = ("running", "hot_prefix", "transient_checkpoint", "other_cached", "free")
+MAX_OCCUPANCY_PLOTS = 4
+
+
+@dataclass
+class ReportData:
+    hit_rates: Result
+    timeline: Result
+    pushouts: Result
+    lost_hits: Result
+    causes: Result
+    occupancy: Result
+
+
+def collect(connection, *, bucket_steps: int = 10, min_hits: int = 2) -> ReportData:
+    timeline = run_query(connection, "hit_rate_timeline", {"bucket_steps": str(bucket_steps)})
+    return ReportData(
+        hit_rates=_overall_hit_rates(timeline),
+        timeline=timeline,
+        pushouts=run_query(connection, "checkpoint_pushouts", {"min_hits": str(min_hits)}),
+        lost_hits=run_query(connection, "lost_hits_by_prefix"),
+        causes=run_query(connection, "eviction_causes"),
+        occupancy=run_query(connection, "cache_occupancy",
+                            {"min_hits": str(min_hits), "bucket_steps": str(bucket_steps)}),
+    )
+
+
+def _overall_hit_rates(timeline: Result) -> Result:
+    """Per run: the timeline's buckets summed."""
+    totals: dict[int, list] = {}
+    for row in map(lambda r: dict(zip(timeline.columns, r)), timeline.rows):
+        total = totals.setdefault(row["run"], [row["run"], row["variant"], row["backend"], 0, 0, 0])
+        total[3] += row["lookups"]
+        total[4] += row["query_tokens"] or 0
+        total[5] += row["hit_tokens"] or 0
+    rows = [tuple(t) + (t[5] / t[4] if t[4] else None,) for t in totals.values()]
+    return Result(["run", "variant", "backend", "lookups", "query_tokens", "hit_tokens",
+                   "hit_rate"], rows)
+
+
+def _sections(data: ReportData) -> list[tuple[str, Result, str]]:
+    return [
+        ("Hit rate per run", data.hit_rates,
+         "Admitted prefix lookups; hit_rate = hit tokens / query tokens."),
+        ("Top pushed-out prefixes", data.pushouts,
+         "Hot prefixes evicted by LRU reuse while transient checkpoints sat cached behind them."),
+        ("Hits lost by the unfixed variant", data.lost_hits,
+         "Per prefix: lookups that hit in `fixed` and hit less in `unfixed` (same source)."),
+        ("Eviction causes", data.causes, "Hash removals by reason and kind of entry."),
+    ]
+
+
+def render_text(data: ReportData) -> str:
+    parts = []
+    for title, result, note in _sections(data):
+        parts.append(f"== {title} ==\n{note}\n")
+        if result.rows:
+            parts.append(format_table(result.columns, result.rows, max_rows=TOP_ROWS))
+        else:
+            parts.append("(none)\n")
+        parts.append("\n")
+    return "".join(parts)
+
+
+# --- HTML -------------------------------------------------------------------------------------
+
+
+def render_html(data: ReportData, title: str) -> str:
+    plots = [("Hit rate over time", _plot_hit_rate(data.timeline)),
+             ("Top pushed-out prefixes (regret, prefill tokens)", _plot_pushouts(data.pushouts))]
+    plots += [(f"Pool occupancy: run {run} ({variant})", png)
+              for run, variant, png in _plot_occupancy(data.occupancy)]
+    body = [f"<h1>{html.escape(title)}</h1>"]
+    for caption, png in plots:
+        if png is not None:
+            body.append(f"<h2>{html.escape(caption)}</h2>"
+                        f'<img alt="{html.escape(caption)}" src="data:image/png;base64,{png}">')
+    for heading, result, note in _sections(data):
+        body.append(f"<h2>{html.escape(heading)}</h2><p>{html.escape(note)}</p>"
+                    + _html_table(result))
+    return ("<!doctype html><html><head><meta charset=\"utf-8\">"
+            f"<title>{html.escape(title)}</title><style>{_CSS}</style></head><body>"
+            + "\n".join(body) + "</body></html>\n")
+
+
+_CSS = ("body{font-family:sans-serif;margin:2em;max-width:70em}"
+        "table{border-collapse:collapse;font-size:90%}"
+        "td,th{border:1px solid #ccc;padding:2px 8px;text-align:right}"
+        "th{background:#eee}img{max-width:100%}")
+
+
+def _html_table(result: Result) -> str:
+    if not result.rows:
+        return "<p><em>none</em></p>"
+    head = "".join(f"<th>{html.escape(c)}</th>" for c in result.columns)
+    rows = "".join(
+        "<tr>" + "".join(f"<td>{html.escape(_html_cell(v))}</td>" for v in row) + "</tr>"
+        for row in result.rows[:TOP_ROWS * 2])
+    return f"<table><tr>{head}</tr>{rows}</table>"
+
+
+def _html_cell(value) -> str:
+    if value is None:
+        return ""
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
+
+
+def _figure():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib import pyplot
+
+    figure, axes = pyplot.subplots(figsize=(9, 3.6), dpi=100)
+    return pyplot, figure, axes
+
+
+def _png(pyplot, figure) -> str:
+    buffer = io.BytesIO()
+    figure.tight_layout()
+    figure.savefig(buffer, format="png")
+    pyplot.close(figure)
+    return base64.b64encode(buffer.getvalue()).decode()
+
+
+def _rows_by_run(result: Result) -> dict[int, list[dict]]:
+    runs: dict[int, list[dict]] = {}
+    for row in result.rows:
+        record = dict(zip(result.columns, row))
+        runs.setdefault(record["run"], []).append(record)
+    return runs
+
+
+def _plot_hit_rate(timeline: Result) -> str | None:
+    if not timeline.rows:
+        return None
+    pyplot, figure, axes = _figure()
+    for run, rows in _rows_by_run(timeline).items():
+        label = f"run {run}: {rows[0]['variant']} ({rows[0]['backend']})"
+        axes.plot([r["step_start"] for r in rows],
+                  [r["cumulative_hit_rate"] or 0 for r in rows], label=label)
+    axes.set_xlabel("scheduler step")
+    axes.set_ylabel("cumulative hit rate (tokens)")
+    axes.set_ylim(0, 1)
+    axes.legend(loc="best", fontsize="small")
+    return _png(pyplot, figure)
+
+
+def _plot_pushouts(pushouts: Result) -> str | None:
+    if not pushouts.rows:
+        return None
+    rows = [dict(zip(pushouts.columns, r)) for r in pushouts.rows[:TOP_ROWS]]
+    pyplot, figure, axes = _figure()
+    labels = [f"run {r['run']} hash {r['hash_id']}/g{r['group_id']} @step {r['evicted_step']}"
+              for r in rows]
+    axes.barh(range(len(rows)), [r["regret_tokens"] for r in rows], color="#c0504d")
+    axes.set_yticks(range(len(rows)), labels, fontsize="small")
+    axes.invert_yaxis()
+    axes.set_xlabel("regret (prefill tokens recomputed by later lookups)")
+    return _png(pyplot, figure)
+
+
+def _plot_occupancy(occupancy: Result) -> list[tuple[int, str, str]]:
+    plots = []
+    for run, rows in list(_rows_by_run(occupancy).items())[:MAX_OCCUPANCY_PLOTS]:
+        pool = rows[0]["pool_blocks"]
+        if not pool:
+            continue
+        pyplot, figure, axes = _figure()
+        steps = [r["step_start"] for r in rows]
+        shares = [[r[c] / pool for r in rows] for c in OCCUPANCY_CATEGORIES]
+        axes.stackplot(steps, shares, labels=[c.replace("_", " ") for c in OCCUPANCY_CATEGORIES],
+                       step="post",
+                       colors=["#4f81bd", "#9bbb59", "#c0504d", "#f79646", "#dddddd"])
+        axes.set_xlabel("scheduler step")
+        axes.set_ylabel("share of the block pool")
+        axes.set_ylim(0, 1)
+        axes.legend(loc="upper left", fontsize="small", ncol=5)
+        plots.append((run, rows[0]["variant"], _png(pyplot, figure)))
+    return plots

@@ -1,0 +1,39 @@
+"""``kvtrace report``: a forensics summary of a database, in the terminal or as HTML."""
+
+from __future__ import annotations
+
+import click
+
+
+@click.command("report")
+@click.argument("db", type=click.Path(dir_okay=False))
+@click.option("--html", "html_path", type=click.Path(dir_okay=False),
+              help="Also write an HTML report with embedded plots here.")
+@click.option("--bucket-steps", default=10, show_default=True,
+              help="Scheduler steps per point of the time plots.")
+@click.option("--min-hits", default=2, show_default=True,
+              help="Hits that make a prefix hot (pushouts, occupancy).")
+def command(db: str, html_path: str | None, bucket_steps: int, min_hits: int) -> None:
+    """Summarise DB: hit rates per variant, top pushed-out prefixes, lost hits, eviction causes.
+
+    \b
+    Example:
+        kvtrace report prod.duckdb --html report.html
+    """
+    import os
+
+    from kvtrace.analysis.database import open_database
+    from kvtrace.analysis.report import collect, render_html, render_text
+
+    connection = open_database(db)
+    try:
+        data = collect(connection, bucket_steps=bucket_steps, min_hits=min_hits)
+    finally:
+        connection.close()
+    click.echo(render_text(data), nl=False)
+    if html_path:
+        partial = f"{html_path}.partial"
+        with open(partial, "w", encoding="utf-8") as out:
+            out.write(render_html(data, f"kvtrace report: {os.path.basename(db)}"))
+        os.replace(partial, html_path)
+        click.echo(f"wrote {html_path}")

@@ -1,0 +1,58 @@
+"""``kvtrace sql``: ad-hoc SQL or a shipped query against a forensics database."""
+
+from __future__ import annotations
+
+import click
+
+
+@click.command("sql")
+@click.argument("db", required=False, type=click.Path(dir_okay=False))
+@click.argument("statement", required=False)
+@click.option("-q", "--query", "query_name", help="Run a shipped query by name.")
+@click.option("-p", "--param", "params", multiple=True, metavar="K=V",
+              help="A parameter of the shipped query (repeatable).")
+@click.option("--list", "list_queries", is_flag=True, help="List the shipped queries.")
+@click.option("--csv", "output_format", flag_value="csv", help="Print CSV.")
+@click.option("--json", "output_format", flag_value="json", help="Print JSON lines.")
+def command(db, statement, query_name, params, list_queries, output_format) -> None:
+    """Run STATEMENT, or a shipped query (--query NAME), against the database DB.
+
+    \b
+    Examples:
+        kvtrace sql --list
+        kvtrace sql prod.duckdb --query checkpoint_pushouts --param min_hits=5
+        kvtrace sql prod.duckdb "SELECT variant, count(*) FROM block_removed GROUP BY ALL" --csv
+    """
+    from kvtrace.analysis.queries import QueryError, get_query, run_query, execute, shipped_queries
+    from kvtrace.analysis.render import format_result, format_query_list
+
+    if list_queries:
+        click.echo(format_query_list(shipped_queries().values()))
+        return
+    if db is None:
+        raise QueryError("no database given", hint="kvtrace sql DB \"SELECT ...\" | --query NAME")
+    if (statement is None) == (query_name is None):
+        raise QueryError("give either a SQL statement or --query NAME (one of them)",
+                         hint="kvtrace sql DB \"SELECT ...\", or kvtrace sql DB --query NAME")
+    values = {}
+    for param in params:
+        name, sep, value = param.partition("=")
+        if not sep:
+            raise QueryError(f"parameter {param!r} is not K=V", hint="e.g. --param min_hits=5")
+        values[name.strip()] = value
+    if query_name is not None:
+        get_query(query_name).bind(values)  # refuse a bad name or parameter before opening DB
+    elif values:
+        raise QueryError("--param applies to --query only",
+                         hint="Write the values into the SQL statement itself.")
+    from kvtrace.analysis.database import open_database
+
+    connection = open_database(db)
+    try:
+        if query_name is not None:
+            result = run_query(connection, query_name, values)
+        else:
+            result = execute(connection, statement)
+    finally:
+        connection.close()
+    click.echo(format_result(result, output_format or "table"), nl=False)
