@@ -1,0 +1,409 @@
+"""Running replay variants: one replay trace per variant, a summary of each, and fidelity.
+
+``replay(options)`` reads a source trace (a workload or a capture), builds one backend per
+variant on the same ``EngineConfig``, drives it (``reschedule``: the scheduler model from the
+arrivals; ``lockstep``: the captured calls re-issued) and writes every record the backend
+reports into ``OUTDIR/<source>.<variant>.kvtrace``. Everything is checked before the first
+backend is built, and outputs appear only when every variant succeeded: a failed run leaves
+nothing in OUTDIR.
+
+The summary is computed from the records themselves (``ReplaySummary``), so it reads the same
+for any trace in the schema, a live capture included.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from kvtrace import __version__
+from kvtrace.errors import ConfigError, KvtraceError
+from kvtrace.events import (
+    BlockRemoved,
+    BlockStored,
+    BlockTouched,
+    CheckpointSuppressed,
+    ComputedBlocksFound,
+    EngineConfig,
+    EventsDropped,
+    Record,
+    RemoveReason,
+    ReplayInfo,
+    RequestArrived,
+    RequestPreempted,
+    SlotsAllocated,
+    StaleKeyLeft,
+    StoreKind,
+    TraceHeader,
+)
+from kvtrace.replay.scheduler import Scheduler, SchedulerSettings, arrivals_of
+from kvtrace.traceio import TraceReader, TraceWriter
+
+BACKENDS = ("vllm",)
+KEEP = object()  # "use the source's value" for an override
+DEFAULT_VARIANTS = ("unfixed", "fixed")
+# The variant a live engine runs when its trace says nothing else: the installed vLLM.
+CAPTURED_VARIANT = "upstream"
+
+
+@dataclass(frozen=True)
+class ReplayOptions:
+    source: str
+    outdir: str
+    variants: tuple[str, ...] = ()  # empty: DEFAULT_VARIANTS, or the engine's with --verify
+    backend: str = "vllm"
+    num_gpu_blocks: int | None = None
+    retention_interval: Any = KEEP  # KEEP, None (dense) or an int
+    lockstep: bool = False
+    verify: bool = False
+    scheduler_overrides: dict[str, int | None] = field(default_factory=dict)
+
+
+# --- summaries ----------------------------------------------------------------------------------
+
+
+class ReplaySummary:
+    """Figures of one trace, fed record by record (a ``RecordSink``).
+
+    ``hit_tokens`` counts the joint prefix hit (``ComputedBlocksFound.num_hit_tokens``) of each
+    request's *first admission*: the lookup that its first successful ``allocate_slots``
+    followed (a lookup retried after a failed admission is counted once, as vLLM's prefill
+    stats do; hits after a preemption go to ``resumed_hit_tokens``). Per KV-cache group, a
+    touched block is attributed to the group of the hash it carries (its last ``BlockStored``):
+    ``hit_blocks`` are blocks taken by prefix hits, ``stored`` blocks keyed by kind, ``evicted``
+    LRU reuses of keyed blocks."""
+
+    def __init__(self, config: EngineConfig | None) -> None:
+        self.group_kinds = [g.kind for g in config.kv_cache_groups] if config else []
+        self.prompt_tokens: dict[int, int] = {}
+        self.hit_tokens = 0
+        self.resumed_hit_tokens = 0
+        self.evictions: Counter = Counter()
+        self.checkpoints_published = 0
+        self.checkpoints_suppressed = 0
+        self.stale_key_hazards = 0
+        self.preemptions = 0
+        self.dropped_events = 0
+        self._lookups: dict[int, int] = {}
+        self._admitted: set[int] = set()
+        self._block_group: dict[int, int] = {}
+        self.hit_blocks: Counter = Counter()
+        self.stored: dict[int, Counter] = {}
+        self.evicted: Counter = Counter()
+
+    def __call__(self, record: Record) -> None:
+        kind = type(record)
+        if kind is BlockTouched:
+            group = self._block_group.get(record.block_id)
+            if group is not None:
+                self.hit_blocks[group] += 1
+        elif kind is BlockStored:
+            self._block_group[record.block_id] = record.group
+            self.stored.setdefault(record.group, Counter())[StoreKind(record.kind).name.lower()] += 1
+            self.checkpoints_published += record.kind == StoreKind.CHECKPOINT
+        elif kind is BlockRemoved:
+            reason = RemoveReason(record.reason)
+            self.evictions[reason.name.lower()] += 1
+            self.evicted[record.group] += reason == RemoveReason.LRU_REUSE
+        elif kind is ComputedBlocksFound:
+            self._lookups[record.req] = record.num_hit_tokens
+        elif kind is SlotsAllocated:
+            if record.success and record.req in self._lookups:
+                hit = self._lookups.pop(record.req)
+                if record.req in self._admitted:
+                    self.resumed_hit_tokens += hit
+                else:
+                    self._admitted.add(record.req)
+                    self.hit_tokens += hit
+        elif kind is RequestArrived:
+            self.prompt_tokens.setdefault(record.req, record.prompt_len)
+        elif kind is RequestPreempted:
+            self.preemptions += 1
+        elif kind is CheckpointSuppressed:
+            self.checkpoints_suppressed += 1
+        elif kind is StaleKeyLeft:
+            self.stale_key_hazards += 1
+        elif kind is EventsDropped:
+            self.dropped_events += record.count
+
+    def to_dict(self) -> dict[str, Any]:
+        prompt_tokens = sum(self.prompt_tokens.values())
+        groups = sorted(set(self.hit_blocks) | set(self.stored) | set(self.evicted)
+                        | set(range(len(self.group_kinds))))
+        return {
+            "requests": len(self.prompt_tokens),
+            "prompt_tokens": prompt_tokens,
+            "hit_tokens": self.hit_tokens,
+            "hit_rate": self.hit_tokens / prompt_tokens if prompt_tokens else 0.0,
+            "evictions": dict(sorted(self.evictions.items())),
+            "checkpoints_published": self.checkpoints_published,
+            "checkpoints_suppressed": self.checkpoints_suppressed,
+            "stale_key_hazards": self.stale_key_hazards,
+            "preemptions": self.preemptions,
+            "resumed_hit_tokens": self.resumed_hit_tokens,
+            "groups": {
+                str(g): {
+                    "kind": self.group_kinds[g] if g < len(self.group_kinds) else "",
+                    "hit_blocks": self.hit_blocks[g],
+                    "stored": dict(sorted(self.stored.get(g, Counter()).items())),
+                    "evicted": self.evicted[g],
+                }
+                for g in groups
+            },
+        }
+
+
+@dataclass
+class VariantResult:
+    variant: str
+    output: str
+    summary: dict[str, Any]
+    wall_s: float
+    steps: int = 0
+
+
+@dataclass
+class ReplayResult:
+    mode: str
+    config: EngineConfig
+    variants: list[VariantResult]
+    fidelity: Any = None  # lockstep.Fidelity when --verify ran
+    fidelity_variant: str = ""
+
+    def summary_json(self) -> dict[str, Any]:
+        fidelity = None
+        if self.fidelity is not None:
+            fidelity = {"variant": self.fidelity_variant, "matched": self.fidelity.matched,
+                        "total": self.fidelity.total,
+                        "first_divergence": _jsonable(self.fidelity.first_divergence)}
+        return {"mode": self.mode,
+                "variants": {v.variant: {**v.summary, "wall_s": round(v.wall_s, 3)}
+                             for v in self.variants},
+                "fidelity": fidelity}
+
+
+def _jsonable(value: Any) -> Any:
+    """A ``lockstep.Divergence`` as JSON builtins; records keep their kind."""
+    if isinstance(value, Record):
+        return {"kind": type(value).__struct_config__.tag,
+                **msgspec.to_builtins(msgspec.structs.asdict(value))}
+    if dataclasses.is_dataclass(value):
+        return {f.name: _jsonable(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    return msgspec.to_builtins(value)
+
+
+# --- the run ------------------------------------------------------------------------------------
+
+
+def parse_retention(text: str) -> int | None:
+    """``none``/``dense`` (keep every state), ``0`` (latest-only) or a token interval."""
+    if text.lower() in ("none", "dense"):
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        raise ConfigError(f"--retention {text!r} is not none, 0 or a number of tokens",
+                          "Use --retention none (dense), 0 (latest-only) or N tokens.") from None
+    if value < 0:
+        raise ConfigError(f"--retention {value} is negative", "Use none, 0 or a positive N.")
+    return value
+
+
+def replay(options: ReplayOptions,
+           progress: Callable[[str, int], Callable[[int], None]] | None = None) -> ReplayResult:
+    """Run every variant of ``options``; ``progress(variant, num_requests)`` may return a
+    callback that gets the number of finished requests after each step."""
+    reader = TraceReader(options.source)
+    records = list(reader)
+    header = reader.header
+    config = _config_for(header, options)
+    mode = "lockstep" if options.lockstep or options.verify else "reschedule"
+    engine_variant = _engine_variant(header)
+    variants = _variants_for(options, engine_variant)
+    if options.backend not in BACKENDS:
+        raise ConfigError(f"unknown backend {options.backend!r}",
+                          f"Known backends: {', '.join(BACKENDS)}.")
+    if mode == "lockstep":
+        _check_lockstep_source(options, records, reader)
+    settings = SchedulerSettings.from_config(config, **options.scheduler_overrides)
+    arrivals = arrivals_of(records)
+    if not arrivals:
+        raise KvtraceError(f"{options.source} has no requests (no request_arrived records)",
+                           "Replay a workload (kvtrace synth / import) or a captured trace.")
+
+    outdir = Path(options.outdir)
+    if outdir.exists() and not outdir.is_dir():
+        raise ConfigError(f"output directory {outdir} is a file", "Give -o a directory.")
+    outdir.mkdir(parents=True, exist_ok=True)
+    digest = _digest(options.source)
+    stem = Path(options.source).name.removesuffix(".kvtrace")
+    result = ReplayResult(mode, config, [])
+    staged: list[tuple[str, str]] = []  # (partial path, final path)
+    try:
+        for variant in variants:
+            final = str(outdir / f"{stem}.{variant}.kvtrace")
+            partial = f"{final}.partial"
+            replay_header = TraceHeader(
+                kvtrace_version=__version__, created_ns=time.time_ns(), source="replay",
+                config=config, vllm_version=_vllm_version(), includes_hash_bytes=False,
+                replay=ReplayInfo(variant=variant, backend=options.backend, mode=mode,
+                                  source_path=os.path.abspath(options.source),
+                                  source_digest=digest),
+                params=_params(settings, mode))
+            staged.append((partial, final))
+            on_step = progress(variant, len(arrivals)) if progress else None
+            keep = mode == "lockstep" and options.verify and variant == engine_variant
+            summary, replayed, steps, wall_s = _run_variant(
+                partial, replay_header, config, variant, mode, records, arrivals, settings,
+                on_step, keep)
+            result.variants.append(VariantResult(variant, final, summary.to_dict(), wall_s, steps))
+            if keep:
+                from kvtrace.replay.lockstep import verify
+
+                result.fidelity = verify(records, replayed)
+                result.fidelity_variant = variant
+    except BaseException:
+        for partial, _ in staged:
+            Path(partial).unlink(missing_ok=True)
+        raise
+    for partial, final in staged:
+        os.replace(partial, final)
+    return result
+
+
+def _run_variant(path: str, header: TraceHeader, config: EngineConfig, variant: str, mode: str,
+                 records: list[Record], arrivals, settings: SchedulerSettings,
+                 on_step: Callable[[int], None] | None,
+                 keep_records: bool) -> tuple[ReplaySummary, list[Record], int, float]:
+    """Drive one backend; the wall time counts the replay, not building the backend (whose
+    first construction imports vLLM)."""
+    from kvtrace.replay.vllm_backend import VllmBackend
+
+    summary = ReplaySummary(config)
+    kept: list[Record] = []
+    # Not atomic: the caller publishes every variant's file together, or none.
+    with open(path, "wb") as file:
+        writer = TraceWriter(file, header)
+
+        def sink(record: Record) -> None:
+            writer.write(record)
+            summary(record)
+            if keep_records:
+                kept.append(record)
+
+        steps = 0
+        with VllmBackend(config, variant, sink) as backend:
+            started = time.perf_counter()
+            if mode == "lockstep":
+                from kvtrace.replay.lockstep import replay_lockstep
+
+                replay_lockstep(records, backend)
+            else:
+                steps = Scheduler(backend, config, settings).run(arrivals, on_step).steps
+            wall_s = time.perf_counter() - started
+        writer.close()
+    return summary, kept, steps, wall_s
+
+
+def _config_for(header: TraceHeader, options: ReplayOptions) -> EngineConfig:
+    config = header.config
+    if config is None:
+        raise ConfigError(f"{options.source} has no engine config in its header",
+                          "Replay a workload (kvtrace synth / import) or a captured trace.")
+    changes: dict[str, Any] = {}
+    if options.num_gpu_blocks is not None:
+        changes["num_gpu_blocks"] = options.num_gpu_blocks
+    if options.retention_interval is not KEEP:
+        changes["retention_interval"] = options.retention_interval
+    if changes and options.verify:
+        raise ConfigError("--verify compares with the captured run, so the cache must be the "
+                          "captured one", "Drop --num-gpu-blocks / --retention with --verify.")
+    config = msgspec.structs.replace(config, **changes)
+    for index, group in enumerate(config.kv_cache_groups):
+        if group.block_size <= 0 or group.block_size % config.hash_block_size:
+            raise ConfigError(
+                f"KV-cache group {index} ({group.kind}) has block size {group.block_size}, not "
+                f"a multiple of the hash unit {config.hash_block_size}",
+                "vLLM hashes blocks in hash units: every block size must be a multiple of it.")
+    if config.num_gpu_blocks < 2:
+        raise ConfigError(f"--num-gpu-blocks {config.num_gpu_blocks} leaves no usable block",
+                          "vLLM reserves one block as the null block; use at least 2.")
+    return config
+
+
+def _engine_variant(header: TraceHeader) -> str:
+    """The variant the engine that wrote ``header`` ran."""
+    if header.replay is not None:
+        return header.replay.variant
+    return header.params.get("variant", CAPTURED_VARIANT)
+
+
+def _variants_for(options: ReplayOptions, engine_variant: str) -> list[str]:
+    from kvtrace.replay.variants import get_variant
+
+    names = list(dict.fromkeys(options.variants))
+    if not names:
+        names = [engine_variant] if options.verify else list(DEFAULT_VARIANTS)
+    for name in names:
+        get_variant(name)  # raises ConfigError naming the known ones
+    if options.verify and engine_variant not in names:
+        raise ConfigError(
+            f"--verify compares with the engine's own run, and the engine ran {engine_variant!r}",
+            f"Add --variant {engine_variant}.")
+    return names
+
+
+def _check_lockstep_source(options: ReplayOptions, records: list[Record],
+                           reader: TraceReader) -> None:
+    if not any(isinstance(r, SlotsAllocated) for r in records):
+        raise ConfigError(
+            f"{options.source} holds no captured allocate_slots calls (a workload, not a "
+            "capture), so there is nothing to re-issue in lockstep",
+            "Drop --lockstep/--verify to reschedule the workload, or capture a trace first.")
+    if options.verify:
+        dropped = reader.num_dropped or sum(r.count for r in records if isinstance(r, EventsDropped))
+        if dropped:
+            raise KvtraceError(
+                f"{options.source} dropped {dropped} events during capture, so its effects "
+                "cannot be compared record by record",
+                "Capture again with a larger buffer, or replay without --verify.")
+        if reader.truncated:
+            raise KvtraceError(f"{options.source} is truncated; its last effects are missing",
+                               "Verify a trace whose capture ended cleanly.")
+
+
+def _params(settings: SchedulerSettings, mode: str) -> dict[str, str]:
+    """The scheduler settings a reschedule ran under (lockstep follows the capture)."""
+    if mode == "lockstep":
+        return {}
+    return {f"scheduler.{name}": str(value) for name, value in dataclasses.asdict(settings).items()}
+
+
+def _digest(path: str) -> str:
+    sha = hashlib.sha256()
+    with open(path, "rb") as file:
+        for chunk in iter(lambda: file.read(1 << 20), b""):
+            sha.update(chunk)
+    return f"sha256:{sha.hexdigest()}"
+
+
+def _vllm_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("vllm")
+    except PackageNotFoundError:
+        return ""

@@ -1,0 +1,391 @@
+"""A model of vLLM 0.33.0's v1 scheduler that drives any ``CacheBackend`` from a workload.
+
+Reschedule replay compares checkpoint variants under *equal scheduling*: the same arrivals go
+through the same scheduling rules, and only the cache's answers (hits, failed allocations) may
+make the runs diverge. vLLM's own ``Scheduler`` cannot serve here: it needs a ``VllmConfig``
+whose ``ModelConfig`` resolves a Hugging Face model (network or a local checkpoint), builds its
+own ``KVCacheManager`` (so it could not drive a variant-patched manager or the fast model
+backend), and expects a model runner's outputs each step.
+
+Reproduced from ``vllm/v1/core/sched/scheduler.py`` (0.33.0), in our own code:
+
+* a step first serves RUNNING requests in order, then admits WAITING ones FCFS;
+* one token budget per step (``max_num_batched_tokens``) and at most ``max_num_seqs`` running;
+* chunked prefill; ``long_prefill_token_threshold`` caps a chunk, and applies only when more
+  than one request is running or waiting;
+* ``max_model_len`` caps positions (a request never schedules past ``max_model_len - 1``);
+* the Mamba block-aligned split (``_mamba_block_aligned_split``) for ``align``-mode Mamba
+  groups: chunk ends on block boundaries, the last cacheable boundary, the prompt's
+  hash-aligned tail checkpoint (fine-grained hits) and the shared-prefix junction, with the
+  internal-checkpoint exemption; ``MambaAlignedSplit`` below;
+* a prefix lookup (``get_computed_blocks``) for every waiting request at the head of the queue,
+  each step it is tried; a failed admission stops admissions for the step;
+* a running request whose ``allocate_slots`` fails preempts the last running request (FCFS
+  policy), repeatedly, until it fits or has preempted itself; a preempted request is prepended
+  to the waiting queue with its computed tokens reset and is recomputed on resume (its output
+  tokens are kept, so the resumed prefill covers them); no admissions in a step that preempted;
+* a chunk that reaches the request's last known token samples one output token; the request
+  finishes (and is freed) when it has ``max_tokens`` outputs or reaches ``max_model_len``.
+
+Not reproduced: priority scheduling, KV connectors and async loads, speculative decoding
+(lookahead slots, draft padding), structured output, encoder inputs and LoRA limits, async
+scheduling (one step in flight), pipeline parallelism, the DP / local prefill cadence,
+stop strings or EOS (requests always decode ``max_tokens``), ``scheduler_reserve_full_isl``
+admission probes, deferred frees, the adaptive long-prefill threshold and the opt-in
+``enable_mamba_shared_prefix_checkpoint``.
+
+Time is virtual: requests arrive at ``arrival_ns``; a step lasts ``step_overhead_ns`` plus
+``ns_per_token`` per scheduled token; an idle engine jumps to the next arrival. This only
+orders arrivals against steps; it is not a latency model.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field, replace
+
+from kvtrace.errors import ConfigError
+from kvtrace.events import EngineConfig, HashesExtended, Record, RequestArrived
+from kvtrace.replay.backend import CacheBackend
+
+# vLLM 0.33 `vllm serve` defaults on an H100/H200-class GPU (EngineArgs, OPENAI_API_SERVER).
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
+DEFAULT_MAX_NUM_SEQS = 1024
+
+
+@dataclass(frozen=True)
+class SchedulerSettings:
+    """The scheduler limits of a replay. 0 in an ``EngineConfig`` means "vLLM's default"."""
+
+    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
+    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
+    long_prefill_token_threshold: int = 0
+    max_model_len: int = 0  # 0: unlimited
+    step_overhead_ns: int = 2_000_000
+    ns_per_token: int = 10_000  # 100k scheduled tokens per second
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, **overrides: int | None) -> SchedulerSettings:
+        """Settings from a trace's config, then non-None ``overrides`` on top."""
+        settings = cls(
+            max_num_batched_tokens=config.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS,
+            max_num_seqs=config.max_num_seqs or DEFAULT_MAX_NUM_SEQS,
+            long_prefill_token_threshold=config.long_prefill_token_threshold,
+            max_model_len=config.max_model_len,
+        )
+        settings = replace(settings, **{k: v for k, v in overrides.items() if v is not None})
+        if settings.max_num_batched_tokens <= 0 or settings.max_num_seqs <= 0:
+            raise ConfigError("max_num_batched_tokens and max_num_seqs must be positive")
+        if settings.long_prefill_token_threshold < 0:
+            raise ConfigError("long_prefill_token_threshold must not be negative")
+        return settings
+
+
+def mamba_checkpoint_position(num_tokens: int, unit: int, drop_eagle_block: bool) -> int:
+    """The last reusable Mamba state boundary for a prefill of ``num_tokens`` (on ``unit``).
+
+    At least one token stays for the logits; with EAGLE one more unit is dropped instead
+    (vLLM ``get_mamba_prefill_checkpoint_position`` without hash lookahead)."""
+    limit = num_tokens if drop_eagle_block else num_tokens - 1
+    position = limit // unit * unit - (unit if drop_eagle_block else 0)
+    return max(position, 0)
+
+
+@dataclass(frozen=True)
+class MambaAlignedSplit:
+    """Where a prefill chunk must end so that ``align``-mode Mamba state lands on a cacheable
+    boundary (vLLM ``Scheduler._mamba_block_aligned_split``)."""
+
+    block_size: int  # the Mamba block (cache_config.block_size)
+    hash_block_size: int
+    max_prefill_tokens: int  # min(budget, long-prefill threshold if set)
+    partial_cache_hit: bool  # fine-grained (hash-unit) Mamba hits
+    has_checkpoint_blocks: bool
+    checkpoint_alignment: int | None
+    drop_eagle_block: bool = False
+
+    @classmethod
+    def for_config(cls, config: EngineConfig, settings: SchedulerSettings) -> MambaAlignedSplit | None:
+        """The split for an engine, or None when no group is an ``align`` Mamba group."""
+        mamba = [g for g in config.kv_cache_groups if g.kind == "mamba"]
+        if not any(g.mamba_cache_mode == "align" for g in mamba):
+            return None
+        block_size = mamba[0].block_size
+        threshold = settings.long_prefill_token_threshold
+        return cls(
+            block_size=block_size,
+            hash_block_size=config.hash_block_size,
+            max_prefill_tokens=min(settings.max_num_batched_tokens, threshold or settings.max_num_batched_tokens),
+            # coordinator.enable_partial_hash_hits: an align group coarser than the hash unit.
+            partial_cache_hit=config.hash_block_size < config.scheduler_block_size
+            and any(g.mamba_cache_mode == "align" and g.block_size > config.hash_block_size for g in mamba),
+            has_checkpoint_blocks=all(g.num_prefill_checkpoint_blocks > 0 for g in mamba),
+            checkpoint_alignment=mamba[0].prefill_checkpoint_alignment,
+            drop_eagle_block=config.use_eagle,
+        )
+
+    def checkpoint_valid(self, start: int, end: int, position: int) -> bool:
+        """Whether the backend can export an internal checkpoint at ``position`` from the chunk
+        [start, end) (vLLM ``is_mamba_prefill_checkpoint_valid``)."""
+        if self.checkpoint_alignment is None:
+            return False
+        unit, block = self.hash_block_size, self.block_size
+        initial_state_block = (start - 1) // block
+        checkpoint_block = -(-end // block) - 2
+        return (
+            start % unit == 0
+            and checkpoint_block > initial_state_block
+            and start + unit <= position
+            and start < position < end
+            and (position - start) % self.checkpoint_alignment == 0
+        )
+
+    def clip(self, num_new_tokens: int, start: int, num_prompt_tokens: int, num_tokens: int,
+             shared_prefix_boundary: int) -> int:
+        """Clip a chunk of ``num_new_tokens`` starting at ``start`` (computed + new hits)."""
+        prefill_end = max(num_prompt_tokens, num_tokens - 1)
+        if start >= prefill_end:
+            return num_new_tokens
+        block = self.block_size
+        end = start + num_new_tokens
+        last_cache_position = mamba_checkpoint_position(num_tokens, block, self.drop_eagle_block)
+        checkpoint_unit = self.hash_block_size if self.partial_cache_hit else block
+        internal_checkpoint = (
+            self.has_checkpoint_blocks
+            and end >= prefill_end
+            and self.checkpoint_valid(
+                start, end, mamba_checkpoint_position(prefill_end, checkpoint_unit, self.drop_eagle_block))
+        )
+        if internal_checkpoint:
+            last_cache_position = 0  # the backend saves the state inside the final chunk
+        if end < prefill_end:
+            # Chunk ends must be block aligned; a block wider than any chunk advances sub-block.
+            aligned_end = end // block * block
+            if aligned_end > start or block <= self.max_prefill_tokens:
+                end = aligned_end
+        tail_checkpoint = (
+            mamba_checkpoint_position(num_prompt_tokens, self.hash_block_size, self.drop_eagle_block)
+            if self.partial_cache_hit and not internal_checkpoint
+            else 0
+        )
+        junction = shared_prefix_boundary
+        junction_stop = start + (junction - start) // block * block
+        stops = (
+            (start // block + 1) * block if start % block and not internal_checkpoint else 0,
+            last_cache_position,
+            tail_checkpoint if last_cache_position < tail_checkpoint < num_prompt_tokens else 0,
+            junction_stop if start < junction < end else 0,
+        )
+        end = min((s for s in stops if start < s < end), default=end)
+        return max(end - start, 0)
+
+
+@dataclass(frozen=True)
+class Arrival:
+    """One request of a workload: what ``RequestArrived`` (+ ``HashesExtended``) say."""
+
+    req: int
+    prompt_len: int
+    hash_ids: list[int]
+    max_tokens: int
+    arrival_ns: int = 0
+    output_hash_ids: list[int] | None = None
+
+
+def arrivals_of(records: Iterable[Record]) -> list[Arrival]:
+    """The requests of a workload or captured trace, in arrival order.
+
+    A ``HashesExtended`` names the output units decode will complete (a later turn's prompt
+    can share them); a captured trace may extend a request many times: the extensions add up."""
+    arrivals: dict[int, RequestArrived] = {}
+    outputs: dict[int, list[int]] = {}
+    for record in records:
+        if isinstance(record, RequestArrived):
+            if record.req in arrivals:
+                continue  # a captured trace re-reports a resumed request; the first is the arrival
+            arrivals[record.req] = record
+        elif isinstance(record, HashesExtended) and record.req in arrivals:
+            outputs.setdefault(record.req, []).extend(record.hash_ids)
+    requests = [
+        Arrival(a.req, a.prompt_len, list(a.hash_ids), a.max_tokens, a.arrival_ns,
+                        outputs.get(a.req))
+        for a in arrivals.values()
+    ]
+    requests.sort(key=lambda r: r.arrival_ns)  # stable: file order breaks ties
+    return requests
+
+
+@dataclass
+class _Request:
+    spec: Arrival
+    num_computed_tokens: int = 0
+    num_output_tokens: int = 0
+    shared_prefix_boundary: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return self.spec.prompt_len + self.num_output_tokens
+
+
+@dataclass
+class SchedulerStats:
+    """What the scheduler did, independent of the cache's own records."""
+
+    steps: int = 0
+    scheduled_tokens: int = 0
+    preemptions: int = 0
+    finished: int = 0
+    virtual_ns: int = 0
+
+
+@dataclass
+class Scheduler:
+    """Runs a workload to completion against ``backend`` (one ``run`` per backend)."""
+
+    backend: CacheBackend
+    config: EngineConfig
+    settings: SchedulerSettings = field(default_factory=SchedulerSettings)
+    stats: SchedulerStats = field(default_factory=SchedulerStats)
+
+    def __post_init__(self) -> None:
+        self.split = MambaAlignedSplit.for_config(self.config, self.settings)
+        self.waiting: deque[_Request] = deque()
+        self.running: list[_Request] = []
+        self.clock_ns = 0
+
+    def run(self, requests: list[Arrival],
+            on_step: Callable[[int], None] | None = None) -> SchedulerStats:
+        """Schedule every request until all have finished; ``on_step(num_finished)`` after each
+        step (progress reporting)."""
+        pending = deque(sorted(requests, key=lambda r: r.arrival_ns))
+        for request in pending:
+            self._check_fits_model_len(request)
+        while pending or self.waiting or self.running:
+            if not self.waiting and not self.running:
+                self.clock_ns = max(self.clock_ns, pending[0].arrival_ns)
+            while pending and pending[0].arrival_ns <= self.clock_ns:
+                spec = pending.popleft()
+                self.backend.add_request(spec.req, spec.prompt_len, spec.hash_ids, spec.max_tokens,
+                                         spec.output_hash_ids)
+                self.waiting.append(_Request(spec))
+            self.step()
+            if on_step is not None:
+                on_step(self.stats.finished)
+        self.stats.virtual_ns = self.clock_ns
+        return self.stats
+
+    def _check_fits_model_len(self, request: Arrival) -> None:
+        limit = self.settings.max_model_len
+        if limit and request.prompt_len >= limit:
+            raise ConfigError(
+                f"request {request.req} has a {request.prompt_len}-token prompt, not below "
+                f"max_model_len {limit}",
+                hint="Raise --max-model-len (vLLM rejects such a request at the API).",
+            )
+
+    # --- one scheduler step ------------------------------------------------------------------
+
+    def step(self) -> None:
+        """One ``Scheduler.schedule()`` plus the model output it is answered with."""
+        self.backend.new_step(self.stats.steps, self.clock_ns)
+        budget = self.settings.max_num_batched_tokens
+        threshold = (self.settings.long_prefill_token_threshold
+                     if len(self.running) + len(self.waiting) > 1 else 0)
+        scheduled: dict[int, tuple[_Request, int]] = {}
+        budget, preempted = self._schedule_running(budget, threshold, scheduled)
+        if not preempted:
+            self._admit_waiting(budget, threshold, scheduled)
+        if not scheduled and not self.running:
+            head = self.waiting[0].spec
+            raise ConfigError(
+                f"the pool of {self.backend.num_gpu_blocks} blocks cannot hold request "
+                f"{head.req} ({head.prompt_len} prompt tokens) even with nothing else running",
+                hint="Give the replay more blocks with --num-gpu-blocks.",
+            )
+        num_tokens = sum(n for _, n in scheduled.values())
+        self.stats.steps += 1
+        self.stats.scheduled_tokens += num_tokens
+        self.clock_ns += self.settings.step_overhead_ns + num_tokens * self.settings.ns_per_token
+        self._apply_outputs(scheduled)
+
+    def _chunk(self, request: _Request, start: int, threshold: int, budget: int) -> int:
+        """Tokens to schedule for ``request`` from ``start``: threshold, budget, model length,
+        then the Mamba split."""
+        num_new = request.num_tokens - start
+        if 0 < threshold < num_new:
+            num_new = threshold
+        num_new = min(num_new, budget)
+        if self.settings.max_model_len:
+            num_new = min(num_new, self.settings.max_model_len - start - 1)
+        if self.split is not None:
+            num_new = self.split.clip(num_new, start, request.spec.prompt_len, request.num_tokens,
+                                      request.shared_prefix_boundary)
+        return max(num_new, 0)
+
+    def _schedule_running(self, budget: int, threshold: int,
+                          scheduled: dict[int, tuple[_Request, int]]) -> tuple[int, bool]:
+        preempted = False
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            num_new = self._chunk(request, request.num_computed_tokens, threshold, budget)
+            if num_new == 0:
+                index += 1
+                continue
+            while not self.backend.allocate_slots(request.spec.req, num_new):
+                victim = self.running.pop()  # FCFS: the last running request
+                self._preempt(victim)
+                preempted = True
+                if victim is request:
+                    if not self.running:
+                        raise ConfigError(
+                            f"the pool of {self.backend.num_gpu_blocks} blocks cannot hold "
+                            f"request {request.spec.req} ({request.spec.prompt_len} prompt "
+                            f"tokens, {request.spec.max_tokens} output) on its own",
+                            hint="Give the replay more blocks with --num-gpu-blocks.",
+                        )
+                    return budget, preempted
+            scheduled[request.spec.req] = (request, num_new)
+            budget -= num_new
+            index += 1
+        return budget, preempted
+
+    def _preempt(self, request: _Request) -> None:
+        self.backend.preempt(request.spec.req)
+        request.num_computed_tokens = 0
+        self.waiting.appendleft(request)
+        self.stats.preemptions += 1
+
+    def _admit_waiting(self, budget: int, threshold: int,
+                       scheduled: dict[int, tuple[_Request, int]]) -> None:
+        skipped: list[_Request] = []
+        while budget > 0 and self.waiting and len(self.running) < self.settings.max_num_seqs:
+            request = self.waiting[0]
+            num_hit, request.shared_prefix_boundary = self.backend.get_computed_blocks(request.spec.req)
+            num_new = self._chunk(request, num_hit, threshold, budget)
+            if num_new == 0:
+                skipped.append(self.waiting.popleft())  # requeued so it does not stall the queue
+                continue
+            if not self.backend.allocate_slots(request.spec.req, num_new, num_new_computed_tokens=num_hit):
+                break
+            self.waiting.popleft()
+            self.running.append(request)
+            request.num_computed_tokens = num_hit
+            scheduled[request.spec.req] = (request, num_new)
+            budget -= num_new
+        self.waiting.extendleft(reversed(skipped))
+
+    def _apply_outputs(self, scheduled: dict[int, tuple[_Request, int]]) -> None:
+        """The forward pass ran: advance computed tokens, sample, finish and free."""
+        for request, num_new in scheduled.values():
+            request.num_computed_tokens += num_new
+            self.backend.advance(request.spec.req, num_new)
+            if request.num_computed_tokens < request.num_tokens:
+                continue  # a prefill chunk short of the last token samples nothing
+            request.num_output_tokens += 1
+            limit = self.settings.max_model_len
+            if request.num_output_tokens >= request.spec.max_tokens or (limit and request.num_tokens >= limit):
+                self.running.remove(request)
+                self.backend.free(request.spec.req)
+                self.stats.finished += 1

@@ -1,0 +1,307 @@
+"""The reference replay backend: vLLM 0.33.0's own ``KVCacheManager``, built on CPU.
+
+The cache is the real one (block pool, hybrid coordinator, full-attention and Mamba "align"
+managers) built from a trace's ``EngineConfig``, with a checkpoint variant installed on its
+``MambaManager`` and kvtrace's probes armed on its block pool, so every call comes back as the
+same records a live capture writes. Requests are real ``vllm.v1.request.Request`` objects whose
+block hashes *are* the workload's hash ids (8 big-endian bytes each, through a custom
+block hasher), so the probes decode the ids back and replay traces keep the workload's ids.
+Token ids are placeholders (0) and never leave this module.
+"""
+
+from __future__ import annotations
+
+from math import lcm
+from typing import Any
+
+from kvtrace.errors import ConfigError, KvtraceError
+from kvtrace.events import EngineConfig, FinishStatus, HashInterner
+from kvtrace.probes import CacheProbes
+from kvtrace.replay.backend import RecordSink
+from kvtrace.replay.variants import get_variant
+
+_HASH_ID_BYTES = 8
+_DEFAULT_MAX_MODEL_LEN = 1 << 24
+
+
+def hash_bytes_of(hash_id: int) -> bytes:
+    return hash_id.to_bytes(_HASH_ID_BYTES, "big")
+
+
+class EncodedHashIds:
+    """The probes' interner for replay: a hash *is* its id, so decode instead of interning."""
+
+    __slots__ = ()
+
+    def intern(self, hash_bytes: bytes) -> tuple[int, bool]:
+        return int.from_bytes(hash_bytes, "big"), False
+
+
+class _RequestHashes:
+    """A request's block hasher: hands out the next hash ids as its tokens fill hash units."""
+
+    __slots__ = ("hash_ids", "hash_block_size", "backend")
+
+    def __init__(self, hash_ids: list[int], hash_block_size: int, backend: "VllmBackend"):
+        self.hash_ids = hash_ids
+        self.hash_block_size = hash_block_size
+        self.backend = backend
+
+    def __call__(self, request: Any) -> list[bytes]:
+        start = len(request.block_hashes)
+        stop = request.num_tokens // self.hash_block_size
+        while len(self.hash_ids) < stop:
+            self.hash_ids.append(self.backend.fresh_hash_id())
+        return [hash_bytes_of(hash_id) for hash_id in self.hash_ids[start:stop]]
+
+
+class VllmBackend:
+    """``CacheBackend`` on the installed vLLM's real prefix cache (see module docstring).
+
+    ``hash_ids_from_bytes`` (default True) keeps the workload's hash ids in the records; False
+    re-interns them densely in order of first appearance, as a live capture numbers them.
+    """
+
+    backend_name = "vllm"
+
+    def __init__(self, config: EngineConfig, variant: str, sink: RecordSink, *,
+                 hash_ids_from_bytes: bool = True) -> None:
+        self.config = config
+        self.variant = get_variant(variant)
+        self.num_gpu_blocks = config.num_gpu_blocks
+        _validate(config)
+        self.manager = _build_manager(config)
+        for manager in self.manager.coordinator.single_type_managers:
+            self.variant.install(manager)
+        self.probes = CacheProbes(
+            sink, EncodedHashIds() if hash_ids_from_bytes else _ByteInterner(),
+            req_number=int, created_ns=0).arm(self.manager.block_pool)
+        self._requests: dict[int, Any] = {}
+        self._pending_hits: dict[int, tuple[Any, int]] = {}
+        self._max_hash_id = -1
+
+    # --- CacheBackend ---------------------------------------------------------------------------
+
+    def new_step(self, step: int, ts_ns: int) -> None:
+        self.probes.announce_step(step, ts_ns)
+        self.manager.new_step_starts()
+
+    def add_request(self, req: int, prompt_len: int, hash_ids: list[int], max_tokens: int,
+                    output_hash_ids: list[int] | None = None) -> None:
+        from vllm.sampling_params import SamplingParams
+        from vllm.v1.request import Request
+
+        unit = self.config.hash_block_size
+        if len(hash_ids) != prompt_len // unit:
+            raise KvtraceError(
+                f"request {req}: {len(hash_ids)} hash ids for a {prompt_len}-token prompt "
+                f"(hash unit {unit} needs {prompt_len // unit})",
+                "Each full hash unit of the prompt needs exactly one hash id.")
+        if req in self._requests:
+            raise KvtraceError(f"request {req} was added twice",
+                               "Request numbers must be unique within a trace.")
+        self._check_fits(req, prompt_len + max_tokens)
+        known_ids = [*hash_ids, *(output_hash_ids or ())]
+        self._max_hash_id = max(self._max_hash_id, *known_ids, -1)
+        self._requests[req] = Request(
+            str(req), [0] * prompt_len, SamplingParams(max_tokens=max(1, max_tokens)), None,
+            arrival_time=0.0, block_hasher=_RequestHashes(known_ids, unit, self))
+
+    def get_computed_blocks(self, req: int) -> tuple[int, int]:
+        request = self._requests[req]
+        blocks, num_hit_tokens, shared_prefix_boundary = self.manager.get_computed_blocks(request)
+        # As vLLM's scheduler does on admission: the junction steers the Mamba retention mask.
+        request.shared_prefix_boundary = shared_prefix_boundary
+        self._pending_hits[req] = (blocks, num_hit_tokens)
+        return num_hit_tokens, shared_prefix_boundary
+
+    def allocate_slots(self, req: int, num_new_tokens: int, num_new_computed_tokens: int = 0,
+                       num_lookahead_tokens: int = 0) -> bool:
+        from vllm.v1.request import RequestStatus
+
+        request = self._requests[req]
+        hit_blocks = None
+        if num_new_computed_tokens > 0:
+            hit_blocks, num_hit_tokens = self._pending_hits.pop(req, (None, 0))
+            if num_hit_tokens != num_new_computed_tokens:
+                raise KvtraceError(
+                    f"request {req}: allocate_slots with {num_new_computed_tokens} computed "
+                    f"tokens, but its last lookup found {num_hit_tokens}",
+                    "Call get_computed_blocks first and pass its hit (or 0).")
+        blocks = self.manager.allocate_slots(request, num_new_tokens, num_new_computed_tokens,
+                                             hit_blocks, num_lookahead_tokens)
+        if blocks is None:
+            return False
+        self._pending_hits.pop(req, None)
+        request.status = RequestStatus.RUNNING
+        if num_new_computed_tokens:
+            request.num_computed_tokens += num_new_computed_tokens
+        return True
+
+    def advance(self, req: int, num_tokens: int) -> None:
+        request = self._requests[req]
+        request.num_computed_tokens += num_tokens
+        if request.num_computed_tokens >= request.num_tokens:
+            request.append_output_token_ids(0)  # the step sampled a token
+
+    def free(self, req: int, status: FinishStatus = FinishStatus.FINISHED) -> None:
+        from vllm.v1.request import RequestStatus
+
+        request = self._requests.pop(req)
+        self._pending_hits.pop(req, None)
+        request.status = (RequestStatus.FINISHED_ABORTED if status == FinishStatus.ABORTED
+                          else RequestStatus.FINISHED_STOPPED)
+        self.manager.free(request)
+
+    def preempt(self, req: int) -> None:
+        from vllm.v1.request import RequestStatus
+
+        request = self._requests[req]
+        self._pending_hits.pop(req, None)
+        self.manager.free(request)  # still RUNNING here, as in Scheduler._preempt_request
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+
+    def num_free_blocks(self) -> int:
+        return self.manager.block_pool.get_num_free_blocks()
+
+    # --- beyond the protocol: lockstep and inspection -------------------------------------------
+
+    def sync_request(self, req: int, num_computed_tokens: int, num_tokens: int) -> None:
+        """Set a request's progress to captured values (lockstep): computed tokens, and output
+        tokens appended until it holds ``num_tokens``."""
+        request = self._requests[req]
+        request.num_computed_tokens = num_computed_tokens
+        missing = num_tokens - request.num_tokens
+        if missing < 0:
+            raise KvtraceError(
+                f"request {req} holds {request.num_tokens} tokens, the trace says {num_tokens}",
+                "The trace's inputs are inconsistent; was it edited?")
+        if missing:
+            request.append_output_token_ids([0] * missing)
+
+    def cached_block_id(self, hash_id: int, group: int) -> int | None:
+        """The block a lookup of ``hash_id`` in KV-cache group ``group`` would hit, or None."""
+        blocks = self.manager.block_pool.get_cached_block(hash_bytes_of(hash_id), [group])
+        return None if blocks is None else blocks[0].block_id
+
+    def request(self, req: int) -> Any:
+        """The live vLLM ``Request`` (for tests and drivers that need its counters)."""
+        return self._requests[req]
+
+    def fresh_hash_id(self) -> int:
+        self._max_hash_id += 1
+        return self._max_hash_id
+
+    def close(self) -> None:
+        """Disarm the probes (the last backend alive restores vLLM's original methods)."""
+        self.probes.disarm()
+
+    def __enter__(self) -> "VllmBackend":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _check_fits(self, req: int, num_tokens: int) -> None:
+        """vLLM's own per-request need (``max_memory_usage_bytes``): a full-attention block per
+        block of tokens, 2 + checkpoint blocks for a Mamba "align" group; plus the null block."""
+        need = 1
+        for group in self.config.kv_cache_groups:
+            if group.kind == "mamba":
+                need += 2 + group.num_prefill_checkpoint_blocks
+            else:
+                need += -(-num_tokens // group.block_size)
+        if need > self.num_gpu_blocks:
+            raise ConfigError(
+                f"a pool of {self.num_gpu_blocks} blocks cannot hold request {req} "
+                f"({num_tokens} tokens need {need} blocks, null block included)",
+                "Raise num_gpu_blocks or shorten the request.")
+
+
+class _ByteInterner:
+    """Dense ids in order of first appearance over the backend's own 8-byte hashes."""
+
+    __slots__ = ("_interner",)
+
+    def __init__(self) -> None:
+        self._interner = HashInterner()
+
+    def intern(self, hash_bytes: bytes) -> tuple[int, bool]:
+        return self._interner.intern(hash_bytes)[0], False
+
+
+def _validate(config: EngineConfig) -> None:
+    groups = config.kv_cache_groups
+    unit = config.hash_block_size
+    if not groups:
+        raise ConfigError("the engine config has no KV-cache groups")
+    if unit <= 0:
+        raise ConfigError(f"hash unit (hash_block_size) must be positive, not {unit}")
+    for index, group in enumerate(groups):
+        if group.kind not in ("full_attention", "mamba"):
+            raise ConfigError(
+                f"KV-cache group {index} is {group.kind!r}; the vLLM backend builds "
+                "full_attention and mamba groups only")
+        if group.block_size <= 0 or group.block_size % unit:
+            raise ConfigError(
+                f"KV-cache group {index} ({group.kind}) has block size {group.block_size}, "
+                f"not a multiple of the hash unit {unit}",
+                "vLLM hashes blocks in hash units: every block size must be a multiple of it.")
+        if group.kind == "mamba" and config.enable_caching and group.mamba_cache_mode not in (
+                "", "align"):
+            raise ConfigError(
+                f"Mamba group {index} uses mamba_cache_mode {group.mamba_cache_mode!r}; "
+                "prefix caching needs 'align'")
+    if sum(group.kind == "mamba" for group in groups) > 1:
+        raise ConfigError("more than one Mamba group; the vLLM backend builds at most one")
+    if config.use_eagle:
+        raise ConfigError("EAGLE is not supported by the vLLM replay backend",
+                          "Replay the trace with use_eagle off.")
+    if config.num_gpu_blocks < 2:
+        raise ConfigError(f"num_gpu_blocks is {config.num_gpu_blocks}; vLLM reserves one block "
+                          "as the null block, so the pool needs at least 2")
+    if config.retention_interval is not None and config.retention_interval % lcm(
+            *(g.block_size for g in groups)):
+        raise ConfigError(
+            f"retention interval {config.retention_interval} is not a multiple of the "
+            f"scheduler block size {config.scheduler_block_size}",
+            "vLLM accepts None (dense), 0 (latest-only) or a multiple of the scheduler block.")
+
+
+def _build_manager(config: EngineConfig) -> Any:
+    from vllm.utils.hashing import sha256
+    from vllm.utils.torch_utils import STR_DTYPE_TO_TORCH_DTYPE
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+    from vllm.v1.core.kv_cache_utils import init_none_hash
+    from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec,
+                                            MambaSpec)
+
+    init_none_hash(sha256)  # vLLM asserts it is set; our hashes never use it
+    # Page contents are never allocated (no tensors); the dtype only sizes pages.
+    float32 = STR_DTYPE_TO_TORCH_DTYPE["float32"]
+    specs = []
+    for index, group in enumerate(config.kv_cache_groups):
+        if group.kind == "mamba":
+            spec = MambaSpec(block_size=group.block_size, shapes=((1, 1),),
+                             dtypes=(float32,),
+                             mamba_cache_mode=group.mamba_cache_mode or "align",
+                             num_prefill_checkpoint_blocks=group.num_prefill_checkpoint_blocks,
+                             prefill_checkpoint_alignment=group.prefill_checkpoint_alignment)
+        else:
+            spec = FullAttentionSpec(block_size=group.block_size, num_kv_heads=1, head_size=1,
+                                     dtype=float32)
+        specs.append(KVCacheGroupSpec([f"layer{index}"], spec))
+    kv_cache_config = KVCacheConfig(num_blocks=config.num_gpu_blocks, kv_cache_tensors=[],
+                                    kv_cache_groups=specs,
+                                    prefix_cache_retention_interval=config.retention_interval)
+    try:
+        return KVCacheManager(kv_cache_config,
+                              max_model_len=config.max_model_len or _DEFAULT_MAX_MODEL_LEN,
+                              scheduler_block_size=config.scheduler_block_size,
+                              hash_block_size=config.hash_block_size,
+                              enable_caching=config.enable_caching)
+    except (AssertionError, ValueError) as error:
+        raise ConfigError(f"vLLM rejected the engine config: {error or type(error).__name__}"
+                          ) from error
