@@ -33,10 +33,12 @@ import click
               help="Directory for one replay trace per variant (SOURCE.VARIANT.kvtrace).")
 @click.option("--summary-json", type=click.Path(dir_okay=False), default=None,
               help="Also write the summary as JSON to this file.")
+@click.option("--db", type=click.Path(dir_okay=False), default=None,
+              help="Then load the replay traces (and a captured SOURCE) into this DuckDB file.")
 def command(source: str, variants: tuple[str, ...], backend: str, num_gpu_blocks: int | None,
             retention: str | None, max_num_batched_tokens: int | None, max_num_seqs: int | None,
             long_prefill_token_threshold: int | None, lockstep: bool, verify: bool, outdir: str,
-            summary_json: str | None) -> None:
+            summary_json: str | None, db: str | None) -> None:
     """Replay SOURCE against the prefix-cache logic of each --variant.
 
     A workload (kvtrace synth / import) is rescheduled: kvtrace's model of vLLM's scheduler
@@ -48,6 +50,7 @@ def command(source: str, variants: tuple[str, ...], backend: str, num_gpu_blocks
     Examples:
         kvtrace replay agent.kvtrace --variant unfixed --variant fixed -o runs/
         kvtrace replay prod.kvtrace --lockstep --verify -o runs/
+        kvtrace replay prod.kvtrace --variant unfixed --variant fixed -o runs/ --db prod.duckdb
     """
     import msgspec
 
@@ -70,10 +73,26 @@ def command(source: str, variants: tuple[str, ...], backend: str, num_gpu_blocks
     if summary_json:
         _write_atomically(summary_json, msgspec.json.format(
             msgspec.json.encode(result.summary_json()), indent=2) + b"\n")
+    if db:
+        _load(source, result, db)
     if result.fidelity is not None:
         _print_fidelity(result)
         if result.fidelity.matched != result.fidelity.total:
             raise SystemExit(1)
+
+
+def _load(source: str, result, db: str) -> None:
+    """Load the replay outputs, and the source itself when it is a capture (its own forensics
+    need no replay), into ``db``."""
+    from kvtrace.analysis.load import load_traces
+    from kvtrace.traceio import TraceReader
+
+    with TraceReader(source) as reader:
+        captured = reader.header.source == "capture"
+    paths = ([source] if captured else []) + [v.output for v in result.variants]
+    loaded = load_traces(paths, db)
+    click.echo(f"loaded {len(loaded.runs)} trace(s), {loaded.num_records:,} records into {db} "
+               f"in {loaded.seconds:.1f}s; try: kvtrace report {db}")
 
 
 def _progress_bar(variant: str, num_requests: int):

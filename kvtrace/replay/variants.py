@@ -59,6 +59,8 @@ class Variant:
         """Install this policy on one ``MambaManager`` in "align" mode (others are untouched)."""
         if getattr(manager, "mamba_cache_mode", None) != "align":
             return
+        # Read by a live capture of kvtrace's own engine: the trace records the variant it ran.
+        manager.kvtrace_variant = self.name
         if self.reserve_every_chunk:
             manager.get_num_blocks_to_allocate = types.MethodType(
                 _reserve_on_every_chunk, manager)
