@@ -111,7 +111,8 @@ def replay_rule(name: str, imp: Import) -> str | None:
         return None
     if under(imp.module, "kvtrace.capture", "kvtrace.analysis"):
         return "replay must not import capture or analysis"
-    if root(imp.module) == "vllm" and name not in ("kvtrace.replay.vllm_backend", "kvtrace.replay.variants"):
+    if root(imp.module) == "vllm" and name not in ("kvtrace.replay.vllm_backend", "kvtrace.replay.variants",
+                                                 "kvtrace.replay.vllm_engine"):
         return "vllm only in the real-vLLM backend"
     if root(imp.module) == "torch" and not name.startswith("kvtrace.replay.execute"):
         return "torch only in the execute mode"

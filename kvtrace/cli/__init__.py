@@ -20,6 +20,14 @@ from kvtrace.errors import KvtraceError
 COMMAND_MODULES = {
     "info": "info",
     "cat": "cat",
+    "load": "load",
+    "sql": "sql",
+    "report": "report",
+    "capture": "capture",
+    "synth": "synth",
+    "importcmd": "import",
+    "replay": "replay",
+    "engine": "engine",
 }
 
 

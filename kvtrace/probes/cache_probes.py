@@ -196,6 +196,7 @@ class CacheProbes:
         self.num_failures = 0
         self._req_number = req_number
         self._reqs: dict[str, int] = {}
+        self._num_requests = 0
         self._num_reported_hashes: dict[str, int] = {}
         self._salt_ids: dict[str, int] = {}
         self._depth: dict[int, int] = {}  # hash id -> prefix length in tokens it covers
@@ -291,8 +292,11 @@ class CacheProbes:
         req = self._reqs.get(request_id)
         hashes = request.block_hashes
         if req is None:
+            # A counter, not len(self._reqs): finished requests are forgotten, and a reused
+            # number would merge two requests in the trace.
             req = self._reqs[request_id] = (self._req_number(request_id) if self._req_number
-                                            else len(self._reqs))
+                                            else self._num_requests)
+            self._num_requests += 1
             num_prompt_units = min(request.num_prompt_tokens // hash_block_size, len(hashes))
             self._emit(RequestArrived(
                 req, request.num_prompt_tokens,

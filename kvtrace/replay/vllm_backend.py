@@ -60,11 +60,13 @@ class VllmBackend:
 
     ``hash_ids_from_bytes`` (default True) keeps the workload's hash ids in the records; False
     re-interns them densely in order of first appearance, as a live capture numbers them.
+    ``sink`` None arms no probes on this pool, so a live capture's process-wide probes (which
+    a pool's own probe set would take precedence over) see the calls (``kvtrace engine``).
     """
 
     backend_name = "vllm"
 
-    def __init__(self, config: EngineConfig, variant: str, sink: RecordSink, *,
+    def __init__(self, config: EngineConfig, variant: str, sink: RecordSink | None, *,
                  hash_ids_from_bytes: bool = True) -> None:
         self.config = config
         self.variant = get_variant(variant)
@@ -73,7 +75,7 @@ class VllmBackend:
         self.manager = _build_manager(config)
         for manager in self.manager.coordinator.single_type_managers:
             self.variant.install(manager)
-        self.probes = CacheProbes(
+        self.probes = None if sink is None else CacheProbes(
             sink, EncodedHashIds() if hash_ids_from_bytes else _ByteInterner(),
             req_number=int, created_ns=0).arm(self.manager.block_pool)
         self._requests: dict[int, Any] = {}
@@ -83,7 +85,8 @@ class VllmBackend:
     # --- CacheBackend ---------------------------------------------------------------------------
 
     def new_step(self, step: int, ts_ns: int) -> None:
-        self.probes.announce_step(step, ts_ns)
+        if self.probes is not None:
+            self.probes.announce_step(step, ts_ns)
         self.manager.new_step_starts()
 
     def add_request(self, req: int, prompt_len: int, hash_ids: list[int], max_tokens: int,
@@ -196,7 +199,8 @@ class VllmBackend:
 
     def close(self) -> None:
         """Disarm the probes (the last backend alive restores vLLM's original methods)."""
-        self.probes.disarm()
+        if self.probes is not None:
+            self.probes.disarm()
 
     def __enter__(self) -> "VllmBackend":
         return self

@@ -1,0 +1,340 @@
+"""The in-engine half of capture: runs inside a vLLM engine-core process.
+
+``CaptureSession.start()`` arms the shared probes on the real vLLM classes (refusing before
+anything is patched if a signature differs from the supported version), and from then on every
+wrapped call hands a record to ``_enqueue``, which only appends to a bounded deque. A writer
+thread drains the deque, encodes and writes the trace. When the deque is full the record is
+dropped and counted, and an ``EventsDropped`` marker goes where the gap is: the scheduler thread
+never waits for the disk. ``stop()`` disarms (restoring every original function object), drains,
+and closes the trace with its drop count.
+
+Nothing here may raise into vLLM: the probes swallow their own failures; a writer that fails
+(disk full, a broken sink) disarms the probes from its own thread and records the error for
+``status()``.
+
+Imports: stdlib, msgspec, kvtrace.events/traceio/probes; vLLM only inside functions.
+"""
+
+from __future__ import annotations
+
+import collections
+import gc
+import os
+import socket
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from kvtrace import __version__
+from kvtrace.errors import KvtraceError
+from kvtrace.events import (
+    EngineConfig,
+    EventsDropped,
+    HashInterner,
+    KVCacheGroup,
+    Record,
+    TraceHeader,
+)
+from kvtrace.traceio import TraceWriter
+
+DEFAULT_BUFFER_CAPACITY = 1 << 18
+WRITER_POLL_S = 0.02
+# Records handed to the TraceWriter per drain: bounds the writer thread's GIL hold.
+DRAIN_CHUNK = 4096
+
+
+class AlreadyCapturingError(KvtraceError):
+    default_hint = "Stop the running capture first: kvtrace capture --stop PID."
+
+
+@dataclass
+class CaptureOptions:
+    """What the operator asked for; travels over the control channel as a dict."""
+
+    path: str
+    hash_bytes: bool = True
+    buffer_capacity: int = DEFAULT_BUFFER_CAPACITY
+    gpu_interval_ms: int = 1000
+
+    @classmethod
+    def from_dict(cls, data: dict) -> CaptureOptions:
+        known = {k: v for k, v in data.items() if k in cls.__dataclass_fields__}
+        return cls(**known)
+
+
+def process_title() -> str:
+    """The title vLLM gave this process (``VLLM::EngineCore...``), else its command name."""
+    try:
+        with open("/proc/self/cmdline", "rb") as cmdline:
+            return cmdline.read().split(b"\0")[0].decode(errors="replace")
+    except OSError:
+        return os.path.basename(sys.argv[0]) if sys.argv else ""
+
+
+def vllm_version() -> str:
+    try:
+        import vllm
+
+        return getattr(vllm, "__version__", "")
+    except ImportError:
+        return ""
+
+
+def find_kv_cache_managers() -> list[Any]:
+    """Every live vLLM ``KVCacheManager`` in this process (normally one per engine core).
+
+    Looked for first among the objects the running threads' frames hold (the engine core's
+    busy loop holds its scheduler, which holds the manager): cheap. Only if that finds none is
+    the garbage collector's object list scanned, a pause of a few tenths of a second."""
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+
+    found: dict[int, Any] = {}
+    for frame in sys._current_frames().values():
+        while frame is not None:
+            for value in list(frame.f_locals.values()):
+                _collect_managers(value, KVCacheManager, found, depth=3)
+            frame = frame.f_back
+    if not found:
+        found = {id(obj): obj for obj in gc.get_objects() if type(obj) is KVCacheManager}
+    return list(found.values())
+
+
+def _collect_managers(value: Any, manager_type: type, found: dict[int, Any], depth: int) -> None:
+    if isinstance(value, manager_type):
+        found[id(value)] = value
+        return
+    attributes = getattr(value, "__dict__", None)
+    if depth == 0 or not isinstance(attributes, dict) or isinstance(value, type):
+        return
+    for attribute in list(attributes.values()):
+        if hasattr(attribute, "__dict__") and not callable(attribute):
+            _collect_managers(attribute, manager_type, found, depth - 1)
+
+
+def engine_config_of(manager: Any) -> EngineConfig:
+    """Read the engine's cache settings off a live ``KVCacheManager`` (vLLM 0.33 attributes)."""
+    config = manager.kv_cache_config
+    groups = []
+    for (kind, _sliding_window), group in zip(manager.kv_cache_event_metadata, config.kv_cache_groups):
+        spec = group.kv_cache_spec
+        groups.append(KVCacheGroup(
+            kind=kind,
+            block_size=spec.block_size,
+            mamba_cache_mode=getattr(spec, "mamba_cache_mode", "") or "",
+            num_prefill_checkpoint_blocks=getattr(spec, "num_prefill_checkpoint_blocks", 0) or 0,
+            prefill_checkpoint_alignment=getattr(spec, "prefill_checkpoint_alignment", None),
+        ))
+    coordinator = manager.coordinator
+    hash_block_size = config.hash_block_size or getattr(coordinator, "hash_block_size", 0)
+    return EngineConfig(
+        kv_cache_groups=groups,
+        hash_block_size=hash_block_size,
+        num_gpu_blocks=config.num_blocks,
+        retention_interval=config.prefix_cache_retention_interval,
+        enable_caching=manager.enable_caching,
+        use_eagle=manager.use_eagle,
+        max_model_len=manager.max_model_len,
+    )
+
+
+def engine_variant(manager: Any) -> str:
+    """The checkpoint variant kvtrace's own engine installed, else the vLLM's own code."""
+    for single_type_manager in manager.coordinator.single_type_managers:
+        variant = getattr(single_type_manager, "kvtrace_variant", None)
+        if variant:
+            return variant
+    return "upstream"
+
+
+class CaptureSession:
+    """One capture to one trace file; at most one per process (see ``active_session``)."""
+
+    def __init__(self, options: CaptureOptions) -> None:
+        self.options = options
+        self.num_enqueued = 0
+        self.num_dropped = 0
+        self.error: str | None = None
+        self.started_ns = 0
+        self._unmarked_drops = 0
+        self._buffer: collections.deque[Record] = collections.deque()
+        self._capacity = options.buffer_capacity
+        self._stop = threading.Event()
+        self._writer: TraceWriter | None = None
+        self._writer_thread: threading.Thread | None = None
+        self._probes: Any = None
+        self._telemetry: Any = None
+        self._stopped = False
+
+    # --- the hot path: runs on vLLM's scheduler thread ---------------------------------------
+
+    def _enqueue(self, record: Record) -> None:
+        buffer = self._buffer
+        if len(buffer) >= self._capacity:
+            self.num_dropped += 1
+            self._unmarked_drops += 1
+            return
+        if self._unmarked_drops:
+            buffer.append(EventsDropped(self._unmarked_drops, time.time_ns() - self.started_ns))
+            self._unmarked_drops = 0
+        buffer.append(record)
+        self.num_enqueued += 1
+
+    # --- lifecycle ------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Check, patch, and start writing; raise ``KvtraceError`` with nothing changed on failure."""
+        from kvtrace.probes import CacheProbes, probe_targets
+
+        probe_targets()  # signature check before anything else happens
+        managers = find_kv_cache_managers()
+        config = engine_config_of(managers[0]) if managers else None
+        self.started_ns = time.time_ns()
+        header = TraceHeader(
+            kvtrace_version=__version__,
+            created_ns=self.started_ns,
+            source="capture",
+            config=config,
+            vllm_version=vllm_version(),
+            pid=os.getpid(),
+            host=socket.gethostname(),
+            process_title=process_title(),
+            cmdline=list(sys.argv),
+            includes_hash_bytes=self.options.hash_bytes,
+            params={"buffer_capacity": str(self._capacity),
+                    "num_kv_cache_managers": str(len(managers)),
+                    "variant": engine_variant(managers[0]) if managers else "upstream"},
+        )
+        try:
+            self._writer = TraceWriter(self.options.path, header)
+        except OSError as error:
+            raise KvtraceError(f"cannot write the trace {self.options.path}: {error.strerror}",
+                               "Pick an -o path the engine process can write to.") from None
+        self._probes = CacheProbes(self._enqueue, HashInterner(), created_ns=self.started_ns,
+                                   emit_hash_bytes=self.options.hash_bytes)
+        try:
+            self._probes.arm()
+        except BaseException:
+            self._writer.abandon()
+            raise
+        self._writer_thread = threading.Thread(target=self._write_loop, name="kvtrace-writer",
+                                               daemon=True)
+        self._writer_thread.start()
+        self._telemetry = _start_telemetry(self)
+
+    def _write_loop(self) -> None:
+        writer = self._writer
+        try:
+            while not self._stop.is_set():
+                if not self._drain(writer):
+                    self._stop.wait(WRITER_POLL_S)
+            while self._drain(writer):
+                pass
+            if self._unmarked_drops:  # drops after the last record still get their marker
+                writer.write(EventsDropped(self._unmarked_drops, time.time_ns() - self.started_ns))
+                self._unmarked_drops = 0
+            writer.close(num_dropped=self.num_dropped)
+        except BaseException as error:  # noqa: BLE001 - the engine must never see it
+            self.error = f"trace writer failed: {error!r}"
+            self._disarm_probes()
+            self.num_dropped += len(self._buffer)
+            self._buffer.clear()
+            try:
+                writer.abandon()
+            except Exception:  # noqa: BLE001
+                pass
+
+    def _drain(self, writer: TraceWriter) -> bool:
+        """Move up to one chunk from the buffer into the writer; False when it was empty."""
+        buffer = self._buffer
+        if not buffer:
+            writer.flush()
+            return False
+        popleft = buffer.popleft
+        chunk = [popleft() for _ in range(min(len(buffer), DRAIN_CHUNK))]
+        writer.write_many(chunk)
+        return True
+
+    def _disarm_probes(self) -> None:
+        if self._probes is not None:
+            self._probes.disarm()
+
+    def stop(self, timeout_s: float = 30.0) -> dict:
+        """Disarm, drain, close the trace; return the final status."""
+        if not self._stopped:
+            self._stopped = True
+            self._disarm_probes()
+            if self._telemetry is not None:
+                self._telemetry.stop()
+            self._stop.set()
+            if self._writer_thread is not None:
+                self._writer_thread.join(timeout_s)
+        return self.status()
+
+    def status(self) -> dict:
+        writer = self._writer
+        return {
+            "path": self.options.path,
+            "pid": os.getpid(),
+            "armed": not self._stopped and self.error is None,
+            "records": self.num_enqueued,
+            "written": writer.num_records if writer else 0,
+            "dropped": self.num_dropped,
+            "buffered": len(self._buffer),
+            "probe_failures": self._probes.num_failures if self._probes else 0,
+            "bytes": _file_size(self.options.path),
+            "gpu": self._telemetry.description if self._telemetry else "",
+            "error": self.error,
+            "started_ns": self.started_ns,
+        }
+
+
+def _file_size(path: str) -> int:
+    try:
+        return os.path.getsize(path)
+    except OSError:
+        return 0
+
+
+def _start_telemetry(session: CaptureSession) -> Any:
+    from kvtrace.capture.telemetry import GpuSampler
+
+    sampler = GpuSampler(session._enqueue, session.started_ns, session.options.gpu_interval_ms)
+    sampler.start()
+    return sampler
+
+
+# --- the process's one capture ------------------------------------------------------------------
+
+_lock = threading.Lock()
+_active: CaptureSession | None = None
+
+
+def active_session() -> CaptureSession | None:
+    return _active
+
+
+def arm(options: CaptureOptions) -> dict:
+    """Start this process's capture; refuse a second one."""
+    global _active
+    with _lock:
+        if _active is not None and _active.status()["armed"]:
+            raise AlreadyCapturingError(
+                f"pid {os.getpid()} is already capturing to {_active.options.path}")
+        session = CaptureSession(options)
+        session.start()
+        _active = session
+        return session.status()
+
+
+def disarm() -> dict:
+    """Stop this process's capture (a no-op report if none runs)."""
+    global _active
+    with _lock:
+        session = _active
+        if session is None:
+            return {"armed": False, "pid": os.getpid()}
+        status = session.stop()
+        _active = None
+        return status

@@ -1,0 +1,31 @@
+"""kvtrace's vLLM plugin (entry point ``vllm.general_plugins``): a dormant capture hook.
+
+vLLM calls ``register()`` in each of its processes as they start (``load_general_plugins``).
+In an engine-core process (title ``VLLM::EngineCore...``) it starts kvtrace's private control
+server and patches nothing: probes are armed only when ``kvtrace capture`` asks over the socket
+(or on SIGUSR1). Elsewhere it does nothing. ``KVTRACE_PLUGIN=0`` disables it;
+``KVTRACE_PLUGIN=force`` starts it in any process (an in-process ``LLM`` engine has no title).
+It never raises into vLLM.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+ENGINE_CORE_TITLE = "::EngineCore"
+
+
+def register() -> None:
+    mode = os.environ.get("KVTRACE_PLUGIN", "1")
+    if mode == "0":
+        return
+    try:
+        from kvtrace.capture.control import start_control_server
+        from kvtrace.capture.hook import process_title
+
+        if mode != "force" and ENGINE_CORE_TITLE not in process_title():
+            return
+        start_control_server(origin="plugin")
+    except Exception as error:  # noqa: BLE001 - a plugin must never break vLLM's start-up
+        print(f"kvtrace: plugin disabled in pid {os.getpid()}: {error}", file=sys.stderr)

@@ -1,0 +1,224 @@
+"""``kvtrace capture``: record what a live vLLM engine's prefix cache does."""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+import time
+
+import click
+
+from kvtrace.errors import KvtraceError
+
+STATUS_INTERVAL_S = 0.5
+
+
+def parse_duration(text: str | None) -> float | None:
+    """``90``, ``90s``, ``10m``, ``1h`` -> seconds."""
+    if text is None:
+        return None
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smh]?)\s*", text)
+    if not match:
+        raise click.BadParameter(f"{text!r} is not a duration like 30s, 10m or 1h", param_hint="--duration")
+    return float(match.group(1)) * {"": 1, "s": 1, "m": 60, "h": 3600}[match.group(2)]
+
+
+@click.command("capture")
+@click.option("--pid", type=int, help="vLLM engine-core pid, or the API-server pid above it.")
+@click.option("--method", type=click.Choice(["auto", "plugin", "remote-exec", "gdb"]), default="auto",
+              show_default=True, help="How to get kvtrace's hook into the engine.")
+@click.option("--duration", help="Stop after this long (30s, 10m, 1h); default: until Ctrl-C.")
+@click.option("-o", "--output", type=click.Path(dir_okay=False), help="Trace file to write.")
+@click.option("--no-hash-bytes", is_flag=True, help="Leave hash bytes out (ids only): a trace to share.")
+@click.option("--buffer", "buffer_capacity", type=click.IntRange(min=1024), default=1 << 18,
+              show_default=True, help="Records the in-engine buffer holds before it drops.")
+@click.option("--gpu-interval-ms", type=click.IntRange(min=0), default=1000, show_default=True,
+              help="NVML sampling period (0: no GPU telemetry).")
+@click.option("--stop", "stop_pid", type=int, metavar="PID", help="Disarm a running capture in PID.")
+@click.option("--zmq", "zmq_endpoint", metavar="ENDPOINT",
+              help="Record vLLM's own KV events from a ZMQ publisher instead (tcp://HOST:PORT).")
+@click.option("--topic", default="", help="With --zmq: the topic to subscribe to.")
+@click.option("--bind", is_flag=True,
+              help="With --zmq: bind ENDPOINT (when vLLM's publisher connects out, i.e. its "
+                   "endpoint has no '*').")
+def command(pid, method, duration, output, no_hash_bytes, buffer_capacity, gpu_interval_ms,
+            stop_pid, zmq_endpoint, topic, bind) -> None:
+    """Capture a live engine's prefix-cache calls and effects into a trace.
+
+    Attaches to the engine core(s) behind --pid (an API-server pid finds its
+    VLLM::EngineCore children, one per data-parallel rank), arms kvtrace's probes there and
+    shows a live status line until Ctrl-C or --duration; then disarms, restoring every patched
+    vLLM function, and prints a summary. With several engine cores, each writes TRACE with its
+    rank in the name (prod.dp0.kvtrace, ...).
+
+    \b
+    Example:
+        kvtrace capture --pid 4242 --duration 10m -o prod.kvtrace
+        kvtrace capture --stop 4242
+        kvtrace capture --zmq tcp://127.0.0.1:5557 --duration 60s -o events.kvtrace
+    """
+    chosen = [name for name, value in (("--pid", pid), ("--stop", stop_pid), ("--zmq", zmq_endpoint))
+              if value is not None]
+    if len(chosen) != 1:
+        raise click.UsageError("give exactly one of --pid, --stop or --zmq")
+    seconds = parse_duration(duration)
+    if stop_pid is not None:
+        _stop(stop_pid)
+        return
+    if output is None:
+        raise click.UsageError("-o/--output is required")
+    if zmq_endpoint is not None:
+        _capture_zmq(zmq_endpoint, output, seconds, topic, not no_hash_bytes, bind)
+        return
+    options = {"hash_bytes": not no_hash_bytes, "buffer_capacity": buffer_capacity,
+               "gpu_interval_ms": gpu_interval_ms}
+    _capture_pid(pid, method, output, seconds, options)
+
+
+def _log(message: str) -> None:
+    from kvtrace.cli import verbosity
+
+    if verbosity() >= 1 and message.strip():
+        click.echo(message.rstrip(), err=True)
+
+
+def _output_path(output: str, target, num_targets: int) -> str:
+    path = os.path.abspath(output)
+    if num_targets == 1:
+        return path
+    stem, ext = os.path.splitext(path)
+    return f"{stem}.{target.rank_suffix or target.pid}{ext or '.kvtrace'}"
+
+
+def _capture_pid(pid: int, method: str, output: str, seconds: float | None, options: dict) -> None:
+    from kvtrace.capture import attach
+
+    targets = attach.find_engine_cores(pid)
+    sessions = []
+    try:
+        for target in targets:
+            way_in = attach.ensure_hook(target, method, _log)
+            path = _output_path(output, target, len(targets))
+            attach.arm(target, {**options, "path": path})
+            sessions.append((target, path))
+            click.echo(f"kvtrace: capturing pid {target.pid} ({target.title}) via {way_in} -> {path}",
+                       err=True)
+        finals, died = _watch(sessions, seconds)
+    finally:
+        # Whatever happened (Ctrl-C included), no engine is left armed by us.
+        for target, _ in sessions:
+            if attach.is_alive(target.pid):
+                try:
+                    attach.disarm(target)
+                except KvtraceError:
+                    pass
+    for target, path in sessions:
+        _print_summary(target, path, finals.get(target.pid))
+    if died:
+        _raise_died(died)
+
+
+def _watch(sessions, seconds: float | None) -> tuple[dict, list]:
+    """Show a status line until Ctrl-C, the duration, or the death of a target."""
+    from kvtrace.capture import attach
+
+    started = time.monotonic()
+    last: dict[int, dict] = {}
+    died: list = []
+    interactive = sys.stderr.isatty()
+    previous_records, previous_time = 0, started
+    try:
+        while seconds is None or time.monotonic() - started < seconds:
+            time.sleep(STATUS_INTERVAL_S)
+            for target, path in sessions:
+                if not attach.is_alive(target.pid):
+                    died.append((target, path))
+                    continue
+                try:
+                    last[target.pid] = attach.status(target)
+                except KvtraceError:
+                    if not attach.is_alive(target.pid):
+                        died.append((target, path))
+                        continue
+                    raise
+            if died:
+                break
+            errors = [s["error"] for s in last.values() if s.get("error")]
+            if errors:
+                raise KvtraceError(f"the capture stopped inside the engine: {errors[0]}",
+                                   "The engine was not affected; check the disk and the -o path.")
+            records = sum(s["records"] for s in last.values())
+            now = time.monotonic()
+            rate = (records - previous_records) / max(now - previous_time, 1e-9)
+            previous_records, previous_time = records, now
+            if interactive:
+                line = (f"\r{now - started:7.1f}s  {records:>12,} records  {rate:>10,.0f}/s  "
+                        f"dropped {sum(s['dropped'] for s in last.values()):,}  "
+                        f"{sum(s['bytes'] for s in last.values()) / 2**20:8.1f} MiB")
+                click.echo(line, err=True, nl=False)
+    except KeyboardInterrupt:
+        pass
+    if interactive:
+        click.echo("", err=True)
+    finals = {}
+    for target, _ in sessions:
+        if (target, _) in died:
+            continue
+        try:
+            finals[target.pid] = attach.disarm(target)
+        except KvtraceError:
+            if not attach.is_alive(target.pid):
+                died.append((target, _))
+    return finals, died
+
+
+def _print_summary(target, path: str, final: dict | None) -> None:
+    if final is None:
+        return
+    click.echo(f"kvtrace: pid {target.pid}: {final['written']:,} records written, "
+               f"{final['dropped']:,} dropped, {final['bytes'] / 2**20:.1f} MiB -> {path}")
+    if final.get("gpu"):
+        click.echo(f"kvtrace: pid {target.pid}: {final['gpu']}")
+
+
+def _raise_died(died) -> None:
+    from kvtrace.traceio import TraceReader
+
+    target, path = died[0]
+    try:
+        reader = TraceReader(path)
+        recovered = sum(len(batch) for batch in reader.batches())
+        held = f"{path} holds the {recovered:,} records written before it died"
+    except KvtraceError as error:
+        held = f"nothing could be recovered from {path} ({error})"
+    raise KvtraceError(f"target pid {target.pid} died during the capture; {held}",
+                       "The trace is usable up to the cut (kvtrace info shows it as truncated).")
+
+
+def _stop(pid: int) -> None:
+    from kvtrace.capture import attach
+
+    for target in attach.find_engine_cores(pid):
+        final = attach.disarm(target)
+        if not final.get("path"):
+            click.echo(f"kvtrace: pid {target.pid} was not capturing")
+            continue
+        _print_summary(target, final["path"], final)
+
+
+def _capture_zmq(endpoint: str, output: str, seconds: float | None, topic: str, hash_bytes: bool,
+                 bind: bool) -> None:
+    from kvtrace.capture.zmq_source import capture_zmq
+
+    click.echo(f"kvtrace: {'listening on' if bind else 'subscribing to'} vLLM KV events at "
+               f"{endpoint} -> {output} (this source has no request ids, block ids or removal "
+               "reasons)", err=True)
+    stats = capture_zmq(endpoint, output, duration_s=seconds, topic=topic, hash_bytes=hash_bytes,
+                        bind=bind)
+    click.echo(f"kvtrace: {stats.batches:,} batches, {stats.records:,} records "
+               f"({stats.stores:,} stores, {stats.removals:,} removals), "
+               f"{stats.dropped_batches:,} batches dropped -> {output}")
+    if stats.batches == 0:
+        click.echo("kvtrace: warning: no KV events arrived; check the endpoint, the topic and "
+                   "that vLLM runs with --kv-events-config enable_kv_cache_events", err=True)

@@ -1,0 +1,56 @@
+"""``kvtrace engine``: a live CPU engine process (vLLM 0.33's real cache) to capture from."""
+
+from __future__ import annotations
+
+import click
+
+
+@click.command("engine")
+@click.argument("workload", type=click.Path(dir_okay=False))
+@click.option("--variant", default="upstream", show_default=True, metavar="NAME",
+              help="Checkpoint variant the engine runs: upstream (the installed vLLM), "
+                   "unfixed, fixed, naive.")
+@click.option("--num-gpu-blocks", type=click.IntRange(min=1), default=None,
+              help="Block pool size (default: the workload's).")
+@click.option("--retention", default=None, metavar="none|0|N",
+              help="prefix-cache retention interval: none (dense), 0 (latest-only) or N tokens "
+                   "(default: the workload's).")
+@click.option("--speed", type=click.FloatRange(min=0), default=1.0, show_default=True,
+              help="Virtual seconds per wall second (10: ten times faster); 0: no waiting.")
+@click.option("--autostart", is_flag=True,
+              help="Run the workload at once instead of waiting for 'start' on stdin.")
+@click.option("--summary-json", type=click.Path(dir_okay=False), default=None,
+              help="Write the run's figures (requests, hit tokens, hit rate, steps, wall time) "
+                   "as JSON to this file when the workload is done.")
+def command(workload: str, variant: str, num_gpu_blocks: int | None, retention: str | None,
+            speed: float, autostart: bool, summary_json: str | None) -> None:
+    """Run WORKLOAD through the real vLLM prefix cache as a live engine-core process.
+
+    The process titles itself VLLM::EngineCore, loads vLLM's general plugins (an installed
+    kvtrace plugin included), prints "kvtrace engine: pid N ready (...)" and idles until a
+    line "start" on stdin (or --autostart); it then replays the workload's arrivals in
+    accelerated real time under kvtrace's scheduler model, prints "kvtrace engine: done (...)"
+    and idles again. "quit", end of input, SIGTERM or SIGINT make it exit (status 0).
+    There is no model: a step is only scheduling and cache work.
+
+    \b
+    Examples:
+        kvtrace engine agent.kvtrace --variant unfixed --speed 10
+        kvtrace engine agent.kvtrace --autostart --speed 0 --summary-json run.json
+    """
+    import msgspec
+
+    from kvtrace.cli.replay import _write_atomically
+    from kvtrace.replay.run import KEEP, parse_retention
+    from kvtrace.replay.vllm_engine import EngineOptions, run_engine
+
+    options = EngineOptions(
+        source=workload, variant=variant, num_gpu_blocks=num_gpu_blocks,
+        retention_interval=KEEP if retention is None else parse_retention(retention),
+        speed=speed)
+
+    def write_summary(summary: dict) -> None:
+        _write_atomically(summary_json, msgspec.json.format(msgspec.json.encode(summary),
+                                                            indent=2) + b"\n")
+
+    run_engine(options, autostart=autostart, on_done=write_summary if summary_json else None)
