@@ -20,3 +20,10 @@ def test_every_command_has_help_with_an_example(command):
     result = CliRunner().invoke(cli, [*command.split(), "--help"])
     assert result.exit_code == 0, result.output
     assert "Example" in result.output
+
+
+def test_every_shipped_query_is_documented():
+    from kvtrace.analysis.queries import shipped_queries
+
+    for name in shipped_queries():
+        assert f"| `{name}` |" in README, f"README lacks the query {name}"

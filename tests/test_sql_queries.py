@@ -3,32 +3,43 @@
 from __future__ import annotations
 
 import re
+import sys
 from importlib import resources
+from pathlib import Path
 
 import pytest
 
 from kvtrace.analysis.database import open_database
 from kvtrace.analysis.load import load_traces
 from kvtrace.analysis.queries import shipped_queries, run_query
-from kvtrace.traceio import write_trace
+from kvtrace.traceio import read_records
 
-from test_analysis_scenario import header, scenario
+from test_analysis_scenario import header
+
+sys.path.insert(0, str(Path(__file__).parent / "data"))
+from make_golden import forensics_records  # noqa: E402
 
 EXPECTED = {"prefix_hotness", "checkpoint_pushouts", "lost_hits_by_prefix", "hit_rate_timeline",
             "eviction_causes", "checkpoint_publications", "stale_key_hazards", "cache_occupancy"}
 
 
+GOLDEN = [Path(__file__).parent / "data" / f"forensics-v1-{v}.kvtrace" for v in ("unfixed", "fixed")]
+
+
+def test_golden_forensics_traces_hold_the_scenario():
+    """The golden files (tests/data/make_golden.py) are the hand-built scenario, decoded."""
+    for path, variant in zip(GOLDEN, ("unfixed", "fixed")):
+        reader, records = read_records(path)
+        assert reader.header == header(variant)
+        assert records == forensics_records(variant)
+
+
 @pytest.fixture(scope="module")
 def connection(tmp_path_factory):
-    from kvtrace.events import StaleKeyLeft
-
+    # The golden v1 replays of the scenario (the unfixed one with a stale-key hazard on block 4),
+    # so every query has rows to shape, and old traces keep loading.
     directory = tmp_path_factory.mktemp("q")
-    # The unfixed scenario plus a stale-key hazard on block 4, so every query has rows to shape.
-    records = scenario(unfixed=True)
-    records.insert(30, StaleKeyLeft(2, 1, 4, 103, 32, 48))
-    write_trace(directory / "unfixed.kvtrace", header("unfixed"), records)
-    write_trace(directory / "fixed.kvtrace", header("fixed"), scenario(unfixed=False))
-    load_traces([directory], directory / "q.duckdb")
+    load_traces(GOLDEN, directory / "q.duckdb")
     connection = open_database(directory / "q.duckdb")
     yield connection
     connection.close()

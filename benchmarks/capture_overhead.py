@@ -1,0 +1,131 @@
+"""What a live capture costs the engine: step time armed vs not, and ns per wrapped call.
+
+Runs the engine loop of ``kvtrace engine`` (kvtrace's scheduler model over the real vLLM 0.33
+``KVCacheManager``, no probes of its own) on one workload, alternating runs with a capture
+armed (the real in-engine hook: probes, bounded buffer, writer thread, trace file) and runs
+without, in one process. A step here is only scheduling and cache work; on a GPU deployment the
+model's forward makes a step 10-100x longer, so the script also says what the measured extra time
+per step would add to a 30 ms step.
+
+Targets (issue "Capture"): <= 1 us per wrapped call; step-time ratio <= 1.10 on this CPU engine.
+
+    .venv/bin/python benchmarks/capture_overhead.py [--requests 300] [--repeats 5] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+GPU_STEP_S = 0.030
+
+
+def engine_run(workload, config, settings, capture_path: str | None) -> tuple[float, int]:
+    """One run of the engine loop; (seconds spent in scheduler steps, number of steps)."""
+    from kvtrace.capture import hook
+    from kvtrace.replay.scheduler import Scheduler
+    from kvtrace.replay.vllm_backend import VllmBackend
+
+    with VllmBackend(config, "upstream", None) as backend:
+        if capture_path is not None:
+            hook.arm(hook.CaptureOptions(path=capture_path, gpu_interval_ms=0))
+        scheduler = Scheduler(backend, config, settings)
+        started = time.perf_counter()
+        stats = scheduler.run(list(workload))
+        elapsed = time.perf_counter() - started
+        if capture_path is not None:
+            final = hook.disarm()
+            assert final["dropped"] == 0 and final["error"] is None, final
+    return elapsed, stats.steps
+
+
+def count_wrapped_calls(workload, config, settings) -> int:
+    """Wrapped-method calls in one run: each wrapper of the probes, counted while armed."""
+    from kvtrace.probes import cache_probes
+
+    calls = 0
+    original = cache_probes._make_wrapper
+
+    def counting_wrapper(method_name, function):
+        wrapped = original(method_name, function)
+
+        def counted(*args, **kwargs):
+            nonlocal calls
+            calls += 1
+            return wrapped(*args, **kwargs)
+
+        return counted
+
+    cache_probes._make_wrapper = counting_wrapper
+    try:
+        engine_run(workload, config, settings, os.path.join(tempfile.mkdtemp(), "count.kvtrace"))
+    finally:
+        cache_probes._make_wrapper = original
+    return calls
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--requests", type=int, default=300)
+    parser.add_argument("--preset", default="agent")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+
+    from kvtrace.replay.scheduler import SchedulerSettings, arrivals_of
+    from kvtrace.replay.workloads import EngineShape, synthesize, write_workload
+    from kvtrace.traceio import read_records
+
+    directory = tempfile.mkdtemp(prefix="kvtrace-bench-")
+    source = os.path.join(directory, "workload.kvtrace")
+    shape = EngineShape()
+    write_workload(source, synthesize(args.preset, args.requests, 0, shape.hash_unit), shape)
+    reader, records = read_records(source)
+    config = reader.header.config
+    settings = SchedulerSettings.from_config(config)
+    workload = arrivals_of(records)
+
+    engine_run(workload, config, settings, None)  # warm-up: imports, caches
+    calls = count_wrapped_calls(workload, config, settings)
+    bare, armed = [], []
+    for repeat in range(args.repeats):
+        bare.append(engine_run(workload, config, settings, None))
+        armed.append(engine_run(workload, config, settings,
+                                os.path.join(directory, f"capture-{repeat}.kvtrace")))
+    steps = bare[0][1]
+    bare_s = statistics.median(t for t, _ in bare)
+    armed_s = statistics.median(t for t, _ in armed)
+    per_call_ns = (armed_s - bare_s) / calls * 1e9
+    extra_per_step_s = (armed_s - bare_s) / steps
+    results = {
+        "requests": args.requests, "preset": args.preset, "steps": steps, "wrapped_calls": calls,
+        "bare_step_us": bare_s / steps * 1e6, "armed_step_us": armed_s / steps * 1e6,
+        "step_time_ratio": armed_s / bare_s, "ns_per_wrapped_call": per_call_ns,
+        "extra_per_step_us": extra_per_step_s * 1e6,
+        "fraction_of_30ms_step": extra_per_step_s / GPU_STEP_S,
+    }
+    checks = {"<= 1 us per wrapped call": per_call_ns <= 1000,
+              "step-time ratio <= 1.10": results["step_time_ratio"] <= 1.10}
+    results["targets_met"] = all(checks.values())
+    if args.json:
+        print(json.dumps(results, indent=2))
+    else:
+        print(f"{args.preset}, {args.requests} requests: {steps:,} steps, {calls:,} wrapped calls "
+              f"per run; median of {args.repeats} alternating runs")
+        print(f"  step time      {results['bare_step_us']:8.1f} us bare, "
+              f"{results['armed_step_us']:8.1f} us captured  (ratio {results['step_time_ratio']:.3f})")
+        print(f"  per call       {per_call_ns:8.0f} ns per wrapped call")
+        print(f"  on a GPU step  +{results['extra_per_step_us']:.1f} us per step = "
+              f"{results['fraction_of_30ms_step'] * 100:.3f}% of a 30 ms step")
+        for name, ok in checks.items():
+            print(f"  {'PASS' if ok else 'FAIL'}  {name}")
+    return 0 if results["targets_met"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
