@@ -5,7 +5,7 @@ venv:
 	@scripts/bootstrap
 
 demo: venv
-	.venv/bin/kvtrace --help
+	.venv/bin/kvtrace demo
 
 test: venv
 	.venv/bin/python -m pytest

@@ -10,6 +10,7 @@ from __future__ import annotations
 import base64
 import html
 import io
+import os
 from dataclasses import dataclass
 
 from kvtrace.analysis.queries import Result, run_query
@@ -41,6 +42,25 @@ def collect(connection, *, bucket_steps: int = 10, min_hits: int = 2) -> ReportD
         occupancy=run_query(connection, "cache_occupancy",
                             {"min_hits": str(min_hits), "bucket_steps": str(bucket_steps)}),
     )
+
+
+def report_database(db: str, html_path: str | None = None, *, bucket_steps: int = 10,
+                    min_hits: int = 2) -> str:
+    """The terminal report of ``db``; with ``html_path``, also write the HTML report there
+    (atomically)."""
+    from kvtrace.analysis.database import open_database
+
+    connection = open_database(db)
+    try:
+        data = collect(connection, bucket_steps=bucket_steps, min_hits=min_hits)
+    finally:
+        connection.close()
+    if html_path:
+        partial = f"{html_path}.partial"
+        with open(partial, "w", encoding="utf-8") as out:
+            out.write(render_html(data, f"kvtrace report: {os.path.basename(db)}"))
+        os.replace(partial, html_path)
+    return render_text(data)
 
 
 def _overall_hit_rates(timeline: Result) -> Result:

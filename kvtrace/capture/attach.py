@@ -196,10 +196,18 @@ def _raise_bootstrap_error(target: Target, error_file: Path) -> None:
             executable = report.get("executable") or "unknown"
         raise AttachError(
             f"kvtrace is not importable in pid {target.pid}'s Python ({executable})",
-            "Install kvtrace into vLLM's environment (pip install kvtrace) and attach again.")
+            f"Install it into vLLM's environment ({executable} -m pip install {_kvtrace_source()}) "
+            "and attach again.")
     raise AttachError(f"kvtrace failed to start in pid {target.pid}: "
                       f"{report.get('kind')}: {report.get('error')}",
                       "Run with -v to see the target's traceback.")
+
+
+def _kvtrace_source() -> str:
+    """Where this kvtrace is installed from (a checkout, for an editable install)."""
+    import kvtrace
+
+    return str(Path(kvtrace.__file__).resolve().parent.parent)
 
 
 def _inject_remote_exec(target: Target, script: Path) -> None:

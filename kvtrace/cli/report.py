@@ -20,20 +20,8 @@ def command(db: str, html_path: str | None, bucket_steps: int, min_hits: int) ->
     Example:
         kvtrace report prod.duckdb --html report.html
     """
-    import os
+    from kvtrace.analysis.report import report_database
 
-    from kvtrace.analysis.database import open_database
-    from kvtrace.analysis.report import collect, render_html, render_text
-
-    connection = open_database(db)
-    try:
-        data = collect(connection, bucket_steps=bucket_steps, min_hits=min_hits)
-    finally:
-        connection.close()
-    click.echo(render_text(data), nl=False)
+    click.echo(report_database(db, html_path, bucket_steps=bucket_steps, min_hits=min_hits), nl=False)
     if html_path:
-        partial = f"{html_path}.partial"
-        with open(partial, "w", encoding="utf-8") as out:
-            out.write(render_html(data, f"kvtrace report: {os.path.basename(db)}"))
-        os.replace(partial, html_path)
         click.echo(f"wrote {html_path}")

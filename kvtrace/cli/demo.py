@@ -1,0 +1,185 @@
+"""``kvtrace demo``: the whole forensics loop on a bundled workload, in one command."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import click
+
+# Shared system prompts (8, Zipf-popular, ~512 tokens) in front of ~1k-token questions: with a
+# 1k-token budget most prompts prefill in two chunks, so each leaves one mid-prompt checkpoint
+# behind - and the pool is small enough that the cache must choose what to keep.
+DEMO_WORKLOAD = {"preset": "shared-prompt", "system_prompts": 8, "system_prompt_len": 512,
+                 "prompt_len": 1024}
+DEMO_POOL = {"full": (200, 300), "quick": (100, 300)}  # requests, num_gpu_blocks
+ENGINE_TIMEOUT_S = 180
+
+
+class Stages:
+    """Numbered stage lines with their duration: "[3/8] Capturing ... done (2.1 s)"."""
+
+    def __init__(self, total: int) -> None:
+        self.total, self.number, self.started = total, 0, 0.0
+
+    def start(self, title: str) -> None:
+        self.number += 1
+        self.started = time.monotonic()
+        click.echo(click.style(f"[{self.number}/{self.total}] ", bold=True) + title + " ...", err=True)
+
+    def done(self, detail: str = "") -> None:
+        elapsed = time.monotonic() - self.started
+        click.echo(f"      {detail + ' ' if detail else ''}({elapsed:.1f} s)", err=True)
+
+
+@click.command("demo")
+@click.option("--workdir", type=click.Path(file_okay=False), default="kvtrace-demo",
+              show_default=True, help="Where the workload, traces, database and report go.")
+@click.option("--quick", is_flag=True, help="A smaller workload (about a minute; used by the tests).")
+def command(workdir: str, quick: bool) -> None:
+    """Run the whole forensics loop on a synthetic hybrid-KDA workload.
+
+    Generates a workload with shared system prompts under memory pressure at retention 0;
+    starts `kvtrace engine` running the unfixed (pre-#56794) checkpoint logic on the real
+    vLLM 0.33 cache; attaches `kvtrace capture --pid` to it; replays the capture in lockstep
+    (fidelity) and the workload under unfixed and fixed; loads everything into DuckDB; prints
+    the report and writes it as HTML. The engine is stopped whatever happens.
+
+    \b
+    Example:
+        kvtrace demo
+        kvtrace demo --quick --workdir /tmp/kvtrace-demo
+    """
+    from kvtrace.analysis.load import load_traces
+    from kvtrace.analysis.report import report_database
+    from kvtrace.errors import KvtraceError
+    from kvtrace.replay.run import ReplayOptions, replay
+    from kvtrace.replay.workloads import EngineShape, synthesize, write_workload
+
+    work = Path(workdir).resolve()
+    work.mkdir(parents=True, exist_ok=True)
+    num_requests, num_gpu_blocks = DEMO_POOL["quick" if quick else "full"]
+    workload, capture = work / "workload.kvtrace", work / "capture.kvtrace"
+    database, html = work / "demo.duckdb", work / "report.html"
+    stages = Stages(7)
+
+    stages.start(f"Generating a shared-prompt workload ({num_requests} requests, "
+                 f"{num_gpu_blocks} blocks, retention 0)")
+    shape = EngineShape(num_gpu_blocks=num_gpu_blocks)
+    overrides = {k: v for k, v in DEMO_WORKLOAD.items() if k != "preset"}
+    write_workload(workload, synthesize(DEMO_WORKLOAD["preset"], num_requests, 0, shape.hash_unit,
+                                        overrides), shape, cmdline=["kvtrace", "demo"])
+    stages.done(str(workload))
+
+    engine = EngineProcess(workload)
+    try:
+        stages.start("Starting `kvtrace engine` (real vLLM 0.33 cache, unfixed checkpoint logic)")
+        pid = engine.wait_ready()
+        stages.done(f"pid {pid}, process title VLLM::EngineCore")
+
+        stages.start(f"Attaching `kvtrace capture --pid {pid}` and running the workload")
+        records = _capture(pid, capture, engine)
+        stages.done(f"{records:,} records -> {capture}")
+    finally:
+        engine.stop()
+
+    stages.start("Replaying the capture in lockstep against the real vLLM cache (fidelity)")
+    fidelity = replay(ReplayOptions(source=str(capture), outdir=str(work / "fidelity"),
+                                    lockstep=True, verify=True)).fidelity
+    if fidelity.matched != fidelity.total:
+        raise KvtraceError(f"the capture did not replay faithfully: {fidelity.matched}/"
+                           f"{fidelity.total} effects matched; first divergence "
+                           f"{fidelity.first_divergence}", "Please report this as a kvtrace bug.")
+    stages.done(f"{fidelity.matched:,}/{fidelity.total:,} effect records match (100%)")
+
+    stages.start("Replaying the workload under unfixed and fixed (equal scheduling)")
+    result = replay(ReplayOptions(source=str(workload), outdir=str(work / "runs"),
+                                  variants=("unfixed", "fixed")))
+    rates = ", ".join(f"{v.variant} {v.summary['hit_rate'] * 100:.2f}%" for v in result.variants)
+    stages.done(f"hit rates: {rates}")
+
+    stages.start("Loading the capture and the replays into DuckDB")
+    loaded = load_traces([capture, *(v.output for v in result.variants)], database)
+    stages.done(f"{loaded.num_records:,} records -> {database}")
+
+    stages.start("Writing the report")
+    text = report_database(str(database), str(html))
+    stages.done(str(html))
+    click.echo(text, nl=False)
+    _next_steps(work, capture, database, html)
+
+
+class EngineProcess:
+    """``kvtrace engine`` on the demo workload, as a child process we always clean up."""
+
+    def __init__(self, workload: Path) -> None:
+        env = {**os.environ, "KVTRACE_PLUGIN": "1"}
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "kvtrace", "engine", str(workload), "--variant", "unfixed",
+             "--speed", "0"],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            env=env, cwd=workload.parent)
+
+    def expect(self, prefix: str) -> str:
+        """The next stdout line starting with ``prefix`` (the engine prints little else)."""
+        from kvtrace.errors import KvtraceError
+
+        deadline = time.monotonic() + ENGINE_TIMEOUT_S
+        while time.monotonic() < deadline:
+            line = self.process.stdout.readline()
+            if not line:
+                raise KvtraceError(f"the demo engine exited early: {self.process.stderr.read().strip()}",
+                                   "Run `make test` to check the installation.")
+            if line.startswith(prefix):
+                return line.strip()
+        raise KvtraceError("the demo engine did not answer in time", "Check the machine's load.")
+
+    def wait_ready(self) -> int:
+        return int(self.expect("kvtrace engine: pid ").split()[3])
+
+    def send(self, command: str) -> None:
+        self.process.stdin.write(command + "\n")
+        self.process.stdin.flush()
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            try:
+                self.send("quit")
+                self.process.wait(timeout=10)
+            except (OSError, subprocess.TimeoutExpired):
+                self.process.kill()
+                self.process.wait()
+
+
+def _capture(pid: int, path: Path, engine: EngineProcess) -> int:
+    """Attach to the engine, run its workload, disarm; the number of records written."""
+    from kvtrace.capture import attach
+
+    (target,) = attach.find_engine_cores(pid)
+    attach.ensure_hook(target, "auto", lambda message: None)
+    attach.arm(target, {"path": str(path), "gpu_interval_ms": 0})
+    try:
+        engine.send("start")
+        engine.expect("kvtrace engine: done (")
+    finally:
+        final = attach.disarm(target)
+    return final["written"]
+
+
+def _next_steps(work: Path, capture: Path, database: Path, html: Path) -> None:
+    relative = {p: os.path.relpath(p) for p in (work, capture, database, html)}
+    click.echo(f"""
+Everything is in {relative[work]}/:
+  {relative[capture]:<40} the capture of the live engine (kvtrace info / cat)
+  {relative[database]:<40} all traces in DuckDB
+  {relative[html]:<40} the HTML report (open it in a browser)
+
+Next:
+  kvtrace sql {relative[database]} --query checkpoint_pushouts
+  kvtrace sql {relative[database]} --query lost_hits_by_prefix
+  kvtrace sql {relative[database]} "SELECT variant, reason, count(*) FROM block_removed GROUP BY ALL"
+  kvtrace report {relative[database]} --html report.html
+  kvtrace replay {relative[capture]} --variant fixed --variant naive -o runs/""")
