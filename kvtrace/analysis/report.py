@@ -79,7 +79,8 @@ def _overall_hit_rates(timeline: Result) -> Result:
 def _sections(data: ReportData) -> list[tuple[str, Result, str]]:
     return [
         ("Hit rate per run", data.hit_rates,
-         "Admitted prefix lookups; hit_rate = hit tokens / query tokens."),
+         "First admission of each request (as kvtrace replay counts); hit_rate = hit tokens / "
+         "prompt tokens."),
         ("Top pushed-out prefixes", data.pushouts,
          "Hot prefixes evicted by LRU reuse while transient checkpoints sat cached behind them."),
         ("Hits lost by the unfixed variant", data.lost_hits,
