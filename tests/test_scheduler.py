@@ -10,6 +10,8 @@ from __future__ import annotations
 import pytest
 
 from kvtrace.errors import ConfigError
+from vllm_support import seed_config
+
 from kvtrace.events import EngineConfig, FinishStatus, KVCacheGroup
 from kvtrace.replay.scheduler import (
     MambaAlignedSplit,
@@ -20,16 +22,7 @@ from kvtrace.replay.scheduler import (
 )
 
 # The seed config of the PR analysis: full attention 16, Mamba align 32, hash unit 16.
-HYBRID = EngineConfig(
-    kv_cache_groups=[
-        KVCacheGroup(kind="full_attention", block_size=16),
-        KVCacheGroup(kind="mamba", block_size=32, mamba_cache_mode="align",
-                     num_prefill_checkpoint_blocks=1, prefill_checkpoint_alignment=16),
-    ],
-    hash_block_size=16,
-    num_gpu_blocks=64,
-    retention_interval=0,
-)
+HYBRID = seed_config(0)
 NO_CHECKPOINT_BLOCKS = EngineConfig(
     kv_cache_groups=[HYBRID.kv_cache_groups[0],
                      KVCacheGroup(kind="mamba", block_size=32, mamba_cache_mode="align")],

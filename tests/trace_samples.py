@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import struct
 
+from vllm_support import seed_config
+
 from kvtrace.events import (
     BlockAllocated,
     BlockFreed,
@@ -15,13 +17,11 @@ from kvtrace.events import (
     CheckpointRecorded,
     CheckpointSuppressed,
     ComputedBlocksFound,
-    EngineConfig,
     EventsDropped,
     FinishStatus,
     GpuSampled,
     HashesExtended,
     HashInterned,
-    KVCacheGroup,
     RemoveReason,
     ReplayInfo,
     RequestArrived,
@@ -34,16 +34,7 @@ from kvtrace.events import (
     TraceHeader,
 )
 
-SEED_CONFIG = EngineConfig(
-    kv_cache_groups=[
-        KVCacheGroup(kind="full_attention", block_size=16),
-        KVCacheGroup(kind="mamba", block_size=32, mamba_cache_mode="align",
-                     num_prefill_checkpoint_blocks=1, prefill_checkpoint_alignment=16),
-    ],
-    hash_block_size=16,
-    num_gpu_blocks=64,
-    retention_interval=0,
-)
+SEED_CONFIG = seed_config(0)
 
 
 def frame_ends(data: bytes) -> list[int]:
