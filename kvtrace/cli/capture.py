@@ -95,7 +95,7 @@ def _capture_pid(pid: int, method: str, output: str, seconds: float | None, opti
     from kvtrace.capture import attach
 
     targets = attach.find_engine_cores(pid)
-    sessions = []
+    sessions: list[tuple] = []  # (target, trace path) of each armed engine core
     try:
         for target in targets:
             way_in = attach.ensure_hook(target, method, _log)
@@ -104,78 +104,80 @@ def _capture_pid(pid: int, method: str, output: str, seconds: float | None, opti
             sessions.append((target, path))
             click.echo(f"kvtrace: capturing pid {target.pid} ({target.title}) via {way_in} -> {path}",
                        err=True)
-        finals, died = _watch(sessions, seconds)
+        _watch(sessions, seconds)
     finally:
         # Whatever happened (Ctrl-C included), no engine is left armed by us.
-        for target, _ in sessions:
-            if attach.is_alive(target.pid):
-                try:
-                    attach.disarm(target)
-                except KvtraceError:
-                    pass
+        finals, died = _disarm_all(sessions)
     for target, path in sessions:
-        _print_summary(target, path, finals.get(target.pid))
+        if target.pid in finals:
+            _print_summary(target, path, finals[target.pid])
     if died:
         _raise_died(died)
 
 
-def _watch(sessions, seconds: float | None) -> tuple[dict, list]:
+def _watch(sessions, seconds: float | None) -> None:
     """Show a status line until Ctrl-C, the duration, or the death of a target."""
     from kvtrace.capture import attach
 
-    started = time.monotonic()
-    last: dict[int, dict] = {}
-    died: list = []
+    started = previous_time = time.monotonic()
+    previous_records = 0
     interactive = sys.stderr.isatty()
-    previous_records, previous_time = 0, started
     try:
         while seconds is None or time.monotonic() - started < seconds:
             time.sleep(STATUS_INTERVAL_S)
-            for target, path in sessions:
-                if not attach.is_alive(target.pid):
-                    died.append((target, path))
-                    continue
-                try:
-                    last[target.pid] = attach.status(target)
-                except KvtraceError:
-                    if not attach.is_alive(target.pid):
-                        died.append((target, path))
-                        continue
-                    raise
-            if died:
-                break
-            errors = [s["error"] for s in last.values() if s.get("error")]
+            if not all(attach.is_alive(target.pid) for target, _ in sessions):
+                return
+            statuses = [attach.status(target) for target, _ in sessions]
+            errors = [s["error"] for s in statuses if s.get("error")]
             if errors:
                 raise KvtraceError(f"the capture stopped inside the engine: {errors[0]}",
                                    "The engine was not affected; check the disk and the -o path.")
-            records = sum(s["records"] for s in last.values())
+            records = sum(s["records"] for s in statuses)
             now = time.monotonic()
             rate = (records - previous_records) / max(now - previous_time, 1e-9)
             previous_records, previous_time = records, now
             if interactive:
-                line = (f"\r{now - started:7.1f}s  {records:>12,} records  {rate:>10,.0f}/s  "
-                        f"dropped {sum(s['dropped'] for s in last.values()):,}  "
-                        f"{sum(s['bytes'] for s in last.values()) / 2**20:8.1f} MiB")
-                click.echo(line, err=True, nl=False)
+                click.echo(f"\r{now - started:7.1f}s  {records:>12,} records  {rate:>10,.0f}/s  "
+                           f"dropped {sum(s['dropped'] for s in statuses):,}  "
+                           f"{sum(s['bytes'] for s in statuses) / 2**20:8.1f} MiB", err=True, nl=False)
     except KeyboardInterrupt:
         pass
-    if interactive:
-        click.echo("", err=True)
-    finals = {}
-    for target, _ in sessions:
-        if (target, _) in died:
-            continue
+    except KvtraceError:
+        if all(_still_alive(target.pid) for target, _ in sessions):
+            raise  # a target that died mid-request is reported by the caller instead
+    finally:
+        if interactive:
+            click.echo("", err=True)
+
+
+def _disarm_all(sessions) -> tuple[dict[int, dict], list[tuple]]:
+    """Disarm every armed target; (final status per pid, the (target, path) pairs that died)."""
+    from kvtrace.capture import attach
+
+    finals, died = {}, []
+    for target, path in sessions:
         try:
             finals[target.pid] = attach.disarm(target)
         except KvtraceError:
-            if not attach.is_alive(target.pid):
-                died.append((target, _))
+            if _still_alive(target.pid):
+                raise
+            died.append((target, path))
     return finals, died
 
 
-def _print_summary(target, path: str, final: dict | None) -> None:
-    if final is None:
-        return
+def _still_alive(pid: int, grace_s: float = 2.0) -> bool:
+    """Whether ``pid`` lives on; a killed process's socket closes before it is gone."""
+    from kvtrace.capture import attach
+
+    deadline = time.monotonic() + grace_s
+    while attach.is_alive(pid):
+        if time.monotonic() > deadline:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def _print_summary(target, path: str, final: dict) -> None:
     click.echo(f"kvtrace: pid {target.pid}: {final['written']:,} records written, "
                f"{final['dropped']:,} dropped, {final['bytes'] / 2**20:.1f} MiB -> {path}")
     if final.get("gpu"):
