@@ -208,3 +208,18 @@ def test_mooncake_synthetic_trace_end_to_end(tmp_path):
         assert 0 < figures["hit_rate"] < 0.66  # below the infinite-cache ratio of the log
         assert TraceReader(str(tmp_path / "runs" / f"mooncake.{name}.kvtrace")).header.replay.variant == name
     assert variants["fixed"]["checkpoints_suppressed"] > 0 == variants["unfixed"]["checkpoints_suppressed"]
+
+
+def test_db_loads_every_variant_for_the_forensics_queries(tmp_path):
+    source = hot_prefix_workload(tmp_path / "hot.kvtrace", 140)
+    db = tmp_path / "hot.duckdb"
+    result = replay(str(source), "--variant", "unfixed", "--variant", "fixed", "-o",
+                    str(tmp_path / "runs"), "--db", str(db))
+    assert result.exit_code == 0, result.output
+    assert "loaded 2 trace(s)" in result.output
+    import duckdb
+
+    with duckdb.connect(str(db), read_only=True) as connection:
+        variants = connection.execute("SELECT variant FROM runs ORDER BY variant").fetchall()
+        removals = connection.execute("SELECT count(*) FROM block_removed").fetchone()[0]
+    assert variants == [("fixed",), ("unfixed",)] and removals > 0
