@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from shared_data import MOONCAKE_SYNTHETIC
 
 from kvtrace.cli import cli
 from kvtrace.events import (
@@ -19,7 +20,6 @@ from kvtrace.events import (
 )
 from kvtrace.traceio import TraceReader, read_records, write_trace
 
-MOONCAKE = Path("/work/shared/data/mooncake/synthetic_trace.jsonl")
 
 # Hot-prefix workload: 6 system prompts of 256 tokens, used round-robin, each followed by
 # 1024 unique tokens; one request at a time; budget 512, so every prompt prefills in 3 chunks
@@ -186,11 +186,11 @@ def test_bad_retention(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not MOONCAKE.exists(), reason="the Mooncake trace is not on this machine")
+@pytest.mark.skipif(not MOONCAKE_SYNTHETIC.exists(), reason="the Mooncake trace is not on this machine")
 def test_mooncake_synthetic_trace_end_to_end(tmp_path):
     workload = tmp_path / "mooncake.kvtrace"
     result = CliRunner().invoke(cli, [
-        "import", "mooncake", str(MOONCAKE), "-o", str(workload), "--hash-unit", "512",
+        "import", "mooncake", str(MOONCAKE_SYNTHETIC), "-o", str(workload), "--hash-unit", "512",
         "--attention-block-size", "512", "--mamba-block-size", "2048",
         "--checkpoint-alignment", "512", "--max-num-batched-tokens", "8192",
         "--max-num-seqs", "64"], catch_exceptions=False)

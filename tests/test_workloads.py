@@ -15,6 +15,7 @@ from kvtrace.cli import cli
 from kvtrace.events import HashesExtended, RequestArrived
 from kvtrace.replay import workloads
 from kvtrace.replay.mooncake import import_mooncake
+from shared_data import MOONCAKE_SYNTHETIC
 from kvtrace.replay.workloads import (
     EngineShape,
     UnitHasher,
@@ -25,7 +26,6 @@ from kvtrace.replay.workloads import (
 )
 from kvtrace.traceio import read_records
 
-MOONCAKE_SYNTHETIC = Path(__file__).resolve().parents[2] / "shared/data/mooncake/synthetic_trace.jsonl"
 H = 32
 
 
