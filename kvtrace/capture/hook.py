@@ -1,12 +1,13 @@
 """The in-engine half of capture: runs inside a vLLM engine-core process.
 
 ``CaptureSession.start()`` arms the shared probes on the real vLLM classes (refusing before
-anything is patched if a signature differs from the supported version), and from then on every
-wrapped call hands a record to ``_enqueue``, which only appends to a bounded deque. A writer
-thread drains the deque, encodes and writes the trace. When the deque is full the record is
-dropped and counted, and an ``EventsDropped`` marker goes where the gap is: the scheduler thread
-never waits for the disk. ``stop()`` disarms (restoring every original function object), drains,
-and closes the trace with its drop count.
+anything is patched if a signature differs from the supported version), and from then on the
+probes hand each engine step's records, as one list, to ``_enqueue_many``, which only appends it
+to a bounded deque. A writer thread drains the deque, encodes and writes the trace. Records that
+do not fit (the capacity counts records) are dropped and counted, and an ``EventsDropped`` marker
+goes where the gap is: the scheduler thread never waits for the disk. ``stop()`` disarms
+(restoring every original function object, handing over the last step's records), drains, and
+closes the trace with its drop count.
 
 Nothing here may raise into vLLM: the probes swallow their own failures; a writer that fails
 (disk full, a broken sink) disarms the probes from its own thread and records the error for
@@ -158,7 +159,11 @@ class CaptureSession:
         self.error: str | None = None
         self.started_ns = 0
         self._unmarked_drops = 0
-        self._buffer: collections.deque[Record] = collections.deque()
+        # Lists of records. Producers count what they put in, the writer what it took out:
+        # the difference is what the buffer holds, without a lock.
+        self._buffer: collections.deque[list[Record]] = collections.deque()
+        self._num_buffered = 0
+        self._num_drained = 0
         self._capacity = options.buffer_capacity
         self._stop = threading.Event()
         self._writer: TraceWriter | None = None
@@ -169,17 +174,29 @@ class CaptureSession:
 
     # --- the hot path: runs on vLLM's scheduler thread ---------------------------------------
 
-    def _enqueue(self, record: Record) -> None:
-        buffer = self._buffer
-        if len(buffer) >= self._capacity:
-            self.num_dropped += 1
-            self._unmarked_drops += 1
-            return
-        if self._unmarked_drops:
-            buffer.append(EventsDropped(self._unmarked_drops, time.time_ns() - self.started_ns))
+    def _enqueue_many(self, records: list[Record]) -> None:
+        """Buffer the probes' records of one engine step: the list itself is one item of the
+        deque (the probes hand over a new list each time), so neither thread handles single
+        records here. What does not fit in the capacity (in records) is dropped and counted."""
+        room = self._capacity - (self._num_buffered - self._num_drained)
+        if self._unmarked_drops and room > 0:
+            self._buffer.append([EventsDropped(self._unmarked_drops,
+                                               time.time_ns() - self.started_ns)])
+            self._num_buffered += 1
             self._unmarked_drops = 0
-        buffer.append(record)
-        self.num_enqueued += 1
+        if len(records) > room:
+            num_kept = max(room, 0)
+            self.num_dropped += len(records) - num_kept
+            self._unmarked_drops += len(records) - num_kept
+            if not num_kept:
+                return
+            records = records[:num_kept]
+        self._buffer.append(records)
+        self._num_buffered += len(records)
+        self.num_enqueued += len(records)
+
+    def _enqueue(self, record: Record) -> None:
+        self._enqueue_many([record])
 
     # --- lifecycle ------------------------------------------------------------------------------
 
@@ -212,7 +229,8 @@ class CaptureSession:
             raise KvtraceError(f"cannot write the trace {self.options.path}: {error.strerror}",
                                "Pick an -o path the engine process can write to.") from None
         self._probes = CacheProbes(self._enqueue, HashInterner(), created_ns=self.started_ns,
-                                   emit_hash_bytes=self.options.hash_bytes)
+                                   emit_hash_bytes=self.options.hash_bytes,
+                                   sink_many=self._enqueue_many)
         try:
             self._probes.arm()
         except BaseException:
@@ -238,7 +256,7 @@ class CaptureSession:
         except BaseException as error:  # noqa: BLE001 - the engine must never see it
             self.error = f"trace writer failed: {error!r}"
             self._disarm_probes()
-            self.num_dropped += len(self._buffer)
+            self.num_dropped += self._num_buffered - self._num_drained
             self._buffer.clear()
             try:
                 writer.abandon()
@@ -246,14 +264,17 @@ class CaptureSession:
                 pass
 
     def _drain(self, writer: TraceWriter) -> bool:
-        """Move up to one chunk from the buffer into the writer; False when it was empty."""
+        """Move about one chunk from the buffer into the writer; False when it was empty."""
         buffer = self._buffer
         if not buffer:
             writer.flush()
             return False
-        popleft = buffer.popleft
-        chunk = [popleft() for _ in range(min(len(buffer), DRAIN_CHUNK))]
-        writer.write_many(chunk)
+        num_drained = 0
+        while buffer and num_drained < DRAIN_CHUNK:  # only this thread takes from the buffer
+            records = buffer.popleft()
+            writer.write_many(records)
+            num_drained += len(records)
+        self._num_drained += num_drained
         return True
 
     def _disarm_probes(self) -> None:
@@ -281,7 +302,7 @@ class CaptureSession:
             "records": self.num_enqueued,
             "written": writer.num_records if writer else 0,
             "dropped": self.num_dropped,
-            "buffered": len(self._buffer),
+            "buffered": self._num_buffered - self._num_drained,
             "probe_failures": self._probes.num_failures if self._probes else 0,
             "bytes": _file_size(self.options.path),
             "gpu": self._telemetry.description if self._telemetry else "",
