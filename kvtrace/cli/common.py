@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from kvtrace.errors import TraceTruncatedError
+import os
+
+from kvtrace.errors import KvtraceError, TraceTruncatedError
 from kvtrace.traceio import TraceReader
 
 
@@ -14,3 +16,14 @@ def raise_if_truncated(reader: TraceReader) -> None:
             "no closing frame",
             offset=reader.truncated_at,
         )
+
+
+def write_atomically(path: str, data: bytes) -> None:
+    """Write a small output file so that it appears whole or not at all."""
+    try:
+        with open(f"{path}.partial", "wb") as file:
+            file.write(data)
+        os.replace(f"{path}.partial", path)
+    except OSError as error:
+        raise KvtraceError(f"cannot write {path}: {error.strerror}",
+                           "Check that its directory exists and is writable.") from None

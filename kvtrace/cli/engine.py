@@ -40,7 +40,7 @@ def command(workload: str, variant: str, num_gpu_blocks: int | None, retention: 
     """
     import msgspec
 
-    from kvtrace.cli.replay import _write_atomically
+    from kvtrace.cli.common import write_atomically
     from kvtrace.replay.run import KEEP, parse_retention
     from kvtrace.replay.vllm_engine import EngineOptions, run_engine
 
@@ -50,7 +50,7 @@ def command(workload: str, variant: str, num_gpu_blocks: int | None, retention: 
         speed=speed)
 
     def write_summary(summary: dict) -> None:
-        _write_atomically(summary_json, msgspec.json.format(msgspec.json.encode(summary),
+        write_atomically(summary_json, msgspec.json.format(msgspec.json.encode(summary),
                                                             indent=2) + b"\n")
 
     run_engine(options, autostart=autostart, on_done=write_summary if summary_json else None)

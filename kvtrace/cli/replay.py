@@ -55,6 +55,7 @@ def command(source: str, variants: tuple[str, ...], backend: str, num_gpu_blocks
     import msgspec
 
     from kvtrace.errors import KvtraceError
+    from kvtrace.cli.common import write_atomically
     from kvtrace.replay.run import KEEP, ReplayOptions, parse_retention, replay
 
     if verify and not lockstep:
@@ -71,7 +72,7 @@ def command(source: str, variants: tuple[str, ...], backend: str, num_gpu_blocks
     result = replay(options, progress=_progress_bar if sys.stderr.isatty() else None)
     _print_table(result)
     if summary_json:
-        _write_atomically(summary_json, msgspec.json.format(
+        write_atomically(summary_json, msgspec.json.format(
             msgspec.json.encode(result.summary_json()), indent=2) + b"\n")
     if db:
         _load(source, result, db)
@@ -135,17 +136,3 @@ def _print_fidelity(result) -> None:
                f"effect records match: {verdict}")
     if fidelity.first_divergence is not None:
         click.echo(f"first divergence: {fidelity.first_divergence}")
-
-
-def _write_atomically(path: str, data: bytes) -> None:
-    import os
-
-    from kvtrace.errors import KvtraceError
-
-    try:
-        with open(f"{path}.partial", "wb") as file:
-            file.write(data)
-        os.replace(f"{path}.partial", path)
-    except OSError as error:
-        raise KvtraceError(f"cannot write {path}: {error.strerror}",
-                           "Check that its directory exists and is writable.") from None

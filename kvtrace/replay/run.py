@@ -229,7 +229,7 @@ def replay(options: ReplayOptions,
     reader = TraceReader(options.source)
     records = list(reader)
     header = reader.header
-    config = _config_for(header, options)
+    config = config_for(header, options)
     mode = "lockstep" if options.lockstep or options.verify else "reschedule"
     engine_variant = _engine_variant(header)
     variants = _variants_for(options, engine_variant)
@@ -318,7 +318,9 @@ def _run_variant(path: str, header: TraceHeader, config: EngineConfig, variant: 
     return summary, kept, steps, wall_s
 
 
-def _config_for(header: TraceHeader, options: ReplayOptions) -> EngineConfig:
+def config_for(header: TraceHeader, options: ReplayOptions) -> EngineConfig:
+    """The cache a replay (or ``kvtrace engine``) builds: the trace's, with the options'
+    overrides, checked for what vLLM cannot build."""
     config = header.config
     if config is None:
         raise ConfigError(f"{options.source} has no engine config in its header",

@@ -37,7 +37,7 @@ from typing import Any
 
 from kvtrace.errors import ConfigError, KvtraceError
 from kvtrace.events import EngineConfig, FinishStatus
-from kvtrace.replay.run import CAPTURED_VARIANT, KEEP, ReplayOptions, _config_for
+from kvtrace.replay.run import CAPTURED_VARIANT, KEEP, ReplayOptions, config_for
 from kvtrace.replay.scheduler import Arrival, Scheduler, SchedulerSettings, arrivals_of
 from kvtrace.replay.variants import get_variant
 from kvtrace.traceio import TraceReader
@@ -77,7 +77,7 @@ def load_workload(options: EngineOptions) -> EngineWorkload:
     get_variant(options.variant)
     reader = TraceReader(options.source)
     records = list(reader)
-    config = _config_for(reader.header, ReplayOptions(
+    config = config_for(reader.header, ReplayOptions(
         source=options.source, outdir="", num_gpu_blocks=options.num_gpu_blocks,
         retention_interval=options.retention_interval))
     arrivals = arrivals_of(records)
