@@ -58,3 +58,12 @@ def test_ctrl_c_stops_the_engine(tmp_path):
             return
         time.sleep(0.1)
     raise AssertionError(f"the demo left its engine (pid {engine_pid}) running")
+
+
+def test_an_unusable_workdir_is_one_error_line(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    process = demo(blocker / "work")
+    _, err = process.communicate(timeout=60)
+    assert process.returncode == 1
+    assert err.splitlines()[0].startswith("kvtrace: error: cannot create the work directory")

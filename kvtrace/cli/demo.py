@@ -60,7 +60,11 @@ def command(workdir: str, quick: bool) -> None:
     from kvtrace.replay.workloads import EngineShape, synthesize, write_workload
 
     work = Path(workdir).resolve()
-    work.mkdir(parents=True, exist_ok=True)
+    try:
+        work.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise KvtraceError(f"cannot create the work directory {work}: {error.strerror}",
+                           "Pass a writable --workdir.") from None
     num_requests, num_gpu_blocks = DEMO_POOL["quick" if quick else "full"]
     workload, capture = work / "workload.kvtrace", work / "capture.kvtrace"
     database, html = work / "demo.duckdb", work / "report.html"
