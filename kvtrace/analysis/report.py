@@ -174,13 +174,18 @@ def _plot_hit_rate(timeline: Result) -> str | None:
     if not timeline.rows:
         return None
     pyplot, figure, axes = _figure()
+    highest = 0.0
     for run, rows in _rows_by_run(timeline).items():
         label = f"run {run}: {rows[0]['variant']} ({rows[0]['backend']})"
-        axes.plot([r["step_start"] for r in rows],
-                  [r["cumulative_hit_rate"] or 0 for r in rows], label=label)
+        rates = [r["cumulative_hit_rate"] or 0 for r in rows]
+        highest = max(highest, *rates)
+        live = rows[0]["backend"] == "live"  # a capture: dashed on top, so a faithful replay
+        axes.plot([r["step_start"] for r in rows], rates, label=label,  # stays visible
+                  linestyle="--" if live else "-", zorder=3 if live else 2)
     axes.set_xlabel("scheduler step")
     axes.set_ylabel("cumulative hit rate (tokens)")
-    axes.set_ylim(0, 1)
+    # Room above the highest curve, so that runs a few points apart stay apart.
+    axes.set_ylim(0, min(1.0, max(highest * 1.25, 0.05)))
     axes.legend(loc="best", fontsize="small")
     return _png(pyplot, figure)
 
