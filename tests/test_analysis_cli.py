@@ -124,3 +124,11 @@ def test_failed_load_leaves_nothing(tmp_path):
     assert_one_error(invoke("load", good, bad, "-o", out), "not a kvtrace trace")
     assert sorted(os.listdir(tmp_path)) == ["bad.kvtrace", "good.kvtrace"]
     assert_one_error(invoke("load", tmp_path / "empty_dir_missing", "-o", out), "no such trace")
+
+
+def test_report_tables_cut_long_cells():
+    from kvtrace.analysis.render import format_table
+
+    text = format_table(["source", "n"], [("sha256:" + "ab" * 32, 3)], max_width=12)
+    assert text.splitlines()[2] == "sha256:abab…  3"
+    assert "ab" * 32 in format_table(["source", "n"], [("sha256:" + "ab" * 32, 3)])

@@ -19,10 +19,15 @@ def _cell(value) -> str:
     return str(value)
 
 
-def format_table(columns: list[str], rows: list[tuple], *, max_rows: int | None = None) -> str:
-    """Columns padded to their widest cell; numbers right-aligned."""
+def format_table(columns: list[str], rows: list[tuple], *, max_rows: int | None = None,
+                 max_width: int | None = None) -> str:
+    """Columns padded to their widest cell; numbers right-aligned; with ``max_width``, longer
+    cells are cut and end in an ellipsis."""
     shown = rows if max_rows is None else rows[:max_rows]
     cells = [[_cell(v) for v in row] for row in shown]
+    if max_width is not None:
+        cells = [[c if len(c) <= max_width else c[:max_width - 1] + "…" for c in row]
+                 for row in cells]
     widths = [max([len(c)] + [len(r[i]) for r in cells]) for i, c in enumerate(columns)]
     numeric = [all(isinstance(row[i], (int, float)) or row[i] is None for row in shown) and shown
                for i in range(len(columns))]

@@ -17,6 +17,7 @@ from kvtrace.analysis.queries import Result, run_query
 from kvtrace.analysis.render import format_table
 
 TOP_ROWS = 10
+TEXT_CELL_WIDTH = 24  # a source's sha256 would otherwise take a terminal's width
 OCCUPANCY_CATEGORIES = ("running", "hot_prefix", "transient_checkpoint", "other_cached", "free")
 MAX_OCCUPANCY_PLOTS = 4
 
@@ -94,7 +95,8 @@ def render_text(data: ReportData) -> str:
     for title, result, note in _sections(data):
         parts.append(f"== {title} ==\n{note}\n")
         if result.rows:
-            parts.append(format_table(result.columns, result.rows, max_rows=TOP_ROWS))
+            parts.append(format_table(result.columns, result.rows, max_rows=TOP_ROWS,
+                                      max_width=TEXT_CELL_WIDTH))
         else:
             parts.append("(none)\n")
         parts.append("\n")
