@@ -243,3 +243,25 @@ def test_plugin_method_without_the_plugin(workload, tmp_path):
     finally:
         process.kill()
     assert code == 1 and "no kvtrace plugin is listening in pid" in err
+
+
+def test_stop_from_another_shell(workload, tmp_path):
+    engine = start_engine(workload)
+    trace = tmp_path / "stopped.kvtrace"
+    capture = kvtrace("capture", "--pid", str(engine.pid), "-o", str(trace))
+    try:
+        wait_for_stderr_line(capture, "kvtrace: capturing pid")
+        engine.send("start")
+        engine.expect("kvtrace engine: done (", timeout=120)
+        stop = kvtrace("capture", "--stop", str(engine.pid))
+        stop_out, stop_err = stop.communicate(timeout=60)
+        out, err = capture.communicate(timeout=60)
+    finally:
+        capture.kill()
+        engine.stop()
+    assert stop.returncode == 0, stop_err
+    assert f"kvtrace: pid {engine.pid}: " in stop_out and "records written, 0 dropped" in stop_out
+    assert capture.returncode == 0, err
+    assert "stopped from elsewhere" in out
+    reader = TraceReader(str(trace))
+    assert sum(len(batch) for batch in reader.batches()) > 1000 and not reader.truncated

@@ -109,8 +109,12 @@ def _capture_pid(pid: int, method: str, output: str, seconds: float | None, opti
         # Whatever happened (Ctrl-C included), no engine is left armed by us.
         finals, died = _disarm_all(sessions)
     for target, path in sessions:
-        if target.pid in finals:
-            _print_summary(target, path, finals[target.pid])
+        final = finals.get(target.pid, {})
+        if "written" in final:
+            _print_summary(target, path, final)
+        elif target.pid in finals:
+            click.echo(f"kvtrace: pid {target.pid}: the capture was stopped from elsewhere "
+                       f"(kvtrace capture --stop) -> {path}")
     if died:
         _raise_died(died)
 
@@ -132,6 +136,8 @@ def _watch(sessions, seconds: float | None) -> None:
             if errors:
                 raise KvtraceError(f"the capture stopped inside the engine: {errors[0]}",
                                    "The engine was not affected; check the disk and the -o path.")
+            if not all(s.get("armed") for s in statuses):
+                return  # `kvtrace capture --stop` from another shell
             records = sum(s["records"] for s in statuses)
             now = time.monotonic()
             rate = (records - previous_records) / max(now - previous_time, 1e-9)
