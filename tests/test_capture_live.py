@@ -265,3 +265,37 @@ def test_stop_from_another_shell(workload, tmp_path):
     assert "stopped from elsewhere" in out
     reader = TraceReader(str(trace))
     assert sum(len(batch) for batch in reader.batches()) > 1000 and not reader.truncated
+
+
+def test_sigusr1_arms_and_sigusr2_disarms_the_plugin(workload):
+    from kvtrace.capture import control
+
+    engine = start_engine(workload)
+    try:
+        os.kill(engine.pid, signal.SIGUSR1)
+        status = wait_for_status(engine.pid, armed=True)
+        engine.send("start")
+        engine.expect("kvtrace engine: done (", timeout=120)
+        os.kill(engine.pid, signal.SIGUSR2)
+        wait_for_status(engine.pid, armed=False)
+        assert engine.process.poll() is None, "the signals must not stop the engine"
+    finally:
+        engine.stop()
+    trace = Path(status["path"])
+    assert trace.parent == control.runtime_dir() and trace.name.startswith(f"capture-{engine.pid}-")
+    reader = TraceReader(str(trace))
+    assert sum(len(batch) for batch in reader.batches()) > 1000 and not reader.truncated
+    trace.unlink()
+
+
+def wait_for_status(pid: int, armed: bool, timeout: float = 30) -> dict:
+    from kvtrace.capture import control
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        status = control.request(pid, {"cmd": "status"})["status"]
+        # Disarmed means the session is gone: "armed" turns false as soon as it starts stopping.
+        if armed and status.get("armed") or not armed and "path" not in status:
+            return status
+        time.sleep(0.05)
+    raise AssertionError(f"pid {pid} never became {'armed' if armed else 'disarmed'}: {status}")
