@@ -254,8 +254,8 @@ class CaptureSession:
                 self._unmarked_drops = 0
             writer.close(num_dropped=self.num_dropped)
         except BaseException as error:  # noqa: BLE001 - the engine must never see it
+            self._disarm_probes()  # before the error shows: a status that says so is final
             self.error = f"trace writer failed: {error!r}"
-            self._disarm_probes()
             self.num_dropped += self._num_buffered - self._num_drained
             self._buffer.clear()
             try:
