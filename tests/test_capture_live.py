@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from engine_process import EngineProcess
 
 from kvtrace.cli import cli
+from kvtrace.replay.engine_process import EngineProcess
 from kvtrace.replay.workloads import EngineShape, synthesize, write_workload
 from kvtrace.traceio import TraceReader
 
@@ -65,10 +65,6 @@ def start_engine(workload: Path, *extra: str, plugin: bool = True, parent: bool 
     engine = EngineProcess(args, env, parent=parent)
     engine.expect("kvtrace engine: pid ")
     return engine
-
-
-def engine_pid(engine: EngineProcess) -> int:
-    return engine.pid
 
 
 def lockstep_verify(trace: Path, outdir: Path) -> dict:

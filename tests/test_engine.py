@@ -18,9 +18,8 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from engine_process import EngineProcess
-
 from kvtrace.cli import cli
+from kvtrace.replay.engine_process import EngineProcess
 from kvtrace.replay.vllm_engine import END_OF_INPUT, START, read_commands
 from kvtrace.replay.workloads import EngineShape, synthesize, write_workload
 

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -16,7 +14,6 @@ import click
 DEMO_WORKLOAD = {"preset": "shared-prompt", "system_prompts": 8, "system_prompt_len": 512,
                  "prompt_len": 1024}
 DEMO_POOL = {"full": (200, 300), "quick": (100, 300)}  # requests, num_gpu_blocks
-ENGINE_TIMEOUT_S = 180
 
 
 class Stages:
@@ -56,6 +53,7 @@ def command(workdir: str, quick: bool) -> None:
     from kvtrace.analysis.load import load_traces
     from kvtrace.analysis.report import report_database
     from kvtrace.errors import KvtraceError
+    from kvtrace.replay.engine_process import EngineProcess
     from kvtrace.replay.run import ReplayOptions, replay
     from kvtrace.replay.workloads import EngineShape, synthesize, write_workload
 
@@ -78,7 +76,9 @@ def command(workdir: str, quick: bool) -> None:
                                         overrides), shape, cmdline=["kvtrace", "demo"])
     stages.done(str(workload))
 
-    engine = EngineProcess(workload)
+    engine = EngineProcess(
+        [str(workload), "--variant", "unfixed", "--speed", "0"],
+        {**os.environ, "KVTRACE_PLUGIN": "1"}, cwd=str(work))
     try:
         stages.start("Starting `kvtrace engine` (real vLLM 0.33 cache, unfixed checkpoint logic)")
         pid = engine.wait_ready()
@@ -88,7 +88,7 @@ def command(workdir: str, quick: bool) -> None:
         records = _capture(pid, capture, engine)
         stages.done(f"{records:,} records -> {capture}")
     finally:
-        engine.stop()
+        engine.stop(grace_s=10)
 
     stages.start("Replaying the capture in lockstep against the real vLLM cache (fidelity)")
     fidelity = replay(ReplayOptions(source=str(capture), outdir=str(work / "fidelity"),
@@ -116,49 +116,7 @@ def command(workdir: str, quick: bool) -> None:
     _next_steps(work, capture, database, html)
 
 
-class EngineProcess:
-    """``kvtrace engine`` on the demo workload, as a child process we always clean up."""
-
-    def __init__(self, workload: Path) -> None:
-        env = {**os.environ, "KVTRACE_PLUGIN": "1"}
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "kvtrace", "engine", str(workload), "--variant", "unfixed",
-             "--speed", "0"],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-            env=env, cwd=workload.parent)
-
-    def expect(self, prefix: str) -> str:
-        """The next stdout line starting with ``prefix`` (the engine prints little else)."""
-        from kvtrace.errors import KvtraceError
-
-        deadline = time.monotonic() + ENGINE_TIMEOUT_S
-        while time.monotonic() < deadline:
-            line = self.process.stdout.readline()
-            if not line:
-                raise KvtraceError(f"the demo engine exited early: {self.process.stderr.read().strip()}",
-                                   "Run `make test` to check the installation.")
-            if line.startswith(prefix):
-                return line.strip()
-        raise KvtraceError("the demo engine did not answer in time", "Check the machine's load.")
-
-    def wait_ready(self) -> int:
-        return int(self.expect("kvtrace engine: pid ").split()[3])
-
-    def send(self, command: str) -> None:
-        self.process.stdin.write(command + "\n")
-        self.process.stdin.flush()
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            try:
-                self.send("quit")
-                self.process.wait(timeout=10)
-            except (OSError, subprocess.TimeoutExpired):
-                self.process.kill()
-                self.process.wait()
-
-
-def _capture(pid: int, path: Path, engine: EngineProcess) -> int:
+def _capture(pid: int, path: Path, engine) -> int:
     """Attach to the engine, run its workload, disarm; the number of records written."""
     from kvtrace.capture import attach
 
