@@ -24,7 +24,7 @@ Sources below name vLLM 0.33.0 (``vllm/v1/core/...``) methods the probes wrap.
 from __future__ import annotations
 
 import enum
-from typing import ClassVar, Union
+from typing import ClassVar
 
 import msgspec
 
@@ -304,7 +304,6 @@ RECORD_TYPES: tuple[type[Record], ...] = (
     GpuSampled,
     EventsDropped,
 )
-AnyRecord = Union[RECORD_TYPES]  # type: ignore[valid-type]
 TAG_TO_TYPE: dict[str, type[Record]] = {cls.__struct_config__.tag: cls for cls in RECORD_TYPES}
 
 

@@ -100,6 +100,9 @@ def test_captured_engine_replays_in_lockstep_to_100_percent(workload, tmp_path, 
         assert "records written, 0 dropped" in out
         engine.send("quit")
         assert engine.process.wait(timeout=60) == 0, "the engine must survive capture"
+        from kvtrace.capture.control import socket_path
+
+        assert not socket_path(engine.pid).exists(), "a clean exit removes the control socket"
     finally:
         capture.kill()
         engine.stop()

@@ -37,7 +37,6 @@ from kvtrace.capture import control
 from kvtrace.errors import KvtraceError
 
 ENGINE_CORE_TITLE = "::EngineCore"
-METHODS = ("auto", "plugin", "remote-exec", "gdb")
 PENDING_CALL_GRACE_S = 3.0
 BOOTSTRAP_WAIT_S = 10.0
 GDB_TIMEOUT_S = 120.0
@@ -55,7 +54,6 @@ class Target:
     pid: int
     title: str
     uid: int
-    ppid: int
 
     @property
     def is_engine_core(self) -> bool:
@@ -89,7 +87,7 @@ def describe(pid: int) -> Target:
     if uid != os.getuid() and os.getuid() != 0:
         raise AttachError(f"pid {pid} belongs to another user (uid {uid})",
                           "Run kvtrace as the engine's user, or as root.")
-    return Target(pid, title, uid, int(fields["PPid"]))
+    return Target(pid, title, uid)
 
 
 def _children(pid: int) -> list[int]:
@@ -137,7 +135,7 @@ def _control_up(target: Target) -> bool:
     return True
 
 
-def _bootstrap_files(target: Target, method: str) -> tuple[Path, Path]:
+def _bootstrap_files(target: Target) -> tuple[Path, Path]:
     """Write the bootstrap the target will run; return (script, side-channel error file)."""
     directory = control.runtime_dir(target.uid)
     directory.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -146,7 +144,7 @@ def _bootstrap_files(target: Target, method: str) -> tuple[Path, Path]:
     script = directory / f"inject-{target.pid}.py"
     error_file = directory / f"inject-{target.pid}.err"
     error_file.unlink(missing_ok=True)
-    script.write_text(BOOTSTRAP.format(error_file=str(error_file), method=method))
+    script.write_text(BOOTSTRAP.format(error_file=str(error_file)))
     if os.getuid() == 0 and target.uid != 0:
         os.chown(script, target.uid, -1)
     return script, error_file
@@ -157,7 +155,7 @@ def _kvtrace_bootstrap():
     import json, sys, traceback
     try:
         from kvtrace.capture.control import start_control_server
-        start_control_server(origin={method!r})
+        start_control_server()
     except BaseException as error:
         with open({error_file!r}, "w") as report:
             json.dump({{"kind": type(error).__name__, "error": str(error),
@@ -315,7 +313,7 @@ def ensure_hook(target: Target, method: str, log: Callable[[str], None]) -> str:
             "start-up), or attach with --method gdb.")
     if method == "auto":
         method = "remote-exec" if hasattr(sys, "remote_exec") else "gdb"
-    script, error_file = _bootstrap_files(target, method)
+    script, error_file = _bootstrap_files(target)
     if method == "remote-exec":
         _inject_remote_exec(target, script)
         if _wait_for_bootstrap(target, error_file, BOOTSTRAP_WAIT_S):

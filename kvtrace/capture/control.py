@@ -14,6 +14,7 @@ turning an error reply back into a ``KvtraceError``.
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import signal
@@ -50,7 +51,7 @@ def ensure_private_dir(path: Path) -> Path:
     info = path.lstat()
     if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o077:
         raise KvtraceError(f"{path} is not a private directory owned by uid {os.getuid()}",
-                           f"Remove it or set KVTRACE_RUNTIME_DIR to a private directory.")
+                           "Remove it or set KVTRACE_RUNTIME_DIR to a private directory.")
     return path
 
 
@@ -154,24 +155,18 @@ _server: ControlServer | None = None
 _server_lock = threading.Lock()
 
 
-def start_control_server(origin: str = "plugin") -> Path:
-    """Start this process's control server once; returns its socket path."""
+def start_control_server() -> Path:
+    """Start this process's control server once; returns its socket path. The socket file is
+    removed when the process exits normally."""
     global _server
     with _server_lock:
         if _server is None:
             server = ControlServer(socket_path(os.getpid()))
             server.start()
+            atexit.register(server.stop)
             _server = server
             _install_signal_handlers()
         return _server.path
-
-
-def stop_control_server() -> None:
-    global _server
-    with _server_lock:
-        if _server is not None:
-            _server.stop()
-            _server = None
 
 
 def default_trace_path() -> str:

@@ -26,6 +26,6 @@ def register() -> None:
 
         if mode != "force" and ENGINE_CORE_TITLE not in process_title():
             return
-        start_control_server(origin="plugin")
+        start_control_server()
     except Exception as error:  # noqa: BLE001 - a plugin must never break vLLM's start-up
         print(f"kvtrace: plugin disabled in pid {os.getpid()}: {error}", file=sys.stderr)

@@ -37,7 +37,6 @@ class GpuSampler:
         self.origin_ns = origin_ns
         self.interval_s = max(interval_ms, 10) / 1000
         self.description = ""
-        self.num_samples = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -66,7 +65,6 @@ class GpuSampler:
                     utilization = pynvml.nvmlDeviceGetUtilizationRates(handle)
                     self.emit(GpuSampled(time.time_ns() - self.origin_ns, index, int(memory.used),
                                          int(memory.total), int(utilization.gpu)))
-                    self.num_samples += 1
                 self._stop.wait(self.interval_s)
         except Exception as error:  # noqa: BLE001
             self.description = f"GPU telemetry stopped: {error}"
