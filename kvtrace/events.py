@@ -29,7 +29,7 @@ from typing import ClassVar
 import msgspec
 
 FORMAT_MAJOR = 1
-FORMAT_MINOR = 0
+FORMAT_MINOR = 1
 
 
 class StoreKind(enum.IntEnum):
@@ -122,7 +122,10 @@ class ComputedBlocksFound(Record, tag="computed_blocks_found"):
 class SlotsAllocated(Record, tag="slots_allocated"):
     """One ``KVCacheManager.allocate_slots`` call and whether it succeeded (None = failed).
 
-    ``num_computed_tokens`` and ``num_tokens`` are the request's values at the call."""
+    ``num_computed_tokens`` and ``num_tokens`` are the request's values at the call. The last
+    three (format 1.1) are the admission terms vLLM's scheduler passes: the whole sequence must
+    fit (``scheduler_reserve_full_isl``), blocks kept for in-flight loads, and whether requests
+    are already running (the watermark applies then)."""
 
     family: ClassVar[str] = "input"
     req: int
@@ -133,6 +136,9 @@ class SlotsAllocated(Record, tag="slots_allocated"):
     num_external_computed_tokens: int
     num_tokens: int
     success: bool
+    full_sequence_must_fit: bool = False
+    reserved_blocks: int = 0
+    has_scheduled_reqs: bool = False
 
 
 class RequestFinished(Record, tag="request_finished"):
@@ -148,6 +154,15 @@ class RequestPreempted(Record, tag="request_preempted"):
 
     family: ClassVar[str] = "input"
     req: int
+
+
+class BlocksReleased(Record, tag="blocks_released"):
+    """``BlockPool.free_blocks`` called by the engine itself, outside any cache-manager call:
+    vLLM's scheduler releasing the copy-on-write retentions of a step
+    (``take_kv_cache_block_copies``), or frees it deferred. (Format 1.1.)"""
+
+    family: ClassVar[str] = "input"
+    block_ids: list[int]
 
 
 # --- effects: what the cache did ---------------------------------------------------------------
@@ -291,6 +306,7 @@ RECORD_TYPES: tuple[type[Record], ...] = (
     SlotsAllocated,
     RequestFinished,
     RequestPreempted,
+    BlocksReleased,
     BlockAllocated,
     BlockStored,
     BlockRemoved,

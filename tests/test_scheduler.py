@@ -18,6 +18,7 @@ from kvtrace.replay.scheduler import (
     Scheduler,
     SchedulerSettings,
     Arrival,
+    arrivals_of,
     mamba_checkpoint_position,
 )
 
@@ -131,6 +132,9 @@ class CountingPool:
         self._log("alloc", req, num_new_tokens, ok)
         return ok
 
+    def end_schedule(self) -> None:
+        """Nothing to release: this pool makes no copy-on-write copies."""
+
     def advance(self, req: int, num_tokens: int) -> None:
         self.computed[req] += num_tokens
 
@@ -223,3 +227,24 @@ def test_arrivals_wait_for_the_virtual_clock():
     # r1 arrives during step 1 (clock 1000..2000) and is admitted at step 2.
     assert scheduled_per_step(pool) == [[(0, 10)], [(0, 1)], [(0, 1), (1, 10)]]
     assert stats.steps == 3 and stats.virtual_ns == 3000
+
+
+def test_each_step_releases_its_copy_on_write_retentions_so_no_block_leaks():
+    """vLLM's ``schedule()`` frees the retained ends of a step's copy-on-write copies (partial
+    Mamba hits) after its allocations; without that every partial hit would leak two blocks.
+    The engine itself frees them, outside any cache-manager call: a ``BlocksReleased`` input."""
+    from kvtrace.events import BlocksReleased
+    from kvtrace.replay.vllm_backend import VllmBackend
+    from kvtrace.replay.workloads import (EngineShape, engine_config, pool_size, synthesize,
+                                          workload_records)
+
+    shape = EngineShape()
+    workload = synthesize("shared-prompt", 40, 0, shape.hash_unit)
+    records = list(workload_records(workload))
+    config = engine_config(workload, shape, pool_size(workload, shape)[0])
+    replayed: list = []
+    with VllmBackend(config, "unfixed", replayed.append) as backend:
+        Scheduler(backend, config, SchedulerSettings.from_config(config)).run(arrivals_of(records))
+        assert backend.num_free_blocks() == config.num_gpu_blocks - 1  # all but the null block
+    released = [r for r in replayed if isinstance(r, BlocksReleased)]
+    assert released and all(r.block_ids for r in released)

@@ -36,6 +36,7 @@ from kvtrace.events import (
     BlockAllocated,
     BlockFreed,
     BlockRemoved,
+    BlocksReleased,
     BlockStored,
     BlockTouched,
     BoundaryStateOffloaded,
@@ -286,7 +287,8 @@ def _allocate_slots(original: Callable) -> Callable:
                 records.insert(first_effect, SlotsAllocated(
                     req, num_new_tokens, num_computed_tokens, num_new_computed_tokens,
                     num_lookahead_tokens, num_external_computed_tokens, num_tokens,
-                    result is not None))
+                    result is not None, full_sequence_must_fit, reserved_blocks,
+                    has_scheduled_reqs))
             except Exception:
                 probe.num_failures += 1
             probe._req, probe._request, probe._held = -1, None, held
@@ -363,6 +365,12 @@ def _free_blocks(original: Callable) -> Callable:
         if probe is None:
             return original(self, ordered_blocks)
         ordered_blocks = list(ordered_blocks)  # an iterator would be spent by vLLM
+        if probe._req == -1:  # not inside a request's cache call: the engine frees directly
+            try:
+                probe._records.append(BlocksReleased([block.block_id for block in ordered_blocks
+                                                      if not block.is_null]))
+            except Exception:
+                probe.num_failures += 1
         result = original(self, ordered_blocks)
         try:
             probe._records.extend([

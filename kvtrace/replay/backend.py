@@ -35,6 +35,10 @@ class CacheBackend(Protocol):
         """``KVCacheManager.allocate_slots``; False when the pool cannot fit the chunk.
         ``num_new_computed_tokens`` > 0 only on the first allocation after a lookup."""
 
+    def end_schedule(self) -> None:
+        """The step's allocations are made: release what vLLM's ``schedule()`` releases then
+        (the retained ends of the step's copy-on-write block copies)."""
+
     def advance(self, req: int, num_tokens: int) -> None:
         """The scheduled tokens were computed: ``num_computed_tokens += num_tokens``; past the
         prompt, each computed token appends an output token (completing hash units)."""

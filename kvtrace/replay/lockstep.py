@@ -12,6 +12,7 @@ from typing import Any, Iterable
 
 from kvtrace.errors import KvtraceError
 from kvtrace.events import (
+    BlocksReleased,
     ComputedBlocksFound,
     EventsDropped,
     HashesExtended,
@@ -30,7 +31,8 @@ def replay_lockstep(records: Iterable[Record], backend: Any) -> int:
     The backend reports its own records through its sink. Output hash ids a request completed
     during decode (``HashesExtended``) are declared up front so the replay hands them out as
     the request's tokens grow. Besides ``CacheBackend``, the backend needs
-    ``sync_request(req, num_computed_tokens, num_tokens)`` to take the captured progress.
+    ``sync_request(req, num_computed_tokens, num_tokens)`` to take the captured progress and
+    ``release_blocks(block_ids)`` to free blocks as the engine did outside the cache's calls.
     """
     records = list(records)
     output_hash_ids: dict[int, list[int]] = {}
@@ -55,11 +57,16 @@ def replay_lockstep(records: Iterable[Record], backend: Any) -> int:
                     "Capture without a KV connector, or use reschedule mode.")
             backend.sync_request(record.req, record.num_computed_tokens, record.num_tokens)
             backend.allocate_slots(record.req, record.num_new_tokens,
-                                   record.num_new_computed_tokens, record.num_lookahead_tokens)
+                                   record.num_new_computed_tokens, record.num_lookahead_tokens,
+                                   full_sequence_must_fit=record.full_sequence_must_fit,
+                                   reserved_blocks=record.reserved_blocks,
+                                   has_scheduled_reqs=record.has_scheduled_reqs)
         elif kind is RequestFinished:
             backend.free(record.req, record.status)
         elif kind is RequestPreempted:
             backend.preempt(record.req)
+        elif kind is BlocksReleased:
+            backend.release_blocks(record.block_ids)
         else:
             continue
         num_issued += 1

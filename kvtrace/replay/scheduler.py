@@ -193,6 +193,17 @@ class Arrival:
     output_hash_ids: list[int] | None = None
 
 
+def check_fits_model_len(request: Arrival, settings: SchedulerSettings) -> None:
+    """vLLM rejects a prompt that leaves no room below ``max_model_len`` at its API."""
+    limit = settings.max_model_len
+    if limit and request.prompt_len >= limit:
+        raise ConfigError(
+            f"request {request.req} has a {request.prompt_len}-token prompt, not below "
+            f"max_model_len {limit}",
+            hint="Raise --max-model-len (vLLM rejects such a request at the API).",
+        )
+
+
 def arrivals_of(records: Iterable[Record]) -> list[Arrival]:
     """The requests of a workload or captured trace, in arrival order.
 
@@ -260,7 +271,7 @@ class Scheduler:
         step (progress reporting)."""
         pending = deque(sorted(requests, key=lambda r: r.arrival_ns))
         for request in pending:
-            self._check_fits_model_len(request)
+            check_fits_model_len(request, self.settings)
         while pending or self.waiting or self.running:
             if not self.waiting and not self.running:
                 self.clock_ns = max(self.clock_ns, pending[0].arrival_ns)
@@ -275,15 +286,6 @@ class Scheduler:
         self.stats.virtual_ns = self.clock_ns
         return self.stats
 
-    def _check_fits_model_len(self, request: Arrival) -> None:
-        limit = self.settings.max_model_len
-        if limit and request.prompt_len >= limit:
-            raise ConfigError(
-                f"request {request.req} has a {request.prompt_len}-token prompt, not below "
-                f"max_model_len {limit}",
-                hint="Raise --max-model-len (vLLM rejects such a request at the API).",
-            )
-
     # --- one scheduler step ------------------------------------------------------------------
 
     def step(self) -> None:
@@ -296,6 +298,7 @@ class Scheduler:
         budget, preempted = self._schedule_running(budget, threshold, scheduled)
         if not preempted:
             self._admit_waiting(budget, threshold, scheduled)
+        self.backend.end_schedule()
         if not scheduled and not self.running:
             head = self.waiting[0].spec
             raise ConfigError(

@@ -12,6 +12,7 @@ Token ids are placeholders (0) and never leave this module.
 from __future__ import annotations
 
 from math import lcm
+from collections.abc import Callable
 from typing import Any
 
 from kvtrace.errors import ConfigError, KvtraceError
@@ -21,7 +22,7 @@ from kvtrace.replay.backend import RecordSink
 from kvtrace.replay.variants import get_variant
 
 _HASH_ID_BYTES = 8
-_DEFAULT_MAX_MODEL_LEN = 1 << 24
+UNLIMITED_MODEL_LEN = 1 << 24  # what a max_model_len of 0 (unlimited) becomes
 
 
 def hash_bytes_of(hash_id: int) -> bytes:
@@ -40,18 +41,19 @@ class EncodedHashIds:
 class _RequestHashes:
     """A request's block hasher: hands out the next hash ids as its tokens fill hash units."""
 
-    __slots__ = ("hash_ids", "hash_block_size", "backend")
+    __slots__ = ("hash_ids", "hash_block_size", "fresh_hash_id")
 
-    def __init__(self, hash_ids: list[int], hash_block_size: int, backend: "VllmBackend"):
+    def __init__(self, hash_ids: list[int], hash_block_size: int,
+                 fresh_hash_id: Callable[[], int]) -> None:
         self.hash_ids = hash_ids
         self.hash_block_size = hash_block_size
-        self.backend = backend
+        self.fresh_hash_id = fresh_hash_id  # for units past the known ones (decode)
 
     def __call__(self, request: Any) -> list[bytes]:
         start = len(request.block_hashes)
         stop = request.num_tokens // self.hash_block_size
         while len(self.hash_ids) < stop:
-            self.hash_ids.append(self.backend.fresh_hash_id())
+            self.hash_ids.append(self.fresh_hash_id())
         return [hash_bytes_of(hash_id) for hash_id in self.hash_ids[start:stop]]
 
 
@@ -71,7 +73,6 @@ class VllmBackend:
         self.config = config
         self.variant = get_variant(variant)
         self.num_gpu_blocks = config.num_gpu_blocks
-        _validate(config)
         self.manager = _build_manager(config)
         for manager in self.manager.coordinator.single_type_managers:
             self.variant.install(manager)
@@ -91,9 +92,6 @@ class VllmBackend:
 
     def add_request(self, req: int, prompt_len: int, hash_ids: list[int], max_tokens: int,
                     output_hash_ids: list[int] | None = None) -> None:
-        from vllm.sampling_params import SamplingParams
-        from vllm.v1.request import Request
-
         unit = self.config.hash_block_size
         if len(hash_ids) != prompt_len // unit:
             raise KvtraceError(
@@ -103,12 +101,11 @@ class VllmBackend:
         if req in self._requests:
             raise KvtraceError(f"request {req} was added twice",
                                "Request numbers must be unique within a trace.")
-        self._check_fits(req, prompt_len + max_tokens)
+        check_fits(self.config, req, prompt_len + max_tokens)
         known_ids = [*hash_ids, *(output_hash_ids or ())]
         self._max_hash_id = max(self._max_hash_id, *known_ids, -1)
-        self._requests[req] = Request(
-            str(req), [0] * prompt_len, SamplingParams(max_tokens=max(1, max_tokens)), None,
-            arrival_time=0.0, block_hasher=_RequestHashes(known_ids, unit, self))
+        self._requests[req] = new_request(req, prompt_len, max_tokens, known_ids, unit,
+                                          self.fresh_hash_id)
 
     def get_computed_blocks(self, req: int) -> tuple[int, int]:
         request = self._requests[req]
@@ -119,7 +116,8 @@ class VllmBackend:
         return num_hit_tokens, shared_prefix_boundary
 
     def allocate_slots(self, req: int, num_new_tokens: int, num_new_computed_tokens: int = 0,
-                       num_lookahead_tokens: int = 0) -> bool:
+                       num_lookahead_tokens: int = 0, *, full_sequence_must_fit: bool = False,
+                       reserved_blocks: int = 0, has_scheduled_reqs: bool = False) -> bool:
         from vllm.v1.request import RequestStatus
 
         request = self._requests[req]
@@ -132,7 +130,10 @@ class VllmBackend:
                     f"tokens, but its last lookup found {num_hit_tokens}",
                     "Call get_computed_blocks first and pass its hit (or 0).")
         blocks = self.manager.allocate_slots(request, num_new_tokens, num_new_computed_tokens,
-                                             hit_blocks, num_lookahead_tokens)
+                                             hit_blocks, num_lookahead_tokens,
+                                             full_sequence_must_fit=full_sequence_must_fit,
+                                             reserved_blocks=reserved_blocks,
+                                             has_scheduled_reqs=has_scheduled_reqs)
         if blocks is None:
             return False
         self._pending_hits.pop(req, None)
@@ -140,6 +141,15 @@ class VllmBackend:
         if num_new_computed_tokens:
             request.num_computed_tokens += num_new_computed_tokens
         return True
+
+    def end_schedule(self) -> None:
+        """As ``Scheduler.schedule()`` after its allocations: take the step's copy-on-write
+        copies (the worker would run them) and free their retained blocks; drain the Mamba
+        boundary-state offers nobody takes here."""
+        _, retained = self.manager.take_kv_cache_block_copies()
+        if retained:
+            self.manager.block_pool.free_blocks(retained)
+        self.manager.take_boundary_state_offloads()
 
     def advance(self, req: int, num_tokens: int) -> None:
         request = self._requests[req]
@@ -184,6 +194,11 @@ class VllmBackend:
         if missing:
             request.append_output_token_ids([0] * missing)
 
+    def release_blocks(self, block_ids: list[int]) -> None:
+        """Free blocks by id, as the engine did outside the cache manager (lockstep)."""
+        pool = self.manager.block_pool
+        pool.free_blocks([pool.blocks[block_id] for block_id in block_ids])
+
     def cached_block_id(self, hash_id: int, group: int) -> int | None:
         """The block a lookup of ``hash_id`` in KV-cache group ``group`` would hit, or None."""
         blocks = self.manager.block_pool.get_cached_block(hash_bytes_of(hash_id), [group])
@@ -208,21 +223,6 @@ class VllmBackend:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _check_fits(self, req: int, num_tokens: int) -> None:
-        """vLLM's own per-request need (``max_memory_usage_bytes``): a full-attention block per
-        block of tokens, 2 + checkpoint blocks for a Mamba "align" group; plus the null block."""
-        need = 1
-        for group in self.config.kv_cache_groups:
-            if group.kind == "mamba":
-                need += 2 + group.num_prefill_checkpoint_blocks
-            else:
-                need += -(-num_tokens // group.block_size)
-        if need > self.num_gpu_blocks:
-            raise ConfigError(
-                f"a pool of {self.num_gpu_blocks} blocks cannot hold request {req} "
-                f"({num_tokens} tokens need {need} blocks, null block included)",
-                "Raise num_gpu_blocks or shorten the request.")
-
 
 class _ByteInterner:
     """Dense ids in order of first appearance over the backend's own 8-byte hashes."""
@@ -234,6 +234,35 @@ class _ByteInterner:
 
     def intern(self, hash_bytes: bytes) -> tuple[int, bool]:
         return self._interner.intern(hash_bytes)[0], False
+
+
+def check_fits(config: EngineConfig, req: int, num_tokens: int) -> None:
+    """vLLM's own per-request need (``max_memory_usage_bytes``): a full-attention block per
+    block of tokens, 2 + checkpoint blocks for a Mamba "align" group; plus the null block."""
+    need = 1
+    for group in config.kv_cache_groups:
+        if group.kind == "mamba":
+            need += 2 + group.num_prefill_checkpoint_blocks
+        else:
+            need += -(-num_tokens // group.block_size)
+    if need > config.num_gpu_blocks:
+        raise ConfigError(
+            f"a pool of {config.num_gpu_blocks} blocks cannot hold request {req} "
+            f"({num_tokens} tokens need {need} blocks, null block included)",
+            "Raise num_gpu_blocks or shorten the request.")
+
+
+def new_request(req: int, prompt_len: int, max_tokens: int, hash_ids: list[int],
+                hash_block_size: int, fresh_hash_id: Callable[[], int]) -> Any:
+    """A vLLM ``Request`` for workload request ``req``: placeholder tokens, the workload's hash
+    ids as its block hashes."""
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.request import Request
+
+    return Request(str(req), [0] * prompt_len,
+                   SamplingParams(max_tokens=max(1, max_tokens)), None,
+                   arrival_time=0.0,
+                   block_hasher=_RequestHashes(hash_ids, hash_block_size, fresh_hash_id))
 
 
 def _validate(config: EngineConfig) -> None:
@@ -274,14 +303,15 @@ def _validate(config: EngineConfig) -> None:
             "vLLM accepts None (dense), 0 (latest-only) or a multiple of the scheduler block.")
 
 
-def _build_manager(config: EngineConfig) -> Any:
+def kv_cache_config_of(config: EngineConfig) -> Any:
+    """vLLM's ``KVCacheConfig`` for a trace's engine: one spec per KV-cache group."""
     from vllm.utils.hashing import sha256
     from vllm.utils.torch_utils import STR_DTYPE_TO_TORCH_DTYPE
-    from vllm.v1.core.kv_cache_manager import KVCacheManager
     from vllm.v1.core.kv_cache_utils import init_none_hash
     from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec,
                                             MambaSpec)
 
+    _validate(config)
     init_none_hash(sha256)  # vLLM asserts it is set; our hashes never use it
     # Page contents are never allocated (no tensors); the dtype only sizes pages.
     float32 = STR_DTYPE_TO_TORCH_DTYPE["float32"]
@@ -297,12 +327,18 @@ def _build_manager(config: EngineConfig) -> Any:
             spec = FullAttentionSpec(block_size=group.block_size, num_kv_heads=1, head_size=1,
                                      dtype=float32)
         specs.append(KVCacheGroupSpec([f"layer{index}"], spec))
-    kv_cache_config = KVCacheConfig(num_blocks=config.num_gpu_blocks, kv_cache_tensors=[],
-                                    kv_cache_groups=specs,
-                                    prefix_cache_retention_interval=config.retention_interval)
+    return KVCacheConfig(num_blocks=config.num_gpu_blocks, kv_cache_tensors=[],
+                         kv_cache_groups=specs,
+                         prefix_cache_retention_interval=config.retention_interval)
+
+
+def _build_manager(config: EngineConfig) -> Any:
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+
+    kv_cache_config = kv_cache_config_of(config)
     try:
         return KVCacheManager(kv_cache_config,
-                              max_model_len=config.max_model_len or _DEFAULT_MAX_MODEL_LEN,
+                              max_model_len=config.max_model_len or UNLIMITED_MODEL_LEN,
                               scheduler_block_size=config.scheduler_block_size,
                               hash_block_size=config.hash_block_size,
                               enable_caching=config.enable_caching)
