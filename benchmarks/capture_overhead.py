@@ -1,8 +1,8 @@
 """What a live capture costs the engine: step time armed vs not, and ns per wrapped call.
 
-Runs the engine loop of ``kvtrace engine`` (kvtrace's scheduler model over the real vLLM 0.33
-``KVCacheManager``, no probes of its own) on one workload, in one process, alternating three
-ways: bare; with the probes only (their records go to a list: what the wrappers cost the
+Runs the engine loop of ``kvtrace engine`` (vLLM 0.33's own ``Scheduler`` and
+``KVCacheManager``, no probes of its own; a step is ``schedule()`` + ``update_from_output()``)
+on one workload, in one process, alternating three ways: bare; with the probes only (their records go to a list: what the wrappers cost the
 scheduler thread); with a whole capture armed (probes, bounded buffer, writer thread encoding
 the trace file). On this CPU engine the writer thread competes with the scheduler for the
 interpreter lock; in a GPU deployment it mostly runs while the scheduler waits for the model.
@@ -31,32 +31,40 @@ PROBES_ONLY = "probes only"
 
 
 def engine_run(workload, config, settings, capture: str | None) -> tuple[float, int]:
-    """One run of the engine loop; (seconds spent in scheduler steps, number of steps).
+    """One run of the engine loop; (seconds spent in engine steps, number of steps).
 
     ``capture``: None (bare), PROBES_ONLY, or the path of a trace to capture into."""
+    from collections import deque
+
     from kvtrace.capture import hook
     from kvtrace.events import HashInterner
     from kvtrace.probes import CacheProbes
-    from kvtrace.replay.scheduler import Scheduler
-    from kvtrace.replay.vllm_backend import VllmBackend
+    from kvtrace.replay.vllm_engine import VllmScheduler
 
-    with VllmBackend(config, "upstream", None) as backend:
-        records: list = []
-        probes = None
-        if capture == PROBES_ONLY:
-            probes = CacheProbes(records.append, HashInterner(), sink_many=records.extend).arm()
-        elif capture is not None:
-            hook.arm(hook.CaptureOptions(path=capture, gpu_interval_ms=0))
-        scheduler = Scheduler(backend, config, settings)
+    engine = VllmScheduler(config, settings, "upstream", workload)
+    records: list = []
+    probes = None
+    if capture == PROBES_ONLY:
+        probes = CacheProbes(records.append, HashInterner(), sink_many=records.extend).arm()
+    elif capture is not None:
+        hook.arm(hook.CaptureOptions(path=capture, gpu_interval_ms=0))
+    pending, clock_ns, busy_s = deque(workload), 0, 0.0
+    while pending or engine.has_requests():  # as Engine.run_workload, at speed 0
+        if not engine.has_requests():
+            clock_ns = max(clock_ns, pending[0].arrival_ns)
+        while pending and pending[0].arrival_ns <= clock_ns:
+            engine.add_request(pending.popleft())
         started = time.perf_counter()
-        stats = scheduler.run(list(workload))
-        elapsed = time.perf_counter() - started
-        if probes is not None:
-            probes.disarm()
-        elif capture is not None:
-            final = hook.disarm()
-            assert final["dropped"] == 0 and final["error"] is None, final
-    return elapsed, stats.steps
+        num_tokens = engine.step()
+        busy_s += time.perf_counter() - started
+        if num_tokens:
+            clock_ns += settings.step_overhead_ns + num_tokens * settings.ns_per_token
+    if probes is not None:
+        probes.disarm()
+    elif capture is not None:
+        final = hook.disarm()
+        assert final["dropped"] == 0 and final["error"] is None, final
+    return busy_s, engine.num_steps
 
 
 def count_wrapped_calls(workload, config, settings) -> int:
@@ -103,7 +111,7 @@ def main() -> int:
     reader, records = read_records(source)
     config = reader.header.config
     settings = SchedulerSettings.from_config(config)
-    workload = arrivals_of(records)
+    workload = sorted(arrivals_of(records), key=lambda arrival: arrival.arrival_ns)
 
     engine_run(workload, config, settings, None)  # warm-up: imports, caches
     calls = count_wrapped_calls(workload, config, settings)

@@ -1,4 +1,4 @@
-"""A live CPU engine to capture from: a workload through vLLM 0.33's real ``KVCacheManager``.
+"""A live CPU engine to capture from: a workload through vLLM 0.33's own scheduler and cache.
 
 Capture attaches to a running vLLM engine core; tests and the demo need one without a GPU or a
 model. ``kvtrace engine`` is that process. It looks like vLLM's engine core where capture looks:
@@ -10,20 +10,28 @@ model. ``kvtrace engine`` is that process. It looks like vLLM's engine core wher
   ``input_queue.get()``: a debugger-based attach must cope with a main thread that runs no
   bytecode. Work ("start", "quit") comes from a stdin-reader thread;
 * SIGTERM and SIGINT raise out of whatever the main thread is doing, as vLLM's handler does;
-* its cache arms no probes of its own (``VllmBackend(sink=None)``), so a capture's process-wide
-  probes see every call; requests carry wall-clock arrival times, as the front end stamps them.
+* its cache arms no probes of its own, so a capture's process-wide probes see every call;
+  requests carry wall-clock arrival times, as the front end stamps them.
 
-Steps follow kvtrace's scheduler model (vLLM's ``Scheduler`` cannot be built offline; see
-``scheduler``) in accelerated real time: the step the model starts at virtual time ``t`` starts
+A step is vLLM's own: ``Scheduler.schedule()``, then ``update_from_output()`` with what the model
+runner would answer (``VllmScheduler``). The scheduler is built offline: its ``ModelConfig``
+reads a bundled ``config.json`` (``engine_model/``; no weights, no tokenizer), and it builds its
+``KVCacheManager`` from the workload's ``KVCacheConfig`` with the checkpoint variant installed.
+There is no model forward, so a step is only scheduling and cache work. Steps run in
+accelerated real time: virtual time advances as in ``kvtrace replay``'s scheduler model (a fixed
+overhead plus a cost per scheduled token), and the step that starts at virtual time ``t`` starts
 ``t / speed`` seconds after "start" (a step that takes longer just runs late); speed 0 runs as
-fast as it can. A step is only scheduling and cache work: there is no model forward.
+fast as it can.
 
-The figures are counted from what the cache answered, the way ``run.ReplaySummary`` counts them
-from records, so they equal ``kvtrace replay``'s for the same workload and variant.
+The figures are vLLM's own: a request's hit is the local cached tokens of its first prefill
+(``PrefillStats``, reported when that prefill completes), which is what ``ReplaySummary``
+counts from a capture's records; preemptions are the requests' ``num_preemptions``. ``kvtrace replay`` schedules with kvtrace's model of this
+scheduler, so its figures for the same workload are close to the engine's but not equal.
 """
 
 from __future__ import annotations
 
+import collections
 import math
 import os
 import queue
@@ -33,18 +41,23 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from kvtrace.errors import ConfigError, KvtraceError
-from kvtrace.events import EngineConfig, FinishStatus
+from kvtrace.events import EngineConfig
 from kvtrace.replay.run import CAPTURED_VARIANT, KEEP, ReplayOptions, config_for
-from kvtrace.replay.scheduler import Arrival, Scheduler, SchedulerSettings, arrivals_of
+from kvtrace.replay.scheduler import (Arrival, SchedulerSettings, arrivals_of,
+                                      check_fits_model_len)
 from kvtrace.replay.variants import get_variant
+from kvtrace.replay.vllm_backend import (UNLIMITED_MODEL_LEN, check_fits, kv_cache_config_of,
+                                          new_request)
 from kvtrace.traceio import TraceReader
 
 # vLLM's name for the process (``run_engine_core``, without data parallelism).
 ENGINE_CORE_PROCESS_NAME = "EngineCore"
 START, QUIT = "start", "quit"
+ENGINE_MODEL_DIR = Path(__file__).with_name("engine_model")
 END_OF_INPUT = "end of input"  # queued by the stdin reader at EOF: stop, as for quit
 
 
@@ -80,11 +93,15 @@ def load_workload(options: EngineOptions) -> EngineWorkload:
     config = config_for(reader.header, ReplayOptions(
         source=options.source, outdir="", num_gpu_blocks=options.num_gpu_blocks,
         retention_interval=options.retention_interval))
-    arrivals = arrivals_of(records)
+    arrivals = sorted(arrivals_of(records), key=lambda arrival: arrival.arrival_ns)
     if not arrivals:
         raise KvtraceError(f"{options.source} has no requests (no request_arrived records)",
                            "Run a workload (kvtrace synth / import) or a captured trace.")
-    return EngineWorkload(config, SchedulerSettings.from_config(config), arrivals)
+    settings = SchedulerSettings.from_config(config)
+    for arrival in arrivals:  # vLLM's scheduler would wait forever for a request that never fits
+        check_fits_model_len(arrival, settings)
+        check_fits(config, arrival.req, arrival.prompt_len + arrival.max_tokens)
+    return EngineWorkload(config, settings, arrivals)
 
 
 class _Quit(Exception):
@@ -95,63 +112,98 @@ class _Quit(Exception):
         self.reason = reason
 
 
-class EngineCache:
-    """The engine's ``CacheBackend``: the real cache, paced to the wall clock.
+class VllmScheduler:
+    """vLLM's ``Scheduler`` over a workload's cache, answered each step as a model runner would.
 
-    Before each step it waits (through ``wait_until``) for the step's wall time; it stamps each
-    arrival with the wall clock; and it counts prefix hits as ``ReplaySummary`` does: the hit of
-    the lookup that a request's first successful allocation followed, later ones (after a
-    preemption) apart."""
+    The runner's answer: one sampled token for each request whose scheduled chunk reached its
+    last token; nothing for a chunk that ends inside the prompt (the runner discards it)."""
 
-    def __init__(self, backend: Any, speed: float, wait_until: Callable[[float], None]) -> None:
-        self.backend = backend
-        self.num_gpu_blocks = backend.num_gpu_blocks
-        self.speed = speed
-        self.wait_until = wait_until
-        self.origin = time.monotonic()
-        self.hit_tokens = 0
-        self.resumed_hit_tokens = 0
-        self._lookups: dict[int, int] = {}
-        self._admitted: set[int] = set()
+    def __init__(self, config: EngineConfig, settings: SchedulerSettings, variant: str,
+                 arrivals: list[Arrival]) -> None:
+        from vllm.v1.core.sched.scheduler import Scheduler
+        from vllm.v1.structured_output import StructuredOutputManager
 
-    def new_step(self, step: int, ts_ns: int) -> None:
-        self.wait_until(self.origin + ts_ns / 1e9 / self.speed if self.speed else -math.inf)
-        self.backend.new_step(step, ts_ns)
+        vllm_config = _vllm_config(config, settings)
+        self.config = config
+        self.settings = settings
+        try:
+            self.scheduler = Scheduler(vllm_config, kv_cache_config_of(config),
+                                       StructuredOutputManager(vllm_config),
+                                       block_size=config.scheduler_block_size,
+                                       hash_block_size=config.hash_block_size)
+        except (AssertionError, ValueError) as error:
+            raise ConfigError("vLLM's scheduler rejected the engine config: "
+                              f"{error or type(error).__name__}") from error
+        installed = get_variant(variant)
+        for manager in self.scheduler.kv_cache_manager.coordinator.single_type_managers:
+            installed.install(manager)
+        self.requests: dict[str, Any] = {}
+        self.num_steps = 0
+        self.hit_tokens = 0  # vLLM's own count: each request's first prefill, its cached tokens
+        self._max_hash_id = max((max([*a.hash_ids, *(a.output_hash_ids or ())], default=-1)
+                                 for a in arrivals), default=-1)
 
-    def add_request(self, req: int, prompt_len: int, hash_ids: list[int], max_tokens: int,
-                    output_hash_ids: list[int] | None = None) -> None:
-        self.backend.add_request(req, prompt_len, hash_ids, max_tokens, output_hash_ids)
-        self.backend.request(req).arrival_time = time.time()
+    def add_request(self, arrival: Arrival) -> None:
+        request = new_request(arrival.req, arrival.prompt_len, arrival.max_tokens,
+                              [*arrival.hash_ids, *(arrival.output_hash_ids or ())],
+                              self.config.hash_block_size, self._fresh_hash_id)
+        request.arrival_time = time.time()
+        self.requests[request.request_id] = request
+        self.scheduler.add_request(request)
 
-    def get_computed_blocks(self, req: int) -> tuple[int, int]:
-        num_hit_tokens, shared_prefix_boundary = self.backend.get_computed_blocks(req)
-        self._lookups[req] = num_hit_tokens
-        return num_hit_tokens, shared_prefix_boundary
+    def has_requests(self) -> bool:
+        return self.scheduler.has_requests()
 
-    def allocate_slots(self, req: int, num_new_tokens: int, num_new_computed_tokens: int = 0,
-                       num_lookahead_tokens: int = 0) -> bool:
-        success = self.backend.allocate_slots(req, num_new_tokens, num_new_computed_tokens,
-                                              num_lookahead_tokens)
-        if success and req in self._lookups:
-            hit = self._lookups.pop(req)
-            if req in self._admitted:
-                self.resumed_hit_tokens += hit
-            else:
-                self._admitted.add(req)
-                self.hit_tokens += hit
-        return success
+    def step(self) -> int:
+        """One engine step; returns the number of tokens it scheduled."""
+        from vllm.v1.outputs import ModelRunnerOutput
 
-    def advance(self, req: int, num_tokens: int) -> None:
-        self.backend.advance(req, num_tokens)
+        output = self.scheduler.schedule()
+        self.num_steps += 1
+        req_ids = list(output.num_scheduled_tokens)
+        requests = self.requests
+        sampled = [[0] if requests[req_id].num_computed_tokens >= requests[req_id].num_tokens
+                   else [] for req_id in req_ids]
+        outputs = self.scheduler.update_from_output(output, ModelRunnerOutput(
+            req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
+            sampled_token_ids=sampled))
+        for engine_outputs in outputs.values():
+            for request_output in engine_outputs.outputs:
+                if request_output.prefill_stats is not None:  # the first prefill's, once
+                    self.hit_tokens += request_output.prefill_stats.num_local_cached_tokens
+        if (not output.total_num_scheduled_tokens and not self.scheduler.running
+                and self.scheduler.waiting):
+            head = self.scheduler.waiting.peek_request()
+            raise ConfigError(
+                f"vLLM's scheduler cannot admit request {head.request_id} "
+                f"({head.num_tokens} tokens) even with nothing else running",
+                "Give the engine more blocks with --num-gpu-blocks.")
+        return output.total_num_scheduled_tokens
 
-    def free(self, req: int, status: FinishStatus = FinishStatus.FINISHED) -> None:
-        self.backend.free(req, status)
+    def _fresh_hash_id(self) -> int:
+        self._max_hash_id += 1
+        return self._max_hash_id
 
-    def preempt(self, req: int) -> None:
-        self.backend.preempt(req)
 
-    def num_free_blocks(self) -> int:
-        return self.backend.num_free_blocks()
+def _vllm_config(config: EngineConfig, settings: SchedulerSettings) -> Any:
+    """A ``VllmConfig`` for scheduling only: the bundled model config, CPU, the trace's limits."""
+    from vllm.config import CacheConfig, DeviceConfig, ModelConfig, SchedulerConfig, VllmConfig
+
+    max_model_len = settings.max_model_len or UNLIMITED_MODEL_LEN
+    model_config = ModelConfig(model=str(ENGINE_MODEL_DIR), skip_tokenizer_init=True,
+                               max_model_len=max_model_len, dtype="float32")
+    scheduler_config = SchedulerConfig(
+        max_num_batched_tokens=settings.max_num_batched_tokens,
+        max_num_seqs=settings.max_num_seqs, max_model_len=max_model_len,
+        enable_chunked_prefill=True, is_encoder_decoder=False,
+        long_prefill_token_threshold=settings.long_prefill_token_threshold)
+    cache_config = CacheConfig(block_size=config.scheduler_block_size,
+                               enable_prefix_caching=config.enable_caching,
+                               mamba_cache_mode="align")
+    vllm_config = VllmConfig(device_config=DeviceConfig(device="cpu"), model_config=model_config,
+                             scheduler_config=scheduler_config, cache_config=cache_config)
+    vllm_config.cache_config.num_gpu_blocks = config.num_gpu_blocks  # as the engine core sets it
+    return vllm_config
 
 
 class Engine:
@@ -159,13 +211,13 @@ class Engine:
 
     def __init__(self, options: EngineOptions, workload: EngineWorkload,
                  on_done: Callable[[dict[str, Any]], None] | None = None) -> None:
-        from kvtrace.replay.vllm_backend import VllmBackend
-
         self.options = options
         self.workload = workload
         self.on_done = on_done
         self.commands: queue.Queue[str] = queue.Queue()
-        self.backend = VllmBackend(workload.config, options.variant, sink=None)
+        # Built before "ready": a config vLLM rejects fails the start, not the run.
+        self.scheduler = VllmScheduler(workload.config, workload.settings, options.variant,
+                                       workload.arrivals)
         self.summary: dict[str, Any] | None = None
         self.input_ended = False  # heard during a run
 
@@ -194,27 +246,42 @@ class Engine:
 
     def run_workload(self) -> str | None:
         """Run every request; returns why it stopped early (a quit), or None when done."""
-        arrivals = self.workload.arrivals
+        workload, options = self.workload, self.options
+        arrivals = workload.arrivals
+        settings = workload.settings
         say(f"running {len(arrivals)} requests")
-        cache = EngineCache(self.backend, self.options.speed, self._wait_until)
+        engine = self.scheduler
+        pending = collections.deque(arrivals)
+        clock_ns = 0
+        origin = time.monotonic()
         started = time.perf_counter()
         try:
-            stats = Scheduler(cache, self.workload.config, self.workload.settings).run(arrivals)
+            while pending or engine.has_requests():
+                if not engine.has_requests():
+                    clock_ns = max(clock_ns, pending[0].arrival_ns)
+                self._wait_until(origin + clock_ns / 1e9 / options.speed if options.speed
+                                 else -math.inf)
+                while pending and pending[0].arrival_ns <= clock_ns:
+                    engine.add_request(pending.popleft())
+                num_tokens = engine.step()
+                if num_tokens:  # not the step that only reports the last requests finished
+                    clock_ns += settings.step_overhead_ns + num_tokens * settings.ns_per_token
         except _Quit as stop:
             return stop.reason
         wall_s = time.perf_counter() - started
+        requests = engine.requests.values()
         prompt_tokens = sum(a.prompt_len for a in arrivals)
+        hit_tokens = engine.hit_tokens
         self.summary = {
-            "variant": self.options.variant,
+            "variant": options.variant,
             "requests": len(arrivals),
             "prompt_tokens": prompt_tokens,
-            "hit_tokens": cache.hit_tokens,
-            "hit_rate": cache.hit_tokens / prompt_tokens if prompt_tokens else 0.0,
-            "resumed_hit_tokens": cache.resumed_hit_tokens,
-            "preemptions": stats.preemptions,
-            "steps": stats.steps,
-            "virtual_s": stats.virtual_ns / 1e9,
-            "speed": self.options.speed,
+            "hit_tokens": hit_tokens,
+            "hit_rate": hit_tokens / prompt_tokens if prompt_tokens else 0.0,
+            "preemptions": sum(request.num_preemptions for request in requests),
+            "steps": engine.num_steps,
+            "virtual_s": clock_ns / 1e9,
+            "speed": options.speed,
             "wall_s": round(wall_s, 3),
         }
         if self.on_done is not None:
@@ -239,10 +306,6 @@ class Engine:
                 self.input_ended = True
             else:
                 say("already running")
-
-    def close(self) -> None:
-        self.backend.close()
-
 
 def read_commands(stream: Any, commands: queue.Queue[str],
                   complain: Callable[[str], None]) -> None:
@@ -282,7 +345,6 @@ def run_engine(options: EngineOptions, autostart: bool = False,
     ``on_done(summary)`` runs when the workload has finished."""
     previous = {signum: signal.signal(signum, _raise_shutdown)
                 for signum in (signal.SIGTERM, signal.SIGINT)}
-    engine = None
     try:
         workload = load_workload(options)
         become_engine_core()
@@ -297,8 +359,6 @@ def run_engine(options: EngineOptions, autostart: bool = False,
     except Shutdown as shutdown:
         reason = str(shutdown)
     finally:
-        if engine is not None:
-            engine.close()
         for signum, handler in previous.items():
             signal.signal(signum, handler)
     say(f"exiting ({reason})")
