@@ -4,13 +4,19 @@ Layout (all integers little-endian)::
 
     b"KVTRACE\\0"  u16 format_major  u16 format_minor
     frame*        u32 payload_len  u32 crc32(payload)  payload
-    payload       one type byte, then msgpack: H = TraceHeader, B = record batch, C = TraceClosed
+    payload       one type byte, then msgpack: H = TraceHeader, B = record batch (columns),
+                  R = record batch (rows, format 1.1), C = TraceClosed
 
 The first frame is the header; a cleanly closed trace ends with the closing frame. Records travel
 in batches stored column by column (ints at the narrowest fixed width that holds them), because
 bulk analysis wants columns and fixed-width columns cost a fraction of per-record msgpack to
 write, read and turn into Arrow (reference/environment-notes.md section 4). A batch keeps the
 exact order of its records in ``kinds`` (one byte per record: an index into its ``tags``).
+
+A capture writes R batches instead: the records as one msgpack array of tagged rows, which
+msgspec encodes in C at a few tens of ns per record, so the writer thread holds the engine's
+interpreter lock as briefly as possible (columns cost several times more to build, in Python).
+Readers turn R batches into the same columns, so nothing downstream sees the difference.
 
 A writer cut off anywhere loses at most its last, incomplete frame: the reader recovers every
 complete frame, sets ``truncated`` and never fails on the cut. Bytes that fail their checksum or
@@ -32,7 +38,7 @@ from collections import Counter
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from operator import attrgetter
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, Union
 
 import msgspec
 
@@ -41,16 +47,18 @@ from kvtrace.errors import TraceFormatError, TraceNotFoundError, TraceVersionErr
 from kvtrace.events import (
     FORMAT_MAJOR,
     FORMAT_MINOR,
+    RECORD_TYPES,
     TAG_TO_TYPE,
     Record,
     TraceClosed,
     TraceHeader,
+    tag_of,
 )
 
 MAGIC = b"KVTRACE\0"
 _PREAMBLE = struct.Struct("<8sHH")
 _FRAME_HEAD = struct.Struct("<II")
-FRAME_HEADER, FRAME_BATCH, FRAME_CLOSED = b"H", b"B", b"C"
+FRAME_HEADER, FRAME_BATCH, FRAME_ROWS, FRAME_CLOSED = b"H", b"B", b"R", b"C"
 # A frame longer than this is damage, not data: batches are a few hundred KiB.
 MAX_FRAME_BYTES = 1 << 30
 DEFAULT_BATCH_SIZE = 8192
@@ -188,6 +196,7 @@ def encode_batch(records: list[Record]) -> tuple[bytes, dict[str, int]]:
 
 _BATCH_ENCODER = msgspec.msgpack.Encoder()
 _BATCH_DECODER = msgspec.msgpack.Decoder(_Batch)
+_ROWS_DECODER = msgspec.msgpack.Decoder(list[Union[RECORD_TYPES]])  # type: ignore[valid-type]
 _HEADER_DECODER = msgspec.msgpack.Decoder(TraceHeader)
 _CLOSED_DECODER = msgspec.msgpack.Decoder(TraceClosed)
 
@@ -248,6 +257,25 @@ def _decode_batch(payload: memoryview, first_seq: int) -> tuple[RecordBatch, Cou
     return RecordBatch(types, raw.tags, raw.kinds, columns, first_seq), unknown
 
 
+def _decode_rows(payload: memoryview, first_seq: int) -> tuple[RecordBatch, Counter]:
+    """An R batch as the columns a B batch of the same records decodes to. Rows of kinds this
+    reader does not know are skipped and counted (and, unlike in a B batch, not kept in the
+    batch: records after them in the same batch number one lower than a newer reader's)."""
+    unknown: Counter = Counter()
+    try:
+        records = _ROWS_DECODER.decode(payload)
+    except msgspec.ValidationError:  # a kind from a newer writer: convert the rest row by row
+        records = []
+        for row in _OBJECT_DECODER.decode(payload):
+            record_type = TAG_TO_TYPE.get(row[0]) if isinstance(row, list) and row else None
+            if record_type is None:
+                unknown[row[0] if isinstance(row, list) and row else "?"] += 1
+            else:
+                records.append(msgspec.convert(row, record_type))
+    batch, _ = _decode_batch(memoryview(encode_batch(records)[0]), first_seq)
+    return batch, unknown
+
+
 def _default_columns(record_type: type[Record], num_present: int, num_rows: int) -> list[list]:
     """Columns for trailing fields an older writer did not know: their defaults."""
     fields = record_type.__struct_fields__
@@ -277,9 +305,11 @@ class TraceWriter:
         *,
         batch_size: int = DEFAULT_BATCH_SIZE,
         atomic: bool = False,
+        rows: bool = False,
     ) -> None:
         self.header = header
         self.batch_size = batch_size
+        self.rows = rows  # R batches (cheap to write) instead of B (columns)
         self.counts: Counter = Counter()
         self.num_records = 0
         self._pending: list[Record] = []
@@ -317,8 +347,12 @@ class TraceWriter:
             return
         batch = self._pending if limit is None else self._pending[:limit]
         self._pending = [] if limit is None else self._pending[limit:]
-        payload, counts = encode_batch(batch)
-        self._write_frame(FRAME_BATCH, payload)
+        if self.rows:
+            payload = _BATCH_ENCODER.encode(batch)
+            counts = {tag_of(t): n for t, n in Counter(map(type, batch)).items()}
+        else:
+            payload, counts = encode_batch(batch)
+        self._write_frame(FRAME_ROWS if self.rows else FRAME_BATCH, payload)
         self.num_records += len(batch)
         self.counts.update(counts)
 
@@ -475,13 +509,16 @@ class TraceReader:
                 frame_type, body, offset = frame
                 if self.closing is not None:
                     raise TraceFormatError(f"{self.path}: data after the closing frame", offset)
-                if frame_type == FRAME_BATCH:
+                if frame_type in (FRAME_BATCH, FRAME_ROWS):
+                    decode = _decode_batch if frame_type == FRAME_BATCH else _decode_rows
                     try:
-                        batch, unknown = _decode_batch(body, self.num_records)
+                        batch, unknown = decode(body, self.num_records)
                     except (msgspec.DecodeError, msgspec.ValidationError, ValueError, TypeError) as e:
                         raise TraceFormatError(f"{self.path}: undecodable batch ({e})", offset) from None
                     self.unknown_kinds.update(unknown)
-                    self.num_records += len(batch)
+                    # A B batch keeps unknown kinds' rows (typeless); an R batch drops them.
+                    self.num_records += len(batch) + (
+                        unknown.total() if frame_type == FRAME_ROWS else 0)
                     yield batch
                 elif frame_type == FRAME_CLOSED:
                     self.closing = self._decode(_CLOSED_DECODER, frame)

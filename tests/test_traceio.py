@@ -27,16 +27,18 @@ from kvtrace.traceio import TraceReader, TraceWriter, read_records, write_trace
 GOLDEN = Path(__file__).parent / "data"
 
 
-def write(path: Path, records, batch_size: int = 4, header: TraceHeader | None = None) -> Path:
-    with TraceWriter(path, header or sample_header(), batch_size=batch_size) as writer:
+def write(path: Path, records, batch_size: int = 4, header: TraceHeader | None = None,
+          rows: bool = False) -> Path:
+    with TraceWriter(path, header or sample_header(), batch_size=batch_size, rows=rows) as writer:
         writer.write_many(records)
     return path
 
 
-def test_every_record_kind_round_trips(tmp_path):
+@pytest.mark.parametrize("rows", [False, True], ids=["columns", "rows"])
+def test_every_record_kind_round_trips(tmp_path, rows):
     records = one_of_each_kind()
     assert {type(r) for r in records} == set(RECORD_TYPES), "a new kind needs a sample"
-    reader, decoded = read_records(write(tmp_path / "t.kvtrace", records, batch_size=1000))
+    reader, decoded = read_records(write(tmp_path / "t.kvtrace", records, batch_size=1000, rows=rows))
     assert decoded == records
     assert [type(r) for r in decoded] == [type(r) for r in records]
     assert reader.header == sample_header()
@@ -45,11 +47,12 @@ def test_every_record_kind_round_trips(tmp_path):
     assert not reader.truncated
 
 
-def test_order_is_kept_across_interleaved_kinds_and_batches(tmp_path):
+@pytest.mark.parametrize("rows", [False, True], ids=["columns", "rows"])
+def test_order_is_kept_across_interleaved_kinds_and_batches(tmp_path, rows):
     rng = random.Random(1)
     samples = one_of_each_kind()
     records = [rng.choice(samples) for _ in range(1000)]
-    _, decoded = read_records(write(tmp_path / "t.kvtrace", records, batch_size=37))
+    _, decoded = read_records(write(tmp_path / "t.kvtrace", records, batch_size=37, rows=rows))
     assert decoded == records
 
 
@@ -60,9 +63,10 @@ def test_int_columns_choose_a_width_that_holds_every_value(tmp_path, value):
     assert decoded == records
 
 
-def test_truncation_at_every_offset_recovers_each_complete_frame(tmp_path):
+@pytest.mark.parametrize("rows", [False, True], ids=["columns", "rows"])
+def test_truncation_at_every_offset_recovers_each_complete_frame(tmp_path, rows):
     records = one_of_each_kind()
-    data = write(tmp_path / "full.kvtrace", records, batch_size=3).read_bytes()
+    data = write(tmp_path / "full.kvtrace", records, batch_size=3, rows=rows).read_bytes()
     ends = frame_ends(data)
     header_end, batch_ends = ends[0], ends[1:-1]
     cut_path = tmp_path / "cut.kvtrace"
@@ -77,13 +81,14 @@ def test_truncation_at_every_offset_recovers_each_complete_frame(tmp_path):
         complete_batches = sum(end <= cut for end in batch_ends)
         assert recovered == records[: 3 * complete_batches], f"cut at {cut}"
         assert reader.truncated and reader.closing is None, f"cut at {cut}"
-    reader = TraceReader(str(write(tmp_path / "again.kvtrace", records, batch_size=3)))
+    reader = TraceReader(str(write(tmp_path / "again.kvtrace", records, batch_size=3, rows=rows)))
     assert list(reader) == records and not reader.truncated
 
 
-def test_random_corruption_raises_trace_format_error_or_recovers(tmp_path):
+@pytest.mark.parametrize("rows", [False, True], ids=["columns", "rows"])
+def test_random_corruption_raises_trace_format_error_or_recovers(tmp_path, rows):
     records = one_of_each_kind() * 5
-    data = write(tmp_path / "t.kvtrace", records, batch_size=8).read_bytes()
+    data = write(tmp_path / "t.kvtrace", records, batch_size=8, rows=rows).read_bytes()
     rng = random.Random(20261129)
     damaged_path = tmp_path / "damaged.kvtrace"
     outcomes = {"error": 0, "recovered": 0}
@@ -133,17 +138,19 @@ def extra_record_types(monkeypatch):
         monkeypatch.setitem(traceio._FIELD_CODECS, record_type, traceio._field_codecs(record_type))
 
 
-def test_unknown_kinds_are_skipped_and_counted(tmp_path, extra_record_types):
+@pytest.mark.parametrize("rows", [False, True], ids=["columns", "rows"])
+def test_unknown_kinds_are_skipped_and_counted(tmp_path, extra_record_types, rows):
     records = [StepStarted(1, 2), FutureKind(3, 4), BlockTouched(5, 6), FutureKind(7, 8)]
-    reader, decoded = read_records(write(tmp_path / "t.kvtrace", records))
+    reader, decoded = read_records(write(tmp_path / "t.kvtrace", records, rows=rows))
     assert decoded == [StepStarted(1, 2), BlockTouched(5, 6)]
     assert reader.unknown_kinds == {"future_kind": 2}
     assert reader.num_records == 4 and not reader.truncated
 
 
-def test_schema_evolution_new_trailing_fields_and_defaults(tmp_path, extra_record_types):
+@pytest.mark.parametrize("rows", [False, True], ids=["columns", "rows"])
+def test_schema_evolution_new_trailing_fields_and_defaults(tmp_path, extra_record_types, rows):
     records = [BlockTouchedV2(5, 6, 999), RequestArrivedV0(0, 40, [1, 2], 8)]
-    _, decoded = read_records(write(tmp_path / "t.kvtrace", records))
+    _, decoded = read_records(write(tmp_path / "t.kvtrace", records, rows=rows))
     assert decoded == [
         BlockTouched(5, 6),  # the unknown trailing field is ignored
         RequestArrived(0, 40, [1, 2], 8, arrival_ns=0, salt_id=0, request_id=""),  # defaults

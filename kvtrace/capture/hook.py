@@ -224,7 +224,7 @@ class CaptureSession:
                     "variant": engine_variant(managers[0]) if managers else "upstream"},
         )
         try:
-            self._writer = TraceWriter(self.options.path, header)
+            self._writer = TraceWriter(self.options.path, header, rows=True)
         except OSError as error:
             raise KvtraceError(f"cannot write the trace {self.options.path}: {error.strerror}",
                                "Pick an -o path the engine process can write to.") from None
