@@ -31,8 +31,10 @@ class CacheBackend(Protocol):
         """Prefix lookup for a waiting request: (num_hit_tokens, shared_prefix_boundary)."""
 
     def allocate_slots(self, req: int, num_new_tokens: int, num_new_computed_tokens: int = 0,
-                       num_lookahead_tokens: int = 0) -> bool:
-        """``KVCacheManager.allocate_slots``; False when the pool cannot fit the chunk.
+                       num_lookahead_tokens: int = 0, *,
+                       full_sequence_must_fit: bool = False) -> bool:
+        """``KVCacheManager.allocate_slots``; False when the pool cannot fit the chunk (or, with
+        ``full_sequence_must_fit``, the request's whole sequence so far).
         ``num_new_computed_tokens`` > 0 only on the first allocation after a lookup."""
 
     def end_schedule(self) -> None:

@@ -19,7 +19,9 @@ Reproduced from ``vllm/v1/core/sched/scheduler.py`` (0.33.0), in our own code:
   hash-aligned tail checkpoint (fine-grained hits) and the shared-prefix junction, with the
   internal-checkpoint exemption; ``MambaAlignedSplit`` below;
 * a prefix lookup (``get_computed_blocks``) for every waiting request at the head of the queue,
-  each step it is tried; a failed admission stops admissions for the step;
+  each step it is tried; admission asks ``allocate_slots`` for the whole sequence to fit
+  (``scheduler_reserve_full_isl``, on by default); a failed admission stops admissions for the
+  step;
 * a running request whose ``allocate_slots`` fails preempts the last running request (FCFS
   policy), repeatedly, until it fits or has preempted itself; a preempted request is prepended
   to the waiting queue with its computed tokens reset and is recomputed on resume (its output
@@ -30,8 +32,8 @@ Reproduced from ``vllm/v1/core/sched/scheduler.py`` (0.33.0), in our own code:
 Not reproduced: priority scheduling, KV connectors and async loads, speculative decoding
 (lookahead slots, draft padding), structured output, encoder inputs and LoRA limits, async
 scheduling (one step in flight), pipeline parallelism, the DP / local prefill cadence,
-stop strings or EOS (requests always decode ``max_tokens``), ``scheduler_reserve_full_isl``
-admission probes, deferred frees, the adaptive long-prefill threshold and the opt-in
+stop strings or EOS (requests always decode ``max_tokens``), deferred frees, the adaptive
+long-prefill threshold and the opt-in
 ``enable_mamba_shared_prefix_checkpoint``.
 
 Time is virtual: requests arrive at ``arrival_ns``; a step lasts ``step_overhead_ns`` plus
@@ -62,6 +64,9 @@ class SchedulerSettings:
     max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
     long_prefill_token_threshold: int = 0
     max_model_len: int = 0  # 0: unlimited
+    # vLLM 0.33's scheduler_reserve_full_isl (on by default): admit a request only if its whole
+    # sequence so far (prompt, plus outputs when resumed) fits in the free blocks.
+    reserve_full_sequence: bool = True
     step_overhead_ns: int = 2_000_000
     ns_per_token: int = 10_000  # 100k scheduled tokens per second
 
@@ -362,22 +367,21 @@ class Scheduler:
 
     def _admit_waiting(self, budget: int, threshold: int,
                        scheduled: dict[int, tuple[_Request, int]]) -> None:
-        skipped: list[_Request] = []
         while budget > 0 and self.waiting and len(self.running) < self.settings.max_num_seqs:
             request = self.waiting[0]
             num_hit, request.shared_prefix_boundary = self.backend.get_computed_blocks(request.spec.req)
             num_new = self._chunk(request, num_hit, threshold, budget)
-            if num_new == 0:
-                skipped.append(self.waiting.popleft())  # requeued so it does not stall the queue
-                continue
-            if not self.backend.allocate_slots(request.spec.req, num_new, num_new_computed_tokens=num_hit):
+            if num_new == 0:  # no block-aligned chunk fits the budget: vLLM stops admitting
+                break
+            if not self.backend.allocate_slots(
+                    request.spec.req, num_new, num_new_computed_tokens=num_hit,
+                    full_sequence_must_fit=self.settings.reserve_full_sequence):
                 break
             self.waiting.popleft()
             self.running.append(request)
             request.num_computed_tokens = num_hit
             scheduled[request.spec.req] = (request, num_new)
             budget -= num_new
-        self.waiting.extendleft(reversed(skipped))
 
     def _apply_outputs(self, scheduled: dict[int, tuple[_Request, int]]) -> None:
         """The forward pass ran: advance computed tokens, sample, finish and free."""

@@ -25,8 +25,9 @@ fast as it can.
 
 The figures are vLLM's own: a request's hit is the local cached tokens of its first prefill
 (``PrefillStats``, reported when that prefill completes), which is what ``ReplaySummary``
-counts from a capture's records; preemptions are the requests' ``num_preemptions``. ``kvtrace replay`` schedules with kvtrace's model of this
-scheduler, so its figures for the same workload are close to the engine's but not equal.
+counts from a capture's records; preemptions are the requests' ``num_preemptions``. ``kvtrace
+replay`` schedules with kvtrace's model of this scheduler, which makes the same calls on the
+cache (``tests/test_scheduler_vs_vllm.py``), so its figures for a workload equal the engine's.
 """
 
 from __future__ import annotations

@@ -1,0 +1,92 @@
+"""Differential test of kvtrace's scheduler model against vLLM 0.33's own ``Scheduler``.
+
+The same workload runs through vLLM's scheduler (``kvtrace engine``'s ``VllmScheduler``, with a
+process-wide capture's probes) and through the model over the same real cache (``VllmBackend``
+with its own probes). Every call the two make on the cache, in order, and every effect must be
+the same record. Step records are left out: vLLM also runs a step that only reports finished
+requests, which schedules nothing and touches no block.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import pytest
+from msgspec.structs import replace
+
+from kvtrace.events import HashInterner, RequestArrived, SlotsAllocated, StepStarted
+from kvtrace.replay.scheduler import Scheduler
+from kvtrace.replay.workloads import EngineShape, synthesize, write_workload
+
+
+def through_vllm(workload) -> list:
+    from kvtrace.probes import CacheProbes
+    from kvtrace.replay.vllm_engine import VllmScheduler
+
+    engine = VllmScheduler(workload.config, workload.settings, "unfixed", workload.arrivals)
+    records: list = []
+    probes = CacheProbes(records.append, HashInterner(), req_number=int, created_ns=0).arm()
+    try:
+        pending, clock_ns = deque(workload.arrivals), 0
+        while pending or engine.has_requests():  # Engine.run_workload's loop, at speed 0
+            if not engine.has_requests():
+                clock_ns = max(clock_ns, pending[0].arrival_ns)
+            while pending and pending[0].arrival_ns <= clock_ns:
+                engine.add_request(pending.popleft())
+            num_tokens = engine.step()
+            if num_tokens:
+                clock_ns += (workload.settings.step_overhead_ns
+                             + num_tokens * workload.settings.ns_per_token)
+    finally:
+        probes.disarm()
+    assert probes.num_failures == 0
+    return records
+
+
+def through_model(workload) -> list:
+    from kvtrace.replay.vllm_backend import VllmBackend
+
+    records: list = []
+    # Dense hash ids in order of first appearance, as the capture above numbers them.
+    with VllmBackend(workload.config, "unfixed", records.append,
+                     hash_ids_from_bytes=False) as backend:
+        Scheduler(backend, workload.config, workload.settings).run(list(workload.arrivals))
+    return records
+
+
+def comparable(records: list) -> list:
+    """Inputs and effects without step records. Cleared: arrival times (the engine stamps the
+    wall clock, the model its virtual one) and ``has_scheduled_reqs`` (it only matters with a
+    watermark, vLLM's default has none, and the model does not pass it)."""
+    cleared = {RequestArrived: {"arrival_ns": 0}, SlotsAllocated: {"has_scheduled_reqs": False}}
+    return [replace(record, **cleared[type(record)]) if type(record) in cleared else record
+            for record in records
+            if not isinstance(record, StepStarted) and record.family in ("input", "effect")]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("preset, num_requests, num_gpu_blocks", [
+    ("shared-prompt", 60, None),
+    ("shared-prompt", 60, 140),  # tight: preemptions, and admissions the whole prompt must fit
+    ("chat", 60, 120),
+    ("agent", 60, None),
+])
+def test_the_model_schedules_exactly_as_vllm(tmp_path, preset, num_requests, num_gpu_blocks):
+    from kvtrace.replay.vllm_engine import EngineOptions, load_workload
+
+    path = tmp_path / "workload.kvtrace"
+    shape = EngineShape(num_gpu_blocks=num_gpu_blocks)
+    write_workload(path, synthesize(preset, num_requests, 0, shape.hash_unit), shape)
+    workload = load_workload(EngineOptions(str(path), variant="unfixed", speed=0))
+
+    vllm_records, model_records = through_vllm(workload), through_model(workload)
+
+    expected, got = comparable(vllm_records), comparable(model_records)
+    first = next((i for i, (a, b) in enumerate(zip(expected, got)) if a != b), None)
+    assert first is None, (f"record {first}: vLLM {expected[first]!r}, "
+                           f"model {got[first]!r}")
+    assert len(expected) == len(got)
+    kinds = {type(r).__name__ for r in expected}
+    assert {"SlotsAllocated", "ComputedBlocksFound", "BlockStored", "CheckpointRecorded"} <= kinds
+    if num_gpu_blocks is not None:
+        assert "RequestPreempted" in kinds
