@@ -80,7 +80,8 @@ def command(workdir: str, quick: bool) -> None:
         [str(workload), "--variant", "unfixed", "--speed", "0"],
         {**os.environ, "KVTRACE_PLUGIN": "1"}, cwd=str(work))
     try:
-        stages.start("Starting `kvtrace engine` (real vLLM 0.33 cache, unfixed checkpoint logic)")
+        stages.start("Starting `kvtrace engine` "
+                     "(vLLM 0.33's scheduler and cache, unfixed checkpoint logic)")
         pid = engine.wait_ready()
         stages.done(f"pid {pid}, process title VLLM::EngineCore")
 
