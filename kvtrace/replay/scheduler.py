@@ -2,10 +2,10 @@
 
 Reschedule replay compares checkpoint variants under *equal scheduling*: the same arrivals go
 through the same scheduling rules, and only the cache's answers (hits, failed allocations) may
-make the runs diverge. vLLM's own ``Scheduler`` cannot serve here: it needs a ``VllmConfig``
-whose ``ModelConfig`` resolves a Hugging Face model (network or a local checkpoint), builds its
-own ``KVCacheManager`` (so it could not drive a variant-patched manager or the fast model
-backend), and expects a model runner's outputs each step.
+make the runs diverge. vLLM's own ``Scheduler`` (which ``kvtrace engine`` runs) builds its own
+``KVCacheManager``, so it can drive no other backend, and a step of it costs about twice this
+model's. ``tests/test_scheduler_vs_vllm.py`` holds the model to it: on the same workload and
+cache, both make the same cache calls in the same order.
 
 Reproduced from ``vllm/v1/core/sched/scheduler.py`` (0.33.0), in our own code:
 
