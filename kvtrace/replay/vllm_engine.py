@@ -126,7 +126,6 @@ class VllmScheduler:
 
         vllm_config = _vllm_config(config, settings)
         self.config = config
-        self.settings = settings
         try:
             self.scheduler = Scheduler(vllm_config, kv_cache_config_of(config),
                                        StructuredOutputManager(vllm_config),
@@ -138,9 +137,10 @@ class VllmScheduler:
         installed = get_variant(variant)
         for manager in self.scheduler.kv_cache_manager.coordinator.single_type_managers:
             installed.install(manager)
-        self.requests: dict[str, Any] = {}
+        self.requests: dict[str, Any] = {}  # the unfinished ones
         self.num_steps = 0
         self.hit_tokens = 0  # vLLM's own count: each request's first prefill, its cached tokens
+        self.preemptions = 0  # of finished requests
         self._max_hash_id = max((max([*a.hash_ids, *(a.output_hash_ids or ())], default=-1)
                                  for a in arrivals), default=-1)
 
@@ -172,6 +172,10 @@ class VllmScheduler:
             for request_output in engine_outputs.outputs:
                 if request_output.prefill_stats is not None:  # the first prefill's, once
                     self.hit_tokens += request_output.prefill_stats.num_local_cached_tokens
+                finished = (requests.pop(request_output.request_id, None)
+                            if request_output.finished else None)
+                if finished is not None:  # forgotten: a long workload's tokens add up
+                    self.preemptions += finished.num_preemptions
         if (not output.total_num_scheduled_tokens and not self.scheduler.running
                 and self.scheduler.waiting):
             head = self.scheduler.waiting.peek_request()
@@ -270,7 +274,6 @@ class Engine:
         except _Quit as stop:
             return stop.reason
         wall_s = time.perf_counter() - started
-        requests = engine.requests.values()
         prompt_tokens = sum(a.prompt_len for a in arrivals)
         hit_tokens = engine.hit_tokens
         self.summary = {
@@ -279,7 +282,7 @@ class Engine:
             "prompt_tokens": prompt_tokens,
             "hit_tokens": hit_tokens,
             "hit_rate": hit_tokens / prompt_tokens if prompt_tokens else 0.0,
-            "preemptions": sum(request.num_preemptions for request in requests),
+            "preemptions": engine.preemptions,
             "steps": engine.num_steps,
             "virtual_s": clock_ns / 1e9,
             "speed": options.speed,
