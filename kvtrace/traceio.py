@@ -337,16 +337,22 @@ class TraceWriter:
             self.flush_batch()
 
     def write_many(self, records: Iterable[Record]) -> None:
-        self._pending.extend(records)
-        while len(self._pending) >= self.batch_size:
-            self.flush_batch(self.batch_size)
+        pending = self._pending
+        pending.extend(records)
+        size = self.batch_size
+        num_whole = len(pending) - len(pending) % size
+        if num_whole:
+            for start in range(0, num_whole, size):
+                self._write_batch(pending[start:start + size])
+            self._pending = pending[num_whole:]
 
-    def flush_batch(self, limit: int | None = None) -> None:
-        """Write pending records (at most ``limit``) as one batch frame."""
-        if not self._pending:
-            return
-        batch = self._pending if limit is None else self._pending[:limit]
-        self._pending = [] if limit is None else self._pending[limit:]
+    def flush_batch(self) -> None:
+        """Write all pending records as one batch frame."""
+        if self._pending:
+            batch, self._pending = self._pending, []
+            self._write_batch(batch)
+
+    def _write_batch(self, batch: list[Record]) -> None:
         if self.rows:
             payload = _BATCH_ENCODER.encode(batch)
             counts = {tag_of(t): n for t, n in Counter(map(type, batch)).items()}

@@ -18,8 +18,8 @@ Imports: stdlib, msgspec, kvtrace.events/traceio/probes; vLLM only inside functi
 
 from __future__ import annotations
 
-import collections
 import gc
+import itertools
 import os
 import socket
 import sys
@@ -42,8 +42,6 @@ from kvtrace.traceio import TraceWriter
 
 DEFAULT_BUFFER_CAPACITY = 1 << 18
 WRITER_POLL_S = 0.02
-# Records handed to the TraceWriter per drain: bounds the writer thread's GIL hold.
-DRAIN_CHUNK = 4096
 
 
 class AlreadyCapturingError(KvtraceError):
@@ -161,7 +159,7 @@ class CaptureSession:
         self._unmarked_drops = 0
         # Lists of records. Producers count what they put in, the writer what it took out:
         # the difference is what the buffer holds, without a lock.
-        self._buffer: collections.deque[list[Record]] = collections.deque()
+        self._buffer: list[list[Record]] = []
         self._num_buffered = 0
         self._num_drained = 0
         self._capacity = options.buffer_capacity
@@ -176,8 +174,16 @@ class CaptureSession:
 
     def _enqueue_many(self, records: list[Record]) -> None:
         """Buffer the probes' records of one engine step: the list itself is one item of the
-        deque (the probes hand over a new list each time), so neither thread handles single
-        records here. What does not fit in the capacity (in records) is dropped and counted."""
+        buffer (the probes hand over a new list each time), so the scheduler thread handles no
+        single record here. What does not fit in the capacity (in records) is dropped and
+        counted."""
+        num_records = len(records)
+        if (not self._unmarked_drops
+                and self._num_buffered - self._num_drained + num_records <= self._capacity):
+            self._buffer.append(records)  # the usual case, first and short
+            self._num_buffered += num_records
+            self.num_enqueued += num_records
+            return
         room = self._capacity - (self._num_buffered - self._num_drained)
         if self._unmarked_drops and room > 0:
             self._buffer.append([EventsDropped(self._unmarked_drops,
@@ -264,17 +270,19 @@ class CaptureSession:
                 pass
 
     def _drain(self, writer: TraceWriter) -> bool:
-        """Move about one chunk from the buffer into the writer; False when it was empty."""
+        """Move everything buffered into the writer; False when there was nothing. The buffer's
+        lists leave it in one slice: producers only append behind them, and each of the two
+        list operations is one step under the interpreter lock."""
         buffer = self._buffer
-        if not buffer:
+        num_lists = len(buffer)
+        if not num_lists:
             writer.flush()
             return False
-        num_drained = 0
-        while buffer and num_drained < DRAIN_CHUNK:  # only this thread takes from the buffer
-            records = buffer.popleft()
-            writer.write_many(records)
-            num_drained += len(records)
-        self._num_drained += num_drained
+        lists = buffer[:num_lists]
+        del buffer[:num_lists]
+        records = list(itertools.chain.from_iterable(lists))
+        writer.write_many(records)
+        self._num_drained += len(records)
         return True
 
     def _disarm_probes(self) -> None:
