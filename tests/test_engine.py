@@ -26,14 +26,16 @@ from kvtrace.replay.workloads import EngineShape, synthesize, write_workload
 SPEED = 20
 # Registers a vLLM general plugin through package metadata, as an installed package does; the
 # plugin writes down the process title it saw when vLLM loaded it.
+# vLLM also loads plugins in helper processes (its model-registry inspection, on a cold cache),
+# so each load appends "pid title".
 PLUGIN_MODULE = """
 import os
 
 def register():
     with open("/proc/self/cmdline", "rb") as cmdline:
         title = cmdline.read().split(b"\\0")[0]
-    with open(os.environ["KVTRACE_TEST_PLUGIN_OUT"], "wb") as out:
-        out.write(title)
+    with open(os.environ["KVTRACE_TEST_PLUGIN_OUT"], "ab") as out:
+        out.write(b"%d %s\\n" % (os.getpid(), title))
 """
 
 
@@ -91,7 +93,8 @@ def test_engine_process_runs_the_workload_through_vllms_scheduler_as_replay_does
     assert ready.startswith(f"kvtrace engine: pid {pid} ready (variant unfixed, 40 requests,")
     assert Path(f"/proc/{pid}/cmdline").read_bytes().startswith(b"VLLM::EngineCore")
     # vLLM loaded the plugin from package metadata, after the title was set.
-    assert (out / "plugin-title").read_bytes().startswith(b"VLLM::EngineCore")
+    loads = dict(line.split(b" ", 1) for line in (out / "plugin-title").read_bytes().splitlines())
+    assert loads[str(pid).encode()].startswith(b"VLLM::EngineCore")
 
     # The same workload and variant through `kvtrace replay`, in this process.
     summary_path = tmp_path / "replay.json"
