@@ -7,6 +7,7 @@ import pytest
 
 from kvtrace.events import (
     BlockFreed,
+    BlocksReleased,
     CheckpointSuppressed,
     FinishStatus,
     HashesExtended,
@@ -132,3 +133,26 @@ def test_capture_mode_interns_hashes_and_tells_finish_from_preemption(vllm_backe
         (128, 0, True), (112, 128, True)]
     freed = [r for r in records if type(r) is BlockFreed]
     assert freed and all(r.ref_cnt == 0 for r in freed[-3:])
+
+
+def test_only_frees_outside_the_cache_manager_are_blocks_released(vllm_backend_class):
+    """The engine's own frees (vLLM's scheduler releasing copy-on-write retentions) become a
+    ``BlocksReleased`` input that lockstep re-issues; frees inside ``KVCacheManager.free`` do
+    not, also for a request that started before the probes were armed."""
+    records = []
+    backend = vllm_backend_class(seed_config(None), "upstream", lambda r: None)
+    backend.close()  # keep the manager, drop the backend's own probes
+    backend.add_request(1, 240, SEED_HASH_IDS, 40)
+    prefill_chunks(backend, 1, [128])  # before arming: the probes never see request 1
+    pool = backend.manager.block_pool
+    held = pool.get_new_blocks(2)  # blocks the engine itself holds
+    probes = CacheProbes(records.append, HashInterner()).arm()
+    try:
+        backend.free(1)
+        pool.free_blocks(held)
+    finally:
+        probes.disarm()
+    released = [r for r in records if type(r) is BlocksReleased]
+    assert [r.block_ids for r in released] == [[block.block_id for block in held]]
+    assert records.index(released[0]) > 0  # after the request's own BlockFreed records
+    assert all(type(r) is BlockFreed for r in records[:records.index(released[0])])

@@ -162,6 +162,7 @@ class _Patches:
 
 _WRAPPER_FACTORIES: dict[str, Callable[[Callable], Callable]] = {}
 
+_NO_REQ, _UNSEEN_REQ = -1, -2  # ``CacheProbes._req`` outside a call; in a free of an unseen request
 _LRU_REUSE, _REKEY, _CONNECTOR, _STALE_CHECKPOINT = (
     RemoveReason.LRU_REUSE, RemoveReason.REKEY, RemoveReason.CONNECTOR,
     RemoveReason.STALE_CHECKPOINT)
@@ -365,7 +366,7 @@ def _free_blocks(original: Callable) -> Callable:
         if probe is None:
             return original(self, ordered_blocks)
         ordered_blocks = list(ordered_blocks)  # an iterator would be spent by vLLM
-        if probe._req == -1:  # not inside a request's cache call: the engine frees directly
+        if probe._req == _NO_REQ:  # not inside a cache-manager call: the engine frees directly
             try:
                 probe._records.append(BlocksReleased([block.block_id for block in ordered_blocks
                                                       if not block.is_null]))
@@ -729,7 +730,10 @@ class CacheProbes:
 
     def _report_release(self, request: Any) -> None:
         """A free of a finished request is its end; of a running one, a preemption (vLLM's
-        ``_preempt_request`` frees first and marks the request PREEMPTED after)."""
+        ``_preempt_request`` frees first and marks the request PREEMPTED after). A request the
+        probes never saw (it started before arming) is ``_UNSEEN_REQ`` meanwhile: its blocks
+        are freed by the cache manager, not released by the engine (``BlocksReleased``)."""
+        self._req = _UNSEEN_REQ
         try:
             known = self._reqs.get(request.request_id)
             if known is None:
