@@ -41,7 +41,7 @@ def engine_run(workload, config, settings, capture: str | None) -> tuple[float, 
     from kvtrace.probes import CacheProbes
     from kvtrace.replay.vllm_engine import VllmScheduler
 
-    engine = VllmScheduler(config, settings, "upstream", workload)
+    engine = VllmScheduler(config, settings, "upstream")
     records: list = []
     probes = None
     if capture == PROBES_ONLY:

@@ -156,3 +156,21 @@ def test_only_frees_outside_the_cache_manager_are_blocks_released(vllm_backend_c
     assert [r.block_ids for r in released] == [[block.block_id for block in held]]
     assert records.index(released[0]) > 0  # after the request's own BlockFreed records
     assert all(type(r) is BlockFreed for r in records[:records.index(released[0])])
+
+
+def test_made_up_hash_ids_never_equal_a_later_requests_real_ones(vllm_backend_class):
+    """Decode past a workload's known units gets made-up hash ids; they must not name a unit of
+    a request that arrives later (a false prefix hit in replay)."""
+    with vllm_backend_class(seed_config(None), "upstream", lambda r: None) as backend:
+        backend.add_request(0, 32, [0, 1], 40)  # two hash units known, none for its output
+        prefill_chunks(backend, 0, [32])
+        for step in range(1, 17):  # decode 16 tokens: a third unit, which no workload named
+            backend.new_step(step, step)
+            assert backend.allocate_slots(0, 1)
+            backend.advance(0, 1)
+        made_up = int.from_bytes(backend.request(0).block_hashes[2], "big")
+        assert made_up not in (0, 1)
+        # A later request whose ids are the next dense ones, as a workload numbers them.
+        backend.add_request(1, 32, [2, 3], 4)
+        assert backend.get_computed_blocks(1) == (0, 0)
+        assert backend.cached_block_id(made_up, 0) is not None  # the made-up unit is cached

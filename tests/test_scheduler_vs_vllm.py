@@ -23,7 +23,7 @@ def through_vllm(workload) -> list:
     from kvtrace.probes import CacheProbes
     from kvtrace.replay.vllm_engine import VllmScheduler
 
-    engine = VllmScheduler(workload.config, workload.settings, "unfixed", workload.arrivals)
+    engine = VllmScheduler(workload.config, workload.settings, "unfixed")
     records: list = []
     probes = CacheProbes(records.append, HashInterner(), req_number=int, created_ns=0).arm()
     try:

@@ -38,22 +38,44 @@ class EncodedHashIds:
         return int.from_bytes(hash_bytes, "big"), False
 
 
+# Hash ids for units no workload named (decode past the known ones) are made up far above any
+# workload's ids, so a made-up unit never equals a unit of a request that arrives later.
+FIRST_MADE_UP_HASH_ID = 1 << 62
+
+
+class MadeUpHashIds:
+    """Hands out made-up hash ids, counting up from ``FIRST_MADE_UP_HASH_ID`` and past every id
+    it was told is taken (a replay of a replay brings made-up ids of its own)."""
+
+    __slots__ = ("_next",)
+
+    def __init__(self) -> None:
+        self._next = FIRST_MADE_UP_HASH_ID
+
+    def __call__(self) -> int:
+        self._next += 1
+        return self._next - 1
+
+    def skip_past(self, hash_id: int) -> None:
+        self._next = max(self._next, hash_id + 1)
+
+
 class _RequestHashes:
     """A request's block hasher: hands out the next hash ids as its tokens fill hash units."""
 
-    __slots__ = ("hash_ids", "hash_block_size", "fresh_hash_id")
+    __slots__ = ("hash_ids", "hash_block_size", "made_up_hash_id")
 
     def __init__(self, hash_ids: list[int], hash_block_size: int,
-                 fresh_hash_id: Callable[[], int]) -> None:
+                 made_up_hash_id: Callable[[], int]) -> None:
         self.hash_ids = hash_ids
         self.hash_block_size = hash_block_size
-        self.fresh_hash_id = fresh_hash_id  # for units past the known ones (decode)
+        self.made_up_hash_id = made_up_hash_id  # for units past the known ones (decode)
 
     def __call__(self, request: Any) -> list[bytes]:
         start = len(request.block_hashes)
         stop = request.num_tokens // self.hash_block_size
         while len(self.hash_ids) < stop:
-            self.hash_ids.append(self.fresh_hash_id())
+            self.hash_ids.append(self.made_up_hash_id())
         return [hash_bytes_of(hash_id) for hash_id in self.hash_ids[start:stop]]
 
 
@@ -81,7 +103,7 @@ class VllmBackend:
             req_number=int, created_ns=0).arm(self.manager.block_pool)
         self._requests: dict[int, Any] = {}
         self._pending_hits: dict[int, tuple[Any, int]] = {}
-        self._max_hash_id = -1
+        self.made_up_hash_id = MadeUpHashIds()
 
     # --- CacheBackend ---------------------------------------------------------------------------
 
@@ -103,9 +125,8 @@ class VllmBackend:
                                "Request numbers must be unique within a trace.")
         check_fits(self.config, req, prompt_len + max_tokens)
         known_ids = [*hash_ids, *(output_hash_ids or ())]
-        self._max_hash_id = max(self._max_hash_id, *known_ids, -1)
         self._requests[req] = new_request(req, prompt_len, max_tokens, known_ids, unit,
-                                          self.fresh_hash_id)
+                                          self.made_up_hash_id)
 
     def get_computed_blocks(self, req: int) -> tuple[int, int]:
         request = self._requests[req]
@@ -208,10 +229,6 @@ class VllmBackend:
         """The live vLLM ``Request`` (for tests and drivers that need its counters)."""
         return self._requests[req]
 
-    def fresh_hash_id(self) -> int:
-        self._max_hash_id += 1
-        return self._max_hash_id
-
     def close(self) -> None:
         """Disarm the probes (the last backend alive restores vLLM's original methods)."""
         if self.probes is not None:
@@ -253,16 +270,18 @@ def check_fits(config: EngineConfig, req: int, num_tokens: int) -> None:
 
 
 def new_request(req: int, prompt_len: int, max_tokens: int, hash_ids: list[int],
-                hash_block_size: int, fresh_hash_id: Callable[[], int]) -> Any:
+                hash_block_size: int, made_up_hash_id: MadeUpHashIds) -> Any:
     """A vLLM ``Request`` for workload request ``req``: placeholder tokens, the workload's hash
-    ids as its block hashes."""
+    ids as its block hashes, made-up ones past them."""
     from vllm.sampling_params import SamplingParams
     from vllm.v1.request import Request
 
+    if hash_ids:
+        made_up_hash_id.skip_past(max(hash_ids))
     return Request(str(req), [0] * prompt_len,
                    SamplingParams(max_tokens=max(1, max_tokens)), None,
                    arrival_time=0.0,
-                   block_hasher=_RequestHashes(hash_ids, hash_block_size, fresh_hash_id))
+                   block_hasher=_RequestHashes(hash_ids, hash_block_size, made_up_hash_id))
 
 
 def _validate(config: EngineConfig) -> None:

@@ -51,8 +51,8 @@ from kvtrace.replay.run import CAPTURED_VARIANT, KEEP, ReplayOptions, config_for
 from kvtrace.replay.scheduler import (Arrival, SchedulerSettings, arrivals_of,
                                       check_fits_model_len)
 from kvtrace.replay.variants import get_variant
-from kvtrace.replay.vllm_backend import (UNLIMITED_MODEL_LEN, check_fits, kv_cache_config_of,
-                                          new_request)
+from kvtrace.replay.vllm_backend import (UNLIMITED_MODEL_LEN, MadeUpHashIds, check_fits,
+                                          kv_cache_config_of, new_request)
 from kvtrace.traceio import TraceReader
 
 # vLLM's name for the process (``run_engine_core``, without data parallelism).
@@ -119,8 +119,7 @@ class VllmScheduler:
     The runner's answer: one sampled token for each request whose scheduled chunk reached its
     last token; nothing for a chunk that ends inside the prompt (the runner discards it)."""
 
-    def __init__(self, config: EngineConfig, settings: SchedulerSettings, variant: str,
-                 arrivals: list[Arrival]) -> None:
+    def __init__(self, config: EngineConfig, settings: SchedulerSettings, variant: str) -> None:
         from vllm.v1.core.sched.scheduler import Scheduler
         from vllm.v1.structured_output import StructuredOutputManager
 
@@ -141,13 +140,12 @@ class VllmScheduler:
         self.num_steps = 0
         self.hit_tokens = 0  # vLLM's own count: each request's first prefill, its cached tokens
         self.preemptions = 0  # of finished requests
-        self._max_hash_id = max((max([*a.hash_ids, *(a.output_hash_ids or ())], default=-1)
-                                 for a in arrivals), default=-1)
+        self._made_up_hash_id = MadeUpHashIds()
 
     def add_request(self, arrival: Arrival) -> None:
         request = new_request(arrival.req, arrival.prompt_len, arrival.max_tokens,
                               [*arrival.hash_ids, *(arrival.output_hash_ids or ())],
-                              self.config.hash_block_size, self._fresh_hash_id)
+                              self.config.hash_block_size, self._made_up_hash_id)
         request.arrival_time = time.time()
         self.requests[request.request_id] = request
         self.scheduler.add_request(request)
@@ -185,10 +183,6 @@ class VllmScheduler:
                 "Give the engine more blocks with --num-gpu-blocks.")
         return output.total_num_scheduled_tokens
 
-    def _fresh_hash_id(self) -> int:
-        self._max_hash_id += 1
-        return self._max_hash_id
-
 
 def _vllm_config(config: EngineConfig, settings: SchedulerSettings) -> Any:
     """A ``VllmConfig`` for scheduling only: the bundled model config, CPU, the trace's limits."""
@@ -221,8 +215,7 @@ class Engine:
         self.on_done = on_done
         self.commands: queue.Queue[str] = queue.Queue()
         # Built before "ready": a config vLLM rejects fails the start, not the run.
-        self.scheduler = VllmScheduler(workload.config, workload.settings, options.variant,
-                                       workload.arrivals)
+        self.scheduler = VllmScheduler(workload.config, workload.settings, options.variant)
         self.summary: dict[str, Any] | None = None
         self.input_ended = False  # heard during a run
 
