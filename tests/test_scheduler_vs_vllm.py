@@ -17,6 +17,7 @@ from msgspec.structs import replace
 from kvtrace.events import HashInterner, RequestArrived, SlotsAllocated, StepStarted
 from kvtrace.replay.scheduler import Scheduler
 from kvtrace.replay.workloads import EngineShape, synthesize, write_workload
+from shared_data import MOONCAKE_SYNTHETIC
 
 
 def through_vllm(workload) -> list:
@@ -64,6 +65,15 @@ def comparable(records: list) -> list:
             if not isinstance(record, StepStarted) and record.family in ("input", "effect")]
 
 
+def assert_same_schedule(workload) -> list:
+    """Both schedulers on ``workload``: the same records, in the same order; returns them."""
+    expected, got = comparable(through_vllm(workload)), comparable(through_model(workload))
+    first = next((i for i, (a, b) in enumerate(zip(expected, got)) if a != b), None)
+    assert first is None, f"record {first}: vLLM {expected[first]!r}, model {got[first]!r}"
+    assert len(expected) == len(got)
+    return expected
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("preset, num_requests, num_gpu_blocks", [
     ("shared-prompt", 60, None),
@@ -79,14 +89,29 @@ def test_the_model_schedules_exactly_as_vllm(tmp_path, preset, num_requests, num
     write_workload(path, synthesize(preset, num_requests, 0, shape.hash_unit), shape)
     workload = load_workload(EngineOptions(str(path), variant="unfixed", speed=0))
 
-    vllm_records, model_records = through_vllm(workload), through_model(workload)
-
-    expected, got = comparable(vllm_records), comparable(model_records)
-    first = next((i for i, (a, b) in enumerate(zip(expected, got)) if a != b), None)
-    assert first is None, (f"record {first}: vLLM {expected[first]!r}, "
-                           f"model {got[first]!r}")
-    assert len(expected) == len(got)
-    kinds = {type(r).__name__ for r in expected}
+    kinds = {type(r).__name__ for r in assert_same_schedule(workload)}
     assert {"SlotsAllocated", "ComputedBlocksFound", "BlockStored", "CheckpointRecorded"} <= kinds
     if num_gpu_blocks is not None:
         assert "RequestPreempted" in kinds
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not MOONCAKE_SYNTHETIC.exists(), reason="the Mooncake trace is not on this machine")
+def test_the_model_schedules_the_mooncake_trace_exactly_as_vllm(tmp_path):
+    """A real request log's first 400 requests, imported with default settings: long prompts,
+    no output units named (decode makes hash ids up), many shared prefixes."""
+    from click.testing import CliRunner
+
+    from kvtrace.cli import cli
+    from kvtrace.replay.vllm_engine import EngineOptions, load_workload
+
+    log = tmp_path / "mooncake-400.jsonl"
+    with open(MOONCAKE_SYNTHETIC) as full:
+        log.write_text("".join(line for _, line in zip(range(400), full)))
+    path = tmp_path / "mooncake.kvtrace"
+    result = CliRunner().invoke(cli, ["import", "mooncake", str(log), "-o", str(path)],
+                                catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    workload = load_workload(EngineOptions(str(path), variant="unfixed", speed=0))
+    records = assert_same_schedule(workload)
+    assert sum(type(r).__name__ == "BlockTouched" for r in records) > 1000  # prefix hits
