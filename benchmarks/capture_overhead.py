@@ -11,7 +11,8 @@ longer, so the script also says what the measured extra time per step adds to a 
 
 Targets (issue "Capture"): <= 1 us per wrapped call; step-time ratio <= 1.10 on this CPU engine.
 
-    .venv/bin/python benchmarks/capture_overhead.py [--requests 300] [--repeats 5] [--json]
+    .venv/bin/python benchmarks/capture_overhead.py [--requests 300] [--repeats 5]
+        [--arrival-scale 1] [--json]
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import statistics
 import sys
 import tempfile
 import time
+from dataclasses import replace
 
 GPU_STEP_S = 0.030
 
@@ -97,6 +99,9 @@ def main() -> int:
     parser.add_argument("--requests", type=int, default=300)
     parser.add_argument("--preset", default="agent")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--arrival-scale", type=float, default=1.0,
+                        help="multiply arrival times: below 1 loads the engine more (0: all at "
+                             "once, full batches)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
 
@@ -111,7 +116,9 @@ def main() -> int:
     reader, records = read_records(source)
     config = reader.header.config
     settings = SchedulerSettings.from_config(config)
-    workload = sorted(arrivals_of(records), key=lambda arrival: arrival.arrival_ns)
+    workload = sorted((replace(arrival, arrival_ns=int(arrival.arrival_ns * args.arrival_scale))
+                       for arrival in arrivals_of(records)),
+                      key=lambda arrival: arrival.arrival_ns)
 
     engine_run(workload, config, settings, None)  # warm-up: imports, caches
     calls = count_wrapped_calls(workload, config, settings)
@@ -127,7 +134,8 @@ def main() -> int:
     per_call_ns = (armed_s - bare_s) / calls * 1e9
     extra_per_step_s = (armed_s - bare_s) / steps
     results = {
-        "requests": args.requests, "preset": args.preset, "steps": steps, "wrapped_calls": calls,
+        "requests": args.requests, "preset": args.preset, "arrival_scale": args.arrival_scale,
+        "steps": steps, "wrapped_calls": calls,
         "bare_step_us": bare_s / steps * 1e6, "probed_step_us": probed_s / steps * 1e6,
         "armed_step_us": armed_s / steps * 1e6, "step_time_ratio": armed_s / bare_s,
         "ns_per_wrapped_call": wrapper_ns, "capture_ns_per_wrapped_call": per_call_ns,
@@ -140,7 +148,8 @@ def main() -> int:
     if args.json:
         print(json.dumps(results, indent=2))
     else:
-        print(f"{args.preset}, {args.requests} requests: {steps:,} steps, {calls:,} wrapped calls "
+        print(f"{args.preset}, {args.requests} requests (arrival scale {args.arrival_scale:g}): "
+              f"{steps:,} steps, {calls:,} wrapped calls "
               f"per run; median of {args.repeats} alternating runs")
         print(f"  step time      {results['bare_step_us']:8.1f} us bare, "
               f"{results['probed_step_us']:8.1f} us with probes, "
