@@ -356,6 +356,8 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
     max_num_batched_tokens: int = 0
     max_num_seqs: int = 0
     long_prefill_token_threshold: int = 0
+    # vLLM's scheduler_reserve_full_isl: admit a request only if its whole sequence fits.
+    reserve_full_sequence: bool = True
 
     @property
     def scheduler_block_size(self) -> int:

@@ -109,6 +109,10 @@ def test_captured_engine_replays_in_lockstep_to_100_percent(workload, tmp_path, 
     reader = TraceReader(str(trace))
     assert reader.header.source == "capture" and reader.header.process_title == "VLLM::EngineCore"
     assert reader.header.params["variant"] == "unfixed"
+    # The scheduler's limits are read off vLLM's own scheduler: the workload's, which it ran.
+    ran = TraceReader(str(workload)).header.config
+    assert ran.max_num_seqs and ran.max_num_batched_tokens  # the workload sets them
+    assert reader.header.config == ran
     assert sum(len(batch) for batch in reader.batches()) > 1000 and not reader.truncated
     fidelity = lockstep_verify(trace, tmp_path / "runs")
     assert fidelity["matched"] == fidelity["total"] > 1000, fidelity

@@ -9,6 +9,7 @@ requests, which schedules nothing and touches no block.
 
 from __future__ import annotations
 
+import dataclasses
 from collections import deque
 
 import pytest
@@ -75,19 +76,25 @@ def assert_same_schedule(workload) -> list:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("preset, num_requests, num_gpu_blocks", [
-    ("shared-prompt", 60, None),
-    ("shared-prompt", 60, 140),  # tight: preemptions, and admissions the whole prompt must fit
-    ("chat", 60, 120),
-    ("agent", 60, None),
+@pytest.mark.parametrize("preset, num_requests, num_gpu_blocks, reserve_full_sequence", [
+    ("shared-prompt", 60, None, True),
+    ("shared-prompt", 60, 140, True),  # tight: preemptions, admissions the whole prompt must fit
+    ("shared-prompt", 60, 140, False),  # scheduler_reserve_full_isl off: admission by chunk
+    ("chat", 60, 120, True),
+    ("agent", 60, None, True),
 ])
-def test_the_model_schedules_exactly_as_vllm(tmp_path, preset, num_requests, num_gpu_blocks):
+def test_the_model_schedules_exactly_as_vllm(tmp_path, preset, num_requests, num_gpu_blocks,
+                                             reserve_full_sequence):
+    from kvtrace.replay.scheduler import SchedulerSettings
     from kvtrace.replay.vllm_engine import EngineOptions, load_workload
 
     path = tmp_path / "workload.kvtrace"
     shape = EngineShape(num_gpu_blocks=num_gpu_blocks)
     write_workload(path, synthesize(preset, num_requests, 0, shape.hash_unit), shape)
     workload = load_workload(EngineOptions(str(path), variant="unfixed", speed=0))
+    config = replace(workload.config, reserve_full_sequence=reserve_full_sequence)
+    workload = dataclasses.replace(workload, config=config,
+                                   settings=SchedulerSettings.from_config(config))
 
     kinds = {type(r).__name__ for r in assert_same_schedule(workload)}
     assert {"SlotsAllocated", "ComputedBlocksFound", "BlockStored", "CheckpointRecorded"} <= kinds

@@ -81,39 +81,55 @@ def vllm_version() -> str:
         return ""
 
 
-def find_kv_cache_managers() -> list[Any]:
-    """Every live vLLM ``KVCacheManager`` in this process (normally one per engine core).
+def find_kv_cache_managers() -> list[tuple[Any, Any]]:
+    """Every live vLLM ``KVCacheManager`` in this process (normally one per engine core), each
+    with the vLLM scheduler that owns it (None when none is found).
 
     Looked for first among the objects the running threads' frames hold (the engine core's
     busy loop holds its scheduler, which holds the manager): cheap. Only if that finds none is
     the garbage collector's object list scanned, a pause of a few tenths of a second."""
     from vllm.v1.core.kv_cache_manager import KVCacheManager
+    from vllm.v1.core.sched.interface import SchedulerInterface
 
     found: dict[int, Any] = {}
     for frame in sys._current_frames().values():
         while frame is not None:
             for value in list(frame.f_locals.values()):
-                _collect_managers(value, KVCacheManager, found, depth=3)
+                _collect(value, KVCacheManager, SchedulerInterface, found, depth=3)
             frame = frame.f_back
-    if not found:
-        found = {id(obj): obj for obj in gc.get_objects() if type(obj) is KVCacheManager}
-    return list(found.values())
+    if not any(_is_a(obj, KVCacheManager) for obj in found.values()):
+        found = {id(obj): obj for obj in gc.get_objects()
+                 if _is_a(obj, KVCacheManager) or _is_a(obj, SchedulerInterface)}
+    owners = {id(getattr(obj, "kv_cache_manager", None)): obj for obj in found.values()
+              if _is_a(obj, SchedulerInterface)}
+    return [(obj, owners.get(id(obj))) for obj in found.values() if _is_a(obj, KVCacheManager)]
 
 
-def _collect_managers(value: Any, manager_type: type, found: dict[int, Any], depth: int) -> None:
-    if isinstance(value, manager_type):
+def _is_a(value: Any, cls: type) -> bool:
+    """``isinstance`` by the object's real type only: no ``__class__`` lookup, which some
+    proxies in a live process answer with a warning (or worse)."""
+    return cls in type(value).__mro__
+
+
+def _collect(value: Any, manager_type: type, scheduler_type: type, found: dict[int, Any],
+             depth: int) -> None:
+    """Managers and schedulers reachable from ``value`` within ``depth`` attribute hops."""
+    if _is_a(value, manager_type):
         found[id(value)] = value
         return
+    if _is_a(value, scheduler_type):
+        found[id(value)] = value  # and on, to the manager it holds
     attributes = getattr(value, "__dict__", None)
     if depth == 0 or not isinstance(attributes, dict) or isinstance(value, type):
         return
     for attribute in list(attributes.values()):
         if hasattr(attribute, "__dict__") and not callable(attribute):
-            _collect_managers(attribute, manager_type, found, depth - 1)
+            _collect(attribute, manager_type, scheduler_type, found, depth - 1)
 
 
-def engine_config_of(manager: Any) -> EngineConfig:
-    """Read the engine's cache settings off a live ``KVCacheManager`` (vLLM 0.33 attributes)."""
+def engine_config_of(manager: Any, scheduler: Any = None) -> EngineConfig:
+    """Read the engine's cache settings off a live ``KVCacheManager``, and its scheduler limits
+    off the scheduler that owns it when there is one (vLLM 0.33 attributes)."""
     config = manager.kv_cache_config
     groups = []
     for (kind, _sliding_window), group in zip(manager.kv_cache_event_metadata, config.kv_cache_groups):
@@ -135,7 +151,17 @@ def engine_config_of(manager: Any) -> EngineConfig:
         enable_caching=manager.enable_caching,
         use_eagle=manager.use_eagle,
         max_model_len=manager.max_model_len,
+        **({} if scheduler is None else _scheduler_limits(scheduler.scheduler_config)),
     )
+
+
+def _scheduler_limits(scheduler_config: Any) -> dict[str, Any]:
+    return {
+        "max_num_batched_tokens": scheduler_config.max_num_batched_tokens,
+        "max_num_seqs": scheduler_config.max_num_seqs,
+        "long_prefill_token_threshold": scheduler_config.long_prefill_token_threshold,
+        "reserve_full_sequence": bool(scheduler_config.scheduler_reserve_full_isl),
+    }
 
 
 def engine_variant(manager: Any) -> str:
@@ -212,7 +238,7 @@ class CaptureSession:
 
         probe_targets()  # signature check before anything else happens
         managers = find_kv_cache_managers()
-        config = engine_config_of(managers[0]) if managers else None
+        config = engine_config_of(*managers[0]) if managers else None
         self.started_ns = time.time_ns()
         header = TraceHeader(
             kvtrace_version=__version__,
@@ -227,7 +253,7 @@ class CaptureSession:
             includes_hash_bytes=self.options.hash_bytes,
             params={"buffer_capacity": str(self._capacity),
                     "num_kv_cache_managers": str(len(managers)),
-                    "variant": engine_variant(managers[0]) if managers else "upstream"},
+                    "variant": engine_variant(managers[0][0]) if managers else "upstream"},
         )
         try:
             self._writer = TraceWriter(self.options.path, header, rows=True)

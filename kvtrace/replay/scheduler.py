@@ -64,8 +64,8 @@ class SchedulerSettings:
     max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
     long_prefill_token_threshold: int = 0
     max_model_len: int = 0  # 0: unlimited
-    # vLLM 0.33's scheduler_reserve_full_isl (on by default): admit a request only if its whole
-    # sequence so far (prompt, plus outputs when resumed) fits in the free blocks.
+    # vLLM 0.33's scheduler_reserve_full_isl (on by default; EngineConfig.reserve_full_sequence):
+    # admit a request only if its whole sequence so far (prompt, plus outputs when resumed) fits.
     reserve_full_sequence: bool = True
     step_overhead_ns: int = 2_000_000
     ns_per_token: int = 10_000  # 100k scheduled tokens per second
@@ -78,6 +78,7 @@ class SchedulerSettings:
             max_num_seqs=config.max_num_seqs or DEFAULT_MAX_NUM_SEQS,
             long_prefill_token_threshold=config.long_prefill_token_threshold,
             max_model_len=config.max_model_len,
+            reserve_full_sequence=config.reserve_full_sequence,
         )
         settings = replace(settings, **{k: v for k, v in overrides.items() if v is not None})
         if settings.max_num_batched_tokens <= 0 or settings.max_num_seqs <= 0:

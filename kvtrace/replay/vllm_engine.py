@@ -195,7 +195,8 @@ def _vllm_config(config: EngineConfig, settings: SchedulerSettings) -> Any:
         max_num_batched_tokens=settings.max_num_batched_tokens,
         max_num_seqs=settings.max_num_seqs, max_model_len=max_model_len,
         enable_chunked_prefill=True, is_encoder_decoder=False,
-        long_prefill_token_threshold=settings.long_prefill_token_threshold)
+        long_prefill_token_threshold=settings.long_prefill_token_threshold,
+        scheduler_reserve_full_isl=settings.reserve_full_sequence)
     cache_config = CacheConfig(block_size=config.scheduler_block_size,
                                enable_prefix_caching=config.enable_caching,
                                mamba_cache_mode="align")
