@@ -292,7 +292,7 @@ def _allocate_slots(original: Callable) -> Callable:
                     has_scheduled_reqs))
             except Exception:
                 probe.num_failures += 1
-            probe._req, probe._request, probe._held = -1, None, held
+            probe._req, probe._request, probe._held = _NO_REQ, None, held
             if not held:
                 probe._flush()
         return result
@@ -586,7 +586,7 @@ class CacheProbes:
         self._pool: Any = None
         self._armed = False
         # Context set by the outer method being called.
-        self._req = -1
+        self._req = _NO_REQ
         self._request: Any = None
         self._remove_reason = RemoveReason.UNKNOWN
         self._store_kind = StoreKind.FULL
@@ -724,7 +724,7 @@ class CacheProbes:
         return self._salt_ids.setdefault(salt, len(self._salt_ids) + 1)
 
     def _leave(self, held: bool) -> None:
-        self._req = -1
+        self._req = _NO_REQ
         self._request = None
         self._held = held
 

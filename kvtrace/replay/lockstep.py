@@ -31,8 +31,9 @@ def replay_lockstep(records: Iterable[Record], backend: Any) -> int:
     The backend reports its own records through its sink. Output hash ids a request completed
     during decode (``HashesExtended``) are declared up front so the replay hands them out as
     the request's tokens grow. Besides ``CacheBackend``, the backend needs
-    ``sync_request(req, num_computed_tokens, num_tokens)`` to take the captured progress and
-    ``release_blocks(block_ids)`` to free blocks as the engine did outside the cache's calls.
+    ``sync_request(req, num_computed_tokens, num_tokens)`` to take the captured progress,
+    ``release_blocks(block_ids)`` to free blocks as the engine did outside the cache's calls, and
+    ``allocate_slots`` to take vLLM's ``reserved_blocks`` and ``has_scheduled_reqs`` too.
     """
     records = list(records)
     output_hash_ids: dict[int, list[int]] = {}
