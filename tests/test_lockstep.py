@@ -7,6 +7,7 @@ import pytest
 
 from kvtrace.errors import KvtraceError
 from kvtrace.events import (
+    BlocksReleased,
     BlockAllocated,
     BlockFreed,
     BlockStored,
@@ -98,3 +99,9 @@ def test_a_trace_with_dropped_events_is_refused(vllm_backend_class, captured, tm
     writer.close(num_dropped=5)
     with pytest.raises(KvtraceError, match="dropped 5 events"):
         verify(TraceReader(str(path)), captured)
+
+
+def test_a_release_of_blocks_the_replay_does_not_hold_is_a_clear_error(vllm_backend_class):
+    with vllm_backend_class(seed_config(0, num_gpu_blocks=48), "fixed", lambda r: None) as backend:
+        with pytest.raises(KvtraceError, match=r"releases block\(s\) \[3, 999\]"):
+            replay_lockstep([BlocksReleased([3, 999])], backend)

@@ -218,6 +218,14 @@ class VllmBackend:
     def release_blocks(self, block_ids: list[int]) -> None:
         """Free blocks by id, as the engine did outside the cache manager (lockstep)."""
         pool = self.manager.block_pool
+        held = [block_id for block_id in block_ids
+                if 0 <= block_id < len(pool.blocks) and pool.blocks[block_id].ref_cnt > 0]
+        if held != block_ids:
+            unheld = sorted(set(block_ids) - set(held))
+            raise KvtraceError(
+                f"the trace releases block(s) {unheld[:5]} that the replayed cache does not hold",
+                "The trace's inputs are inconsistent with its engine config; was it edited, or "
+                "captured from a different engine?")
         pool.free_blocks([pool.blocks[block_id] for block_id in block_ids])
 
     def cached_block_id(self, hash_id: int, group: int) -> int | None:
