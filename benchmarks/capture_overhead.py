@@ -36,8 +36,6 @@ def engine_run(workload, config, settings, capture: str | None) -> tuple[float, 
     """One run of the engine loop; (seconds spent in engine steps, number of steps).
 
     ``capture``: None (bare), PROBES_ONLY, or the path of a trace to capture into."""
-    from collections import deque
-
     from kvtrace.capture import hook
     from kvtrace.events import HashInterner
     from kvtrace.probes import CacheProbes
@@ -50,17 +48,18 @@ def engine_run(workload, config, settings, capture: str | None) -> tuple[float, 
         probes = CacheProbes(records.append, HashInterner(), sink_many=records.extend).arm()
     elif capture is not None:
         hook.arm(hook.CaptureOptions(path=capture, gpu_interval_ms=0))
-    pending, clock_ns, busy_s = deque(workload), 0, 0.0
-    while pending or engine.has_requests():  # as Engine.run_workload, at speed 0
-        if not engine.has_requests():
-            clock_ns = max(clock_ns, pending[0].arrival_ns)
-        while pending and pending[0].arrival_ns <= clock_ns:
-            engine.add_request(pending.popleft())
+    busy_s = 0.0
+    step = engine.step
+
+    def timed_step() -> int:  # only the steps count, not adding arrivals
+        nonlocal busy_s
         started = time.perf_counter()
-        num_tokens = engine.step()
+        num_tokens = step()
         busy_s += time.perf_counter() - started
-        if num_tokens:
-            clock_ns += settings.step_overhead_ns + num_tokens * settings.ns_per_token
+        return num_tokens
+
+    engine.step = timed_step
+    engine.run(workload)
     if probes is not None:
         probes.disarm()
     elif capture is not None:

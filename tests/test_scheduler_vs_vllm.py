@@ -10,7 +10,6 @@ requests, which schedules nothing and touches no block.
 from __future__ import annotations
 
 import dataclasses
-from collections import deque
 
 import pytest
 from msgspec.structs import replace
@@ -29,16 +28,7 @@ def through_vllm(workload) -> list:
     records: list = []
     probes = CacheProbes(records.append, HashInterner(), req_number=int, created_ns=0).arm()
     try:
-        pending, clock_ns = deque(workload.arrivals), 0
-        while pending or engine.has_requests():  # Engine.run_workload's loop, at speed 0
-            if not engine.has_requests():
-                clock_ns = max(clock_ns, pending[0].arrival_ns)
-            while pending and pending[0].arrival_ns <= clock_ns:
-                engine.add_request(pending.popleft())
-            num_tokens = engine.step()
-            if num_tokens:
-                clock_ns += (workload.settings.step_overhead_ns
-                             + num_tokens * workload.settings.ns_per_token)
+        engine.run(workload.arrivals)
     finally:
         probes.disarm()
     assert probes.num_failures == 0

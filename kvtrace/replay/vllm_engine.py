@@ -125,6 +125,7 @@ class VllmScheduler:
 
         vllm_config = _vllm_config(config, settings)
         self.config = config
+        self.settings = settings
         try:
             self.scheduler = Scheduler(vllm_config, kv_cache_config_of(config),
                                        StructuredOutputManager(vllm_config),
@@ -152,6 +153,24 @@ class VllmScheduler:
 
     def has_requests(self) -> bool:
         return self.scheduler.has_requests()
+
+    def run(self, arrivals: list[Arrival],
+            before_step: Callable[[int], None] | None = None) -> int:
+        """Run ``arrivals`` (sorted by arrival time) to the end on the virtual clock; returns the
+        clock's end in ns. ``before_step(virtual_ns)`` runs before each step (pacing)."""
+        pending, clock_ns = collections.deque(arrivals), 0
+        while pending or self.has_requests():
+            if not self.has_requests():
+                clock_ns = max(clock_ns, pending[0].arrival_ns)
+            if before_step is not None:
+                before_step(clock_ns)
+            while pending and pending[0].arrival_ns <= clock_ns:
+                self.add_request(pending.popleft())
+            num_tokens = self.step()
+            if num_tokens:  # not the step that only reports the last requests finished
+                clock_ns += (self.settings.step_overhead_ns
+                             + num_tokens * self.settings.ns_per_token)
+        return clock_ns
 
     def step(self) -> int:
         """One engine step; returns the number of tokens it scheduled."""
@@ -247,24 +266,13 @@ class Engine:
         """Run every request; returns why it stopped early (a quit), or None when done."""
         workload, options = self.workload, self.options
         arrivals = workload.arrivals
-        settings = workload.settings
         say(f"running {len(arrivals)} requests")
         engine = self.scheduler
-        pending = collections.deque(arrivals)
-        clock_ns = 0
         origin = time.monotonic()
         started = time.perf_counter()
         try:
-            while pending or engine.has_requests():
-                if not engine.has_requests():
-                    clock_ns = max(clock_ns, pending[0].arrival_ns)
-                self._wait_until(origin + clock_ns / 1e9 / options.speed if options.speed
-                                 else -math.inf)
-                while pending and pending[0].arrival_ns <= clock_ns:
-                    engine.add_request(pending.popleft())
-                num_tokens = engine.step()
-                if num_tokens:  # not the step that only reports the last requests finished
-                    clock_ns += settings.step_overhead_ns + num_tokens * settings.ns_per_token
+            clock_ns = engine.run(arrivals, lambda step_ns: self._wait_until(
+                origin + step_ns / 1e9 / options.speed if options.speed else -math.inf))
         except _Quit as stop:
             return stop.reason
         wall_s = time.perf_counter() - started
