@@ -306,9 +306,8 @@ class CaptureSession:
             return False
         lists = buffer[:num_lists]
         del buffer[:num_lists]
-        records = list(itertools.chain.from_iterable(lists))
-        writer.write_many(records)
-        self._num_drained += len(records)
+        writer.write_many(itertools.chain.from_iterable(lists))  # extends its pending list once
+        self._num_drained += sum(map(len, lists))
         return True
 
     def _disarm_probes(self) -> None:
