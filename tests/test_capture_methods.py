@@ -120,6 +120,18 @@ def test_gpu_sampler_samples_the_visible_gpus(monkeypatch):
     assert all(s == GpuSampled(s.ts_ns, 1, 2 * 2**30, 141 * 2**30, 91) for s in samples)
 
 
+def test_gpu_interval_0_turns_sampling_off(monkeypatch):
+    fake = FakeNvml()
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    samples = []
+    sampler = GpuSampler(samples.append, origin_ns=0, interval_ms=0)
+    sampler.start()
+    time.sleep(0.05)
+    sampler.stop()
+    assert sampler.description == "GPU telemetry off"
+    assert samples == [] and sampler._thread is None
+
+
 def test_without_an_nvidia_driver_there_is_one_line_and_no_samples():
     samples = []
     sampler = GpuSampler(samples.append, origin_ns=0, interval_ms=10)

@@ -35,13 +35,14 @@ class GpuSampler:
     def __init__(self, emit: Callable[[Record], None], origin_ns: int, interval_ms: int) -> None:
         self.emit = emit
         self.origin_ns = origin_ns
-        self.interval_s = max(interval_ms, 10) / 1000
+        self.interval_s = max(interval_ms, 10) / 1000 if interval_ms > 0 else 0  # 0: off
         self.description = ""
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
     def start(self) -> None:
         if self.interval_s <= 0:
+            self.description = "GPU telemetry off"
             return
         try:
             import pynvml
