@@ -419,6 +419,11 @@ class HashInterner:
     def __len__(self) -> int:
         return len(self._ids)
 
+    @property
+    def ids(self) -> dict[bytes, int]:
+        """hash bytes -> id, the live dict: the probes' native core interns into it directly."""
+        return self._ids
+
     def intern(self, hash_bytes: bytes) -> tuple[int, bool]:
         """Return ``(hash_id, is_new)``."""
         hash_id = self._ids.get(hash_bytes)

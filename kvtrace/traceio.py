@@ -14,9 +14,11 @@ write, read and turn into Arrow (reference/environment-notes.md section 4). A ba
 exact order of its records in ``kinds`` (one byte per record: an index into its ``tags``).
 
 A capture writes R batches instead: the records as one msgpack array of tagged rows, which
-msgspec encodes in C at a few tens of ns per record, so the writer thread holds the engine's
-interpreter lock as briefly as possible (columns cost several times more to build, in Python).
-Readers turn R batches into the same columns, so nothing downstream sees the difference.
+msgspec encodes in C at a few tens of ns per record (columns cost several times more to build,
+in Python). The capture hook encodes each engine step's records itself (``encode_rows``) and the
+writer only frames the chunks (``write_encoded_rows``), so the writer thread holds the engine's
+interpreter lock as briefly as possible. Readers turn R batches into the same columns, so
+nothing downstream sees the difference.
 
 A writer cut off anywhere loses at most its last, incomplete frame: the reader recovers every
 complete frame, sets ``truncated`` and never fails on the cut. Bytes that fail their checksum or
@@ -42,7 +44,7 @@ from typing import Any, BinaryIO, Union
 
 import msgspec
 
-from kvtrace import events
+from kvtrace import events, native
 from kvtrace.errors import TraceFormatError, TraceNotFoundError, TraceVersionError
 from kvtrace.events import (
     FORMAT_MAJOR,
@@ -195,6 +197,7 @@ def encode_batch(records: list[Record]) -> tuple[bytes, dict[str, int]]:
 
 
 _BATCH_ENCODER = msgspec.msgpack.Encoder()
+encode_rows = _BATCH_ENCODER.encode  # records -> an R batch payload (msgpack array of rows)
 _BATCH_DECODER = msgspec.msgpack.Decoder(_Batch)
 _ROWS_DECODER = msgspec.msgpack.Decoder(list[Union[RECORD_TYPES]])  # type: ignore[valid-type]
 _HEADER_DECODER = msgspec.msgpack.Decoder(TraceHeader)
@@ -289,6 +292,8 @@ def _default_columns(record_type: type[Record], num_present: int, num_rows: int)
 
 # --- writer -------------------------------------------------------------------------------------
 
+_ARRAY32 = struct.Struct(">BI")  # msgpack array32 header
+
 
 class TraceWriter:
     """Writes a trace: the header at once, records in batches, the closing frame on ``close``.
@@ -313,6 +318,8 @@ class TraceWriter:
         self.counts: Counter = Counter()
         self.num_records = 0
         self._pending: list[Record] = []
+        self._chunks: list[bytes] = []  # encoded rows, without their array headers
+        self._num_chunk_records = 0
         self._final_path: str | None = None
         if isinstance(destination, (str, os.PathLike)):
             path = os.fspath(destination)
@@ -322,6 +329,9 @@ class TraceWriter:
             self._owns_file = True
         else:
             self._file, self._owns_file = destination, False
+        # Frames of pre-encoded rows go straight to the file descriptor with the native core.
+        self._native_fd = (self._file.fileno()
+                           if native.core is not None and self._owns_file else None)
         self._file.write(_PREAMBLE.pack(MAGIC, FORMAT_MAJOR, FORMAT_MINOR))
         self._write_frame(FRAME_HEADER, msgspec.msgpack.encode(header))
         self.closed = False
@@ -332,11 +342,15 @@ class TraceWriter:
         self._file.write(payload)
 
     def write(self, record: Record) -> None:
+        if self._chunks:
+            self._flush_chunks()
         self._pending.append(record)
         if len(self._pending) >= self.batch_size:
             self.flush_batch()
 
     def write_many(self, records: Iterable[Record]) -> None:
+        if self._chunks:
+            self._flush_chunks()
         pending = self._pending
         pending.extend(records)
         size = self.batch_size
@@ -346,8 +360,37 @@ class TraceWriter:
                 self._write_batch(pending[start:start + size])
             self._pending = pending[num_whole:]
 
+    def write_encoded_rows(self, chunks: list[tuple[int, bytes]]) -> int:
+        """Write records encoded elsewhere, as ``(number of records, encode_rows(records))``
+        pairs; return how many records. The chunks are joined, not decoded, into R batches of
+        at least ``batch_size`` records; the closing frame's per-kind ``counts`` leave them out
+        (readers count them)."""
+        if self._pending:
+            self.flush_batch()
+        # Each chunk without its msgpack array header (fixarray, array16 or array32).
+        self._chunks.extend([chunk[1:] if size < 16 else chunk[3:] if size < 65536 else chunk[5:]
+                             for size, chunk in chunks])
+        num_taken = sum([size for size, _ in chunks])
+        self._num_chunk_records += num_taken
+        if self._num_chunk_records >= self.batch_size:
+            self._flush_chunks()
+        return num_taken
+
+    def _flush_chunks(self) -> None:
+        num_records = self._num_chunk_records
+        parts = [FRAME_ROWS, _ARRAY32.pack(0xDD, num_records), *self._chunks]
+        self._chunks, self._num_chunk_records = [], 0
+        if self._native_fd is None:
+            self._write_frame(FRAME_ROWS, b"".join(parts[1:]))
+        else:  # the same frame, joined, checksummed and written without the interpreter lock
+            self._file.flush()
+            native.core.write_frame(self._native_fd, parts)
+        self.num_records += num_records
+
     def flush_batch(self) -> None:
         """Write all pending records as one batch frame."""
+        if self._chunks:
+            self._flush_chunks()
         if self._pending:
             batch, self._pending = self._pending, []
             self._write_batch(batch)

@@ -88,9 +88,19 @@ def core_rule(name: str, imp: Import) -> str | None:
 def traceio_rule(name: str, imp: Import) -> str | None:
     if name != "kvtrace.traceio":
         return None
-    if is_stdlib(imp.module) or root(imp.module) == "msgspec" or imp.module in ("kvtrace.events", "kvtrace.errors"):
+    if is_stdlib(imp.module) or root(imp.module) == "msgspec" or imp.module in (
+            "kvtrace.events", "kvtrace.errors", "kvtrace.native"):
         return None
-    return "traceio may import only stdlib, msgspec, events and errors"
+    return "traceio may import only stdlib, msgspec, events, errors and the native switch"
+
+
+def native_rule(name: str, imp: Import) -> str | None:
+    """kvtrace.native only says whether the C extension is there; everyone may import it."""
+    if name != "kvtrace.native":
+        return None
+    if is_stdlib(imp.module) or imp.module in ("kvtrace", "kvtrace._native"):
+        return None
+    return "kvtrace.native imports only the standard library and the C extension"
 
 
 def in_engine_rule(name: str, imp: Import) -> str | None:
@@ -139,7 +149,7 @@ def cli_rule(name: str, imp: Import) -> str | None:
     return None
 
 
-RULES = [core_rule, traceio_rule, in_engine_rule, replay_rule, analysis_rule, cli_rule]
+RULES = [core_rule, traceio_rule, native_rule, in_engine_rule, replay_rule, analysis_rule, cli_rule]
 
 
 @pytest.mark.parametrize("rule", RULES, ids=lambda r: r.__name__)

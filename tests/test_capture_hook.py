@@ -105,13 +105,13 @@ def test_stalled_writer_drops_and_counts_never_blocks(vllm_backend_class, captur
     run_engine(vllm_backend_class)
     baseline_s = time.perf_counter() - started
 
-    original = TraceWriter.write_many
+    original = TraceWriter.write_encoded_rows
 
-    def stalled(self, records):
+    def stalled(self, chunks):
         time.sleep(0.5)
-        original(self, records)
+        return original(self, chunks)
 
-    monkeypatch.setattr(TraceWriter, "write_many", stalled)
+    monkeypatch.setattr(TraceWriter, "write_encoded_rows", stalled)
     started = time.perf_counter()
     results = run_engine(vllm_backend_class, start_capture=lambda: capture(buffer_capacity=64))
     captured_s = time.perf_counter() - started
@@ -130,10 +130,10 @@ def test_stalled_writer_drops_and_counts_never_blocks(vllm_backend_class, captur
 def test_failing_writer_leaves_engine_results_identical(vllm_backend_class, capture, monkeypatch):
     uncaptured = run_engine(vllm_backend_class)
 
-    def broken(self, records):
+    def broken(self, chunks):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(TraceWriter, "write_many", broken)
+    monkeypatch.setattr(TraceWriter, "write_encoded_rows", broken)
     results = run_engine(vllm_backend_class, start_capture=capture)
     deadline = time.monotonic() + 5
     while hook.active_session().status()["armed"] and time.monotonic() < deadline:

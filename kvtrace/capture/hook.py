@@ -2,10 +2,14 @@
 
 ``CaptureSession.start()`` arms the shared probes on the real vLLM classes (refusing before
 anything is patched if a signature differs from the supported version), and from then on the
-probes hand each engine step's records, as one list, to ``_enqueue_many``, which only appends it
-to a bounded deque. A writer thread drains the deque, encodes and writes the trace. Records that
-do not fit (the capacity counts records) are dropped and counted, and an ``EventsDropped`` marker
-goes where the gap is: the scheduler thread never waits for the disk. ``stop()`` disarms
+probes hand each engine step's records, as one list, to a ``StepBuffer``, which packs them into
+one msgpack chunk (msgspec, in C, while the records are still in cache) and appends it to a
+bounded buffer. A writer thread drains the buffer, frames and writes the chunks, holding the
+interpreter lock only briefly (with the native core, not at all while it joins, checksums and
+writes), so it barely competes with the scheduler thread: encoding there, whole batches of
+records gone cold, cost the engine several times more. Records that do not fit (the capacity
+counts records) are dropped and counted, and an ``EventsDropped`` marker goes where the gap is:
+the scheduler thread never waits for the disk. ``stop()`` disarms
 (restoring every original function object, handing over the last step's records), drains, and
 closes the trace with its drop count.
 
@@ -19,16 +23,15 @@ Imports: stdlib, msgspec, kvtrace.events/traceio/probes; vLLM only inside functi
 from __future__ import annotations
 
 import gc
-import itertools
 import os
 import socket
 import sys
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
-from kvtrace import __version__
+from kvtrace import __version__, native
 from kvtrace.errors import KvtraceError
 from kvtrace.events import (
     EngineConfig,
@@ -38,7 +41,7 @@ from kvtrace.events import (
     Record,
     TraceHeader,
 )
-from kvtrace.traceio import TraceWriter
+from kvtrace.traceio import TraceWriter, encode_rows
 
 DEFAULT_BUFFER_CAPACITY = 1 << 18
 WRITER_POLL_S = 0.02
@@ -173,22 +176,45 @@ def engine_variant(manager: Any) -> str:
     return "upstream"
 
 
+class StepBuffer:
+    """A capture's hand-over of records from vLLM's scheduler thread to the writer thread.
+
+    Called with one engine step's records (a list): encodes them into one chunk
+    (``encode_rows``, msgspec in C, while the records are still in cache) and appends
+    ``(number of records, chunk)`` to ``chunks``, which the writer thread drains. Counts are in
+    records; what would exceed ``capacity``, or arrives while drops wait for their marker, goes
+    to ``overflow(records)``. Producers count what they put in, the writer what it took out:
+    the difference is what the buffer holds, without a lock. The native core has the same type
+    (``kvtrace/_native.c``), used when it is on."""
+
+    def __init__(self, encode: Callable[[list[Record]], bytes], capacity: int,
+                 overflow: Callable[[list[Record]], None]) -> None:
+        self.chunks: list[tuple[int, bytes]] = []
+        self.capacity = capacity
+        self.num_buffered = self.num_drained = self.num_enqueued = self.unmarked_drops = 0
+        self._encode = encode
+        self._overflow = overflow
+
+    def __call__(self, records: list[Record]) -> None:
+        num_records = len(records)
+        if self.unmarked_drops or self.num_buffered - self.num_drained + num_records > self.capacity:
+            self._overflow(records)
+            return
+        self.chunks.append((num_records, self._encode(records)))
+        self.num_buffered += num_records
+        self.num_enqueued += num_records
+
+
 class CaptureSession:
     """One capture to one trace file; at most one per process (see ``active_session``)."""
 
     def __init__(self, options: CaptureOptions) -> None:
         self.options = options
-        self.num_enqueued = 0
         self.num_dropped = 0
         self.error: str | None = None
         self.started_ns = 0
-        self._unmarked_drops = 0
-        # Lists of records. Producers count what they put in, the writer what it took out:
-        # the difference is what the buffer holds, without a lock.
-        self._buffer: list[list[Record]] = []
-        self._num_buffered = 0
-        self._num_drained = 0
-        self._capacity = options.buffer_capacity
+        step_buffer = StepBuffer if native.core is None else native.core.StepBuffer
+        self._steps = step_buffer(encode_rows, options.buffer_capacity, self._overflow)
         self._stop = threading.Event()
         self._writer: TraceWriter | None = None
         self._writer_thread: threading.Thread | None = None
@@ -198,37 +224,30 @@ class CaptureSession:
 
     # --- the hot path: runs on vLLM's scheduler thread ---------------------------------------
 
-    def _enqueue_many(self, records: list[Record]) -> None:
-        """Buffer the probes' records of one engine step: the list itself is one item of the
-        buffer (the probes hand over a new list each time), so the scheduler thread handles no
-        single record here. What does not fit in the capacity (in records) is dropped and
-        counted."""
-        num_records = len(records)
-        if (not self._unmarked_drops
-                and self._num_buffered - self._num_drained + num_records <= self._capacity):
-            self._buffer.append(records)  # the usual case, first and short
-            self._num_buffered += num_records
-            self.num_enqueued += num_records
-            return
-        room = self._capacity - (self._num_buffered - self._num_drained)
-        if self._unmarked_drops and room > 0:
-            self._buffer.append([EventsDropped(self._unmarked_drops,
-                                               time.time_ns() - self.started_ns)])
-            self._num_buffered += 1
-            self._unmarked_drops = 0
+    def _overflow(self, records: list[Record]) -> None:
+        """Records that do not all fit: keep what does, behind a marker for earlier drops; the
+        rest is dropped and counted (the scheduler thread never waits)."""
+        steps = self._steps
+        room = steps.capacity - (steps.num_buffered - steps.num_drained)
+        if steps.unmarked_drops and room > 0:
+            steps.chunks.append((1, encode_rows([EventsDropped(
+                steps.unmarked_drops, time.time_ns() - self.started_ns)])))
+            steps.num_buffered += 1
+            steps.unmarked_drops = 0
+            room -= 1
         if len(records) > room:
             num_kept = max(room, 0)
             self.num_dropped += len(records) - num_kept
-            self._unmarked_drops += len(records) - num_kept
+            steps.unmarked_drops += len(records) - num_kept
             if not num_kept:
                 return
             records = records[:num_kept]
-        self._buffer.append(records)
-        self._num_buffered += len(records)
-        self.num_enqueued += len(records)
+        steps.chunks.append((len(records), encode_rows(records)))
+        steps.num_buffered += len(records)
+        steps.num_enqueued += len(records)
 
     def _enqueue(self, record: Record) -> None:
-        self._enqueue_many([record])
+        self._steps([record])
 
     # --- lifecycle ------------------------------------------------------------------------------
 
@@ -251,7 +270,7 @@ class CaptureSession:
             process_title=process_title(),
             cmdline=list(sys.argv),
             includes_hash_bytes=self.options.hash_bytes,
-            params={"buffer_capacity": str(self._capacity),
+            params={"buffer_capacity": str(self.options.buffer_capacity),
                     "num_kv_cache_managers": str(len(managers)),
                     "variant": engine_variant(managers[0][0]) if managers else "upstream"},
         )
@@ -262,7 +281,7 @@ class CaptureSession:
                                "Pick an -o path the engine process can write to.") from None
         self._probes = CacheProbes(self._enqueue, HashInterner(), created_ns=self.started_ns,
                                    emit_hash_bytes=self.options.hash_bytes,
-                                   sink_many=self._enqueue_many)
+                                   sink_many=self._steps)
         try:
             self._probes.arm()
         except BaseException:
@@ -277,19 +296,23 @@ class CaptureSession:
         writer = self._writer
         try:
             while not self._stop.is_set():
-                if not self._drain(writer):
-                    self._stop.wait(WRITER_POLL_S)
+                # Drain, then always sleep: draining again as soon as anything new arrived
+                # would keep this thread competing with the scheduler for the interpreter lock.
+                self._drain(writer)
+                self._stop.wait(WRITER_POLL_S)
             while self._drain(writer):
                 pass
-            if self._unmarked_drops:  # drops after the last record still get their marker
-                writer.write(EventsDropped(self._unmarked_drops, time.time_ns() - self.started_ns))
-                self._unmarked_drops = 0
+            steps = self._steps
+            if steps.unmarked_drops:  # drops after the last record still get their marker
+                writer.write(EventsDropped(steps.unmarked_drops, time.time_ns() - self.started_ns))
+                steps.unmarked_drops = 0
             writer.close(num_dropped=self.num_dropped)
         except BaseException as error:  # noqa: BLE001 - the engine must never see it
             self._disarm_probes()  # before the error shows: a status that says so is final
             self.error = f"trace writer failed: {error!r}"
-            self.num_dropped += self._num_buffered - self._num_drained
-            self._buffer.clear()
+            steps = self._steps
+            self.num_dropped += steps.num_buffered - steps.num_drained
+            steps.chunks.clear()
             try:
                 writer.abandon()
             except Exception:  # noqa: BLE001
@@ -297,17 +320,16 @@ class CaptureSession:
 
     def _drain(self, writer: TraceWriter) -> bool:
         """Move everything buffered into the writer; False when there was nothing. The buffer's
-        lists leave it in one slice: producers only append behind them, and each of the two
+        chunks leave it in one slice: producers only append behind them, and each of the two
         list operations is one step under the interpreter lock."""
-        buffer = self._buffer
-        num_lists = len(buffer)
-        if not num_lists:
+        buffer = self._steps.chunks
+        num_chunks = len(buffer)
+        if not num_chunks:
             writer.flush()
             return False
-        lists = buffer[:num_lists]
-        del buffer[:num_lists]
-        writer.write_many(itertools.chain.from_iterable(lists))  # extends its pending list once
-        self._num_drained += sum(map(len, lists))
+        chunks = buffer[:num_chunks]
+        del buffer[:num_chunks]
+        self._steps.num_drained += writer.write_encoded_rows(chunks)
         return True
 
     def _disarm_probes(self) -> None:
@@ -332,10 +354,10 @@ class CaptureSession:
             "path": self.options.path,
             "pid": os.getpid(),
             "armed": not self._stopped and self.error is None,
-            "records": self.num_enqueued,
+            "records": self._steps.num_enqueued,
             "written": writer.num_records if writer else 0,
             "dropped": self.num_dropped,
-            "buffered": self._num_buffered - self._num_drained,
+            "buffered": self._steps.num_buffered - self._steps.num_drained,
             "probe_failures": self._probes.num_failures if self._probes else 0,
             "bytes": _file_size(self.options.path),
             "gpu": self._telemetry.description if self._telemetry else "",

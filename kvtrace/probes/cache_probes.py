@@ -20,7 +20,10 @@ Wrappers never raise into vLLM: a failure of ours or of the sink is swallowed an
 
 Cost: the wrappers run on the engine's scheduler thread, ~10 calls per engine step, so each is
 a single Python frame with the method's own parameters, and records are batched rather than
-handed to the sink one at a time (``benchmarks/capture_overhead.py`` measures it).
+handed to the sink one at a time (``benchmarks/capture_overhead.py`` measures it). Where the
+optional native core (``kvtrace/_native.c``, see ``kvtrace.native``) is on, the seven hottest
+wrappers run their common case in C and hand every other case to the Python wrapper below,
+which stays the reference.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import struct
 import time
 from typing import Any, Callable, Protocol
 
+from kvtrace import native
 from kvtrace.errors import KvtraceError
 from kvtrace.events import (
     BlockAllocated,
@@ -47,6 +51,7 @@ from kvtrace.events import (
     FinishStatus,
     HashesExtended,
     HashInterned,
+    HashInterner,
     Record,
     RemoveReason,
     RequestArrived,
@@ -162,6 +167,13 @@ class _Patches:
 
 _WRAPPER_FACTORIES: dict[str, Callable[[Callable], Callable]] = {}
 
+# The wrappers with a native fast path (kvtrace/_native.c), used when the classes are patched
+# while ``native.core`` is on.
+NATIVE_FAST_PATHS = frozenset({
+    "new_step_starts", "allocate_slots", "_insert_block_hash", "_remove_cached_block_hashes",
+    "get_num_blocks_to_allocate", "allocate_new_blocks", "cache_blocks", "get_new_blocks",
+    "touch", "free_blocks"})
+
 _NO_REQ, _UNSEEN_REQ = -1, -2  # ``CacheProbes._req`` outside a call; in a free of an unseen request
 _LRU_REUSE, _REKEY, _CONNECTOR, _STALE_CHECKPOINT = (
     RemoveReason.LRU_REUSE, RemoveReason.REKEY, RemoveReason.CONNECTOR,
@@ -178,7 +190,21 @@ def _wrapper_for(*method_names: str) -> Callable:
 
 def _make_wrapper(method_name: str, original: Callable) -> Callable:
     """The wrapper that replaces ``original``; same parameters and defaults unless it takes
-    ``*args`` (the rarely called methods)."""
+    ``*args`` (the rarely called methods). With the native core, a hot method's wrapper is its
+    C fast path, which hands other cases to the Python wrapper."""
+    wrapper = _python_wrapper(method_name, original)
+    if native.core is None or method_name not in NATIVE_FAST_PATHS:
+        return wrapper
+    code = original.__code__
+    fast = native.core.FastWrapper(method_name, original, wrapper,
+                                   code.co_varnames[:code.co_argcount],
+                                   original.__defaults__ or ())
+    fast.__name__, fast.__qualname__ = wrapper.__name__, wrapper.__qualname__
+    fast.__wrapped__ = original
+    return fast
+
+
+def _python_wrapper(method_name: str, original: Callable) -> Callable:
     wrapper = _WRAPPER_FACTORIES[method_name](original)
     if wrapper.__code__.co_flags & inspect.CO_VARARGS == 0:
         if _parameter_names(wrapper) != _parameter_names(original):
@@ -547,7 +573,19 @@ def _cache_blocks(original: Callable) -> Callable:
     return cache_blocks
 
 
-class CacheProbes:
+def _probes_changed() -> None:
+    """Which probe set observes which cache changed: the native wrappers forget what they saw."""
+    if native.built is not None:
+        native.built.probes_changed()
+
+
+if native.built is not None:
+    native.built.configure(StepStarted, SlotsAllocated, BlockStored, BlockRemoved, HashInterned,
+                           BlockAllocated, BlockTouched, BlockFreed, BlocksReleased, _NO_REQ,
+                           _STALE_CHECKPOINT, _LRU_REUSE)
+
+
+class CacheProbes(object if native.built is None else native.built.ProbeState):
     """Turns calls on one vLLM prefix cache (or all of them) into trace records.
 
     ``interner`` maps hash bytes to dense ids (``events.HashInterner`` for capture; replay passes
@@ -569,7 +607,10 @@ class CacheProbes:
         self.sink = sink
         self.sink_many = sink_many
         self.interner = interner
-        self.emit_hash_bytes = emit_hash_bytes
+        self.emit_hash_bytes = bool(emit_hash_bytes)
+        # The native core interns into a plain HashInterner's dict itself; others go through
+        # ``interner.intern`` (the Python wrappers).
+        self._interned_ids = interner.ids if type(interner) is HashInterner else None
         self.created_ns = time.time_ns() if created_ns is None else created_ns
         self.num_failures = 0
         self._records: list[Record] = []
@@ -617,6 +658,7 @@ class CacheProbes:
         self._pool = block_pool
         _Patches.armed.append(self)
         self._armed = True
+        _probes_changed()
         return self
 
     def disarm(self) -> None:
@@ -630,6 +672,7 @@ class CacheProbes:
             self._pool.__dict__.pop(_PROBE_ATTR, None)
         _Patches.armed.remove(self)
         self._armed = False
+        _probes_changed()
         if not _Patches.armed:
             for (owner, name), function in _Patches.originals.items():
                 setattr(owner, name, function)
@@ -704,9 +747,16 @@ class CacheProbes:
         return req
 
     def _hash_ids(self, hashes: list, start: int, stop: int, hash_block_size: int) -> list[int]:
-        """Intern a request's hash units (a prompt has hundreds: comprehensions, not a loop)."""
+        """Intern a request's hash units (a prompt has hundreds: comprehensions, not a loop;
+        with a plain HashInterner, one dict lookup per unit and a call only for new ones)."""
         hashes = hashes[start:stop]
-        interned = list(map(self.interner.intern, hashes))
+        if self._interned_ids is None:
+            interned = list(map(self.interner.intern, hashes))
+        else:
+            interned = [(hash_id, False) for hash_id in map(self._interned_ids.get, hashes)]
+            if (None, False) in interned:
+                interned = [self.interner.intern(hash_bytes) if hash_id is None else (hash_id, False)
+                            for (hash_id, _), hash_bytes in zip(interned, hashes)]
         ids = [hash_id for hash_id, _ in interned]
         if self.emit_hash_bytes:
             self._records.extend([HashInterned(hash_id, bytes(hash_bytes))

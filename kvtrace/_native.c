@@ -1,0 +1,1516 @@
+/* kvtrace's optional native core: the hot paths of a live capture, in C.
+ *
+ * Built at install when a C compiler is there (setup.py, optional); kvtrace/native.py says
+ * whether it is, and every part has a Python twin that is the reference and the fallback:
+ *
+ * - FastWrapper / ProbeState: the probes' seven hottest wrappers (kvtrace/probes/cache_probes.py).
+ *   The probes wrap ~10 vLLM cache methods per engine step; as Python functions each wrapper
+ *   costs a frame, its own argument binding and several attribute lookups. Here
+ *   KVCacheManager.new_step_starts / allocate_slots, BlockPool._insert_block_hash /
+ *   _remove_cached_block_hashes and MambaManager.get_num_blocks_to_allocate /
+ *   allocate_new_blocks / cache_blocks handle their common case: forward the caller's arguments
+ *   untouched to the original and build the records the Python wrapper would. Every other case
+ *   (a new request, a checkpoint publication, a replay probe set that flushes per call, anything
+ *   unexpected before the original runs) goes, arguments untouched, to the Python wrapper, which
+ *   does the whole call. ProbeState is CacheProbes' base class: the fields both sides use.
+ * - StepBuffer: a capture's per-step hand-over of records to the writer (kvtrace/capture/hook.py).
+ * - write_frame: a trace frame joined, checksummed and written with the interpreter lock
+ *   released, so the writer thread barely competes with vLLM's scheduler thread
+ *   (kvtrace/traceio.py).
+ *
+ * Rules kept from the Python side: nothing of ours raises into vLLM (our failures are cleared and
+ * counted in num_failures), and the original's result or exception is returned or raised
+ * unchanged. tests/test_native.py checks each part against its twin.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <structmember.h>
+#include <errno.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#if PY_VERSION_HEX >= 0x030D0000
+#define LOOKUP_ATTR PyObject_GetOptionalAttr
+#else
+#define LOOKUP_ATTR _PyObject_LookupAttr
+#endif
+
+/* --- ProbeState ------------------------------------------------------------------------------ */
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *records;        /* _records: list of records held until flushed */
+    PyObject *req;            /* _req: the current request's number, or _NO_REQ */
+    PyObject *request;        /* _request: the current vLLM Request, or None */
+    PyObject *held;           /* _held: True while records wait */
+    PyObject *reqs;           /* _reqs: request id -> (req, hash units reported) */
+    PyObject *depth;          /* _depth: hash id -> prefix length in tokens */
+    PyObject *step;           /* _step */
+    PyObject *announced_step; /* _announced_step: (step, ts_ns) or None */
+    PyObject *remove_reason;  /* _remove_reason */
+    PyObject *store_kind;     /* _store_kind */
+    PyObject *hash_ids;       /* _interned_ids: the interner's bytes -> id dict, or None (use Python) */
+    PyObject *emit_hash_bytes;
+    PyObject *sink_many;      /* takes one step's records as a list, or None */
+    long long created_ns;
+    long long num_failures;
+} ProbeState;
+
+#define STATE_OBJECTS(X) X(records) X(req) X(request) X(held) X(reqs) X(depth) X(step) \
+    X(announced_step) X(remove_reason) X(store_kind) X(hash_ids) X(emit_hash_bytes) X(sink_many)
+
+static int
+state_traverse(ProbeState *self, visitproc visit, void *arg)
+{
+#define VISIT(name) Py_VISIT(self->name);
+    STATE_OBJECTS(VISIT)
+#undef VISIT
+    Py_VISIT(Py_TYPE(self));
+    return 0;
+}
+
+static int
+state_clear(ProbeState *self)
+{
+#define CLEAR(name) Py_CLEAR(self->name);
+    STATE_OBJECTS(CLEAR)
+#undef CLEAR
+    return 0;
+}
+
+static void
+state_dealloc(ProbeState *self)
+{
+    PyTypeObject *type = Py_TYPE(self);
+    PyObject_GC_UnTrack(self);
+    state_clear(self);
+    type->tp_free((PyObject *)self);
+    Py_DECREF(type);
+}
+
+static PyMemberDef state_members[] = {
+    {"_records", T_OBJECT_EX, offsetof(ProbeState, records), 0, NULL},
+    {"_req", T_OBJECT_EX, offsetof(ProbeState, req), 0, NULL},
+    {"_request", T_OBJECT_EX, offsetof(ProbeState, request), 0, NULL},
+    {"_held", T_OBJECT_EX, offsetof(ProbeState, held), 0, NULL},
+    {"_reqs", T_OBJECT_EX, offsetof(ProbeState, reqs), 0, NULL},
+    {"_depth", T_OBJECT_EX, offsetof(ProbeState, depth), 0, NULL},
+    {"_step", T_OBJECT_EX, offsetof(ProbeState, step), 0, NULL},
+    {"_announced_step", T_OBJECT_EX, offsetof(ProbeState, announced_step), 0, NULL},
+    {"_remove_reason", T_OBJECT_EX, offsetof(ProbeState, remove_reason), 0, NULL},
+    {"_store_kind", T_OBJECT_EX, offsetof(ProbeState, store_kind), 0, NULL},
+    {"_interned_ids", T_OBJECT_EX, offsetof(ProbeState, hash_ids), 0, NULL},
+    {"emit_hash_bytes", T_OBJECT_EX, offsetof(ProbeState, emit_hash_bytes), 0, NULL},
+    {"sink_many", T_OBJECT_EX, offsetof(ProbeState, sink_many), 0, NULL},
+    {"created_ns", T_LONGLONG, offsetof(ProbeState, created_ns), 0, NULL},
+    {"num_failures", T_LONGLONG, offsetof(ProbeState, num_failures), 0, NULL},
+    {NULL},
+};
+
+static PyType_Slot state_slots[] = {
+    {Py_tp_doc, "The probe fields the native wrappers read and write (CacheProbes' base)."},
+    {Py_tp_members, state_members},
+    {Py_tp_traverse, state_traverse},
+    {Py_tp_clear, state_clear},
+    {Py_tp_dealloc, state_dealloc},
+    {0, NULL},
+};
+
+static PyType_Spec state_spec = {
+    "kvtrace._native.ProbeState", sizeof(ProbeState), 0,
+    Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC, state_slots,
+};
+
+/* --- module state: set once by configure() ---------------------------------------------------- */
+
+static PyTypeObject *ProbeStateType;
+static PyObject *StepStarted, *SlotsAllocated, *BlockStored, *BlockRemoved, *HashInterned,
+    *BlockAllocated, *BlockTouched, *BlockFreed, *BlocksReleased;
+static PyObject *NoReq, *StaleCheckpoint, *LruReuse, *One;
+static PyObject *s_block_pool, *s_probe_attr, *s_checkpoints, *s_pending_offloads, *s_request_id,
+    *s_block_hashes, *s_num_computed_tokens, *s_num_tokens, *s_block_hash, *s_block_id, *s_flush,
+    *s_report_checkpoint, *s_report_offloads, *s_is_null, *s_ref_cnt;
+
+static int
+intern_names(void)
+{
+#define NAME(var, text) if ((var = PyUnicode_InternFromString(text)) == NULL) return -1;
+    NAME(s_block_pool, "block_pool")
+    NAME(s_probe_attr, "_kvtrace_probes")
+    NAME(s_checkpoints, "_checkpoints")
+    NAME(s_pending_offloads, "_pending_boundary_state_offloads")
+    NAME(s_request_id, "request_id")
+    NAME(s_block_hashes, "block_hashes")
+    NAME(s_num_computed_tokens, "num_computed_tokens")
+    NAME(s_num_tokens, "num_tokens")
+    NAME(s_block_hash, "block_hash")
+    NAME(s_block_id, "block_id")
+    NAME(s_flush, "_flush")
+    NAME(s_report_checkpoint, "_report_checkpoint")
+    NAME(s_report_offloads, "_report_offloads")
+    NAME(s_is_null, "is_null")
+    NAME(s_ref_cnt, "ref_cnt")
+#undef NAME
+    if ((One = PyLong_FromLong(1)) == NULL) {
+        return -1;
+    }
+    return 0;
+}
+
+/* --- helpers ------------------------------------------------------------------------------------ */
+
+/* A failure of ours: counted, never raised. */
+static void
+count_failure(ProbeState *probe)
+{
+    PyErr_Clear();
+    probe->num_failures++;
+}
+
+/* Replace a slot's value (steals `value`). */
+static void
+set_field(PyObject **field, PyObject *value)
+{
+    PyObject *old = *field;
+    *field = value;
+    Py_XDECREF(old);
+}
+
+/* The probe set observing `pool`, or NULL (none, not ours, or the lookup failed: error cleared).
+ * New reference. */
+static ProbeState *
+probe_of_pool(PyObject *pool)
+{
+    PyObject *probe;
+    if (LOOKUP_ATTR(pool, s_probe_attr, &probe) < 0) {
+        PyErr_Clear();
+        return NULL;
+    }
+    if (probe != NULL && !PyObject_TypeCheck(probe, ProbeStateType)) {
+        Py_CLEAR(probe);
+    }
+    return (ProbeState *)probe;
+}
+
+/* For managers, which reach their pool as self.block_pool. */
+static ProbeState *
+probe_of_manager(PyObject *manager)
+{
+    PyObject *pool = PyObject_GetAttr(manager, s_block_pool);
+    if (pool == NULL) {
+        PyErr_Clear();
+        return NULL;
+    }
+    ProbeState *probe = probe_of_pool(pool);
+    Py_DECREF(pool);
+    return probe;
+}
+
+/* True when a pool has a probe attribute at all (even one that is not ours). */
+static int
+pool_observed(PyObject *pool)
+{
+    PyObject *probe;
+    int found = LOOKUP_ATTR(pool, s_probe_attr, &probe);
+    if (found < 0) {
+        PyErr_Clear();
+        return 1; /* let the Python wrapper decide */
+    }
+    found = probe != NULL && probe != Py_None;
+    Py_XDECREF(probe);
+    return found;
+}
+
+/* CacheProbes._flush: hand the held records to the sink; with sink_many (a capture), here. */
+static void
+flush(ProbeState *probe)
+{
+    PyObject *records = probe->records, *result;
+    if (probe->sink_many == NULL || probe->sink_many == Py_None || records == NULL
+        || !PyList_CheckExact(records)) {
+        result = PyObject_CallMethodNoArgs((PyObject *)probe, s_flush);
+    } else if (PyList_GET_SIZE(records) == 0) {
+        return;
+    } else {
+        PyObject *fresh = PyList_New(0);
+        if (fresh == NULL) {
+            count_failure(probe);
+            return;
+        }
+        probe->records = fresh; /* the sink may keep the old list */
+        result = PyObject_CallOneArg(probe->sink_many, records);
+        Py_DECREF(records);
+    }
+    if (result == NULL) {
+        count_failure(probe);
+    }
+    Py_XDECREF(result);
+}
+
+static void
+flush_unless_held(ProbeState *probe)
+{
+    if (probe->held != Py_True) {
+        flush(probe);
+    }
+}
+
+/* Append a new record (steals it); NULL (a failed constructor) counts as a failure. */
+static int
+append_record(ProbeState *probe, PyObject *record)
+{
+    if (record == NULL || probe->records == NULL || PyList_Append(probe->records, record) < 0) {
+        Py_XDECREF(record);
+        count_failure(probe);
+        return -1;
+    }
+    Py_DECREF(record);
+    return 0;
+}
+
+static PyObject *
+call_record(PyObject *type, PyObject *const *fields, Py_ssize_t num_fields)
+{
+    return PyObject_Vectorcall(type, fields, num_fields, NULL);
+}
+
+/* (hash id, group) of a BlockHashWithGroupId (hash bytes + 4-byte big-endian group), interning
+ * the hash bytes as events.HashInterner does; a new id is announced by a HashInterned record
+ * when the probe emits hash bytes. Returns a new reference to the id, or NULL with an error. */
+static PyObject *
+intern_key(ProbeState *probe, PyObject *key, unsigned long *group)
+{
+    if (!PyBytes_Check(key) || PyBytes_GET_SIZE(key) < 4 || !PyDict_CheckExact(probe->hash_ids)) {
+        PyErr_SetString(PyExc_TypeError, "kvtrace probes: unexpected block hash key");
+        return NULL;
+    }
+    const unsigned char *data = (const unsigned char *)PyBytes_AS_STRING(key);
+    Py_ssize_t num_hash_bytes = PyBytes_GET_SIZE(key) - 4;
+    *group = ((unsigned long)data[num_hash_bytes] << 24) | ((unsigned long)data[num_hash_bytes + 1] << 16)
+             | ((unsigned long)data[num_hash_bytes + 2] << 8) | data[num_hash_bytes + 3];
+    PyObject *hash_bytes = PyBytes_FromStringAndSize((const char *)data, num_hash_bytes);
+    if (hash_bytes == NULL) {
+        return NULL;
+    }
+    PyObject *hash_id = PyDict_GetItemWithError(probe->hash_ids, hash_bytes);
+    if (hash_id != NULL) {
+        Py_INCREF(hash_id);
+        Py_DECREF(hash_bytes);
+        return hash_id;
+    }
+    if (PyErr_Occurred() || (hash_id = PyLong_FromSsize_t(PyDict_GET_SIZE(probe->hash_ids))) == NULL
+        || PyDict_SetItem(probe->hash_ids, hash_bytes, hash_id) < 0) {
+        Py_XDECREF(hash_id);
+        Py_DECREF(hash_bytes);
+        return NULL;
+    }
+    if (probe->emit_hash_bytes == Py_True) {
+        PyObject *fields[] = {hash_id, hash_bytes};
+        append_record(probe, call_record(HashInterned, fields, 2));
+    }
+    Py_DECREF(hash_bytes);
+    return hash_id;
+}
+
+/* _depth.get(hash_id, fallback): borrowed. */
+static PyObject *
+depth_of(ProbeState *probe, PyObject *hash_id, PyObject *fallback)
+{
+    PyObject *depth = PyDict_GetItemWithError(probe->depth, hash_id);
+    return depth != NULL ? depth : (PyErr_Occurred() ? NULL : fallback);
+}
+
+/* --- FastWrapper ---------------------------------------------------------------------------------- */
+
+enum Kind {
+    NEW_STEP_STARTS, ALLOCATE_SLOTS, INSERT_BLOCK_HASH, REMOVE_CACHED_BLOCK_HASHES,
+    GET_NUM_BLOCKS_TO_ALLOCATE, ALLOCATE_NEW_BLOCKS, CACHE_BLOCKS, GET_NEW_BLOCKS, TOUCH,
+    FREE_BLOCKS, NUM_KINDS,
+};
+
+/* Which probe set observes a pool or a manager: looked up once per object and cached in the
+ * wrapper (a few entries: one manager per KV cache group), until any probe set is armed or
+ * disarmed (probes_changed() bumps the generation). Entries hold their objects, so an address
+ * is never mistaken for a freed object's. */
+#define PROBE_CACHE_SIZE 4
+
+typedef struct {
+    PyObject *owner;
+    ProbeState *probe;
+} ProbeCacheEntry;
+
+static unsigned long long probes_generation = 1;
+
+typedef struct {
+    PyObject_HEAD
+    ProbeCacheEntry cache[PROBE_CACHE_SIZE];
+    unsigned long long cache_generation;
+    int next_entry;
+    int kind;
+    PyObject *original;  /* vLLM's function */
+    PyObject *slow;      /* the Python wrapper: does the whole call when the fast path cannot */
+    PyObject *names;     /* the parameter names, self first */
+    PyObject *defaults;  /* the original's __defaults__ (a tuple, maybe empty) */
+    PyObject *dict;
+    vectorcallfunc vectorcall;
+} FastWrapper;
+
+static void
+clear_probe_cache(FastWrapper *w)
+{
+    for (int i = 0; i < PROBE_CACHE_SIZE; i++) {
+        Py_CLEAR(w->cache[i].owner);
+        Py_CLEAR(w->cache[i].probe);
+    }
+}
+
+/* The probe set observing `owner` (a BlockPool, or a manager with a block_pool), or NULL; new
+ * reference. */
+static ProbeState *
+cached_probe(FastWrapper *w, PyObject *owner, int is_manager)
+{
+    if (w->cache_generation != probes_generation) {
+        clear_probe_cache(w);
+        w->cache_generation = probes_generation;
+    }
+    for (int i = 0; i < PROBE_CACHE_SIZE; i++) {
+        if (w->cache[i].owner == owner) {
+            Py_INCREF(w->cache[i].probe);
+            return w->cache[i].probe;
+        }
+    }
+    ProbeState *probe = is_manager ? probe_of_manager(owner) : probe_of_pool(owner);
+    if (probe != NULL) {
+        ProbeCacheEntry *entry = &w->cache[w->next_entry];
+        w->next_entry = (w->next_entry + 1) % PROBE_CACHE_SIZE;
+        Py_XSETREF(entry->owner, Py_NewRef(owner));
+        Py_XSETREF(entry->probe, (ProbeState *)Py_NewRef(probe));
+    }
+    return probe;
+}
+
+/* Parameter `index` of a call (0 is self): positional, keyword or default; borrowed, or NULL
+ * when absent. */
+static PyObject *
+arg_at(FastWrapper *w, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames,
+       Py_ssize_t index)
+{
+    if (index < nargs) {
+        return args[index];
+    }
+    PyObject *name = PyTuple_GET_ITEM(w->names, index);
+    if (kwnames != NULL) {
+        Py_ssize_t num_kw = PyTuple_GET_SIZE(kwnames);
+        for (Py_ssize_t i = 0; i < num_kw; i++) {
+            if (PyTuple_GET_ITEM(kwnames, i) == name) {
+                return args[nargs + i];
+            }
+        }
+        for (Py_ssize_t i = 0; i < num_kw; i++) {
+            if (PyUnicode_Compare(PyTuple_GET_ITEM(kwnames, i), name) == 0) {
+                return args[nargs + i];
+            }
+        }
+    }
+    Py_ssize_t first_default = PyTuple_GET_SIZE(w->names) - PyTuple_GET_SIZE(w->defaults);
+    if (index >= first_default) {
+        return PyTuple_GET_ITEM(w->defaults, index - first_default);
+    }
+    return NULL;
+}
+
+#define CALL_ORIGINAL() PyObject_Vectorcall(w->original, args, nargsf, kwnames)
+#define CALL_SLOW() PyObject_Vectorcall(w->slow, args, nargsf, kwnames)
+
+/* KVCacheManager.new_step_starts(self) */
+static PyObject *
+new_step_starts(FastWrapper *w, PyObject *const *args, size_t nargsf, PyObject *kwnames)
+{
+    Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
+    if (nargs < 1) {
+        return CALL_SLOW();
+    }
+    ProbeState *probe = cached_probe(w, args[0], 1);
+    if (probe == NULL) {
+        return CALL_SLOW();
+    }
+    if (probe->announced_step != Py_None || probe->step == NULL || probe->records == NULL) {
+        Py_DECREF(probe);
+        return CALL_SLOW();
+    }
+    if (PyList_GET_SIZE(probe->records)) {
+        flush(probe); /* the last step's, when held for sink_many */
+    }
+    struct timespec now;
+    clock_gettime(CLOCK_REALTIME, &now);
+    PyObject *step = PyNumber_Add(probe->step, One);
+    PyObject *ts_ns = PyLong_FromLongLong((long long)now.tv_sec * 1000000000LL + now.tv_nsec
+                                          - probe->created_ns);
+    if (step == NULL || ts_ns == NULL) {
+        count_failure(probe);
+    } else {
+        Py_INCREF(step);
+        set_field(&probe->step, step);
+        PyObject *fields[] = {step, ts_ns};
+        append_record(probe, call_record(StepStarted, fields, 2));
+    }
+    Py_XDECREF(step);
+    Py_XDECREF(ts_ns);
+    PyObject *result = CALL_ORIGINAL();
+    if (result != NULL) {
+        flush_unless_held(probe);
+    }
+    Py_DECREF(probe);
+    return result;
+}
+
+/* KVCacheManager.allocate_slots(self, request, num_new_tokens, num_new_computed_tokens,
+ *   new_computed_blocks, num_lookahead_tokens, num_external_computed_tokens, delay_cache_blocks,
+ *   num_encoder_tokens, full_sequence_must_fit, reserved_blocks, has_scheduled_reqs,
+ *   skip_zeroing_group_ids): fast for a known request with no newly completed hash unit. */
+static PyObject *
+allocate_slots(FastWrapper *w, PyObject *const *args, size_t nargsf, PyObject *kwnames)
+{
+    Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
+    enum { REQUEST = 1, NUM_NEW_TOKENS, NUM_NEW_COMPUTED_TOKENS, NUM_LOOKAHEAD_TOKENS = 5,
+           NUM_EXTERNAL_COMPUTED_TOKENS, FULL_SEQUENCE_MUST_FIT = 9, RESERVED_BLOCKS,
+           HAS_SCHEDULED_REQS, NUM_FIELDS = 11 };
+    static const Py_ssize_t recorded_args[] = {
+        NUM_NEW_TOKENS, NUM_NEW_COMPUTED_TOKENS, NUM_LOOKAHEAD_TOKENS,
+        NUM_EXTERNAL_COMPUTED_TOKENS, FULL_SEQUENCE_MUST_FIT, RESERVED_BLOCKS, HAS_SCHEDULED_REQS};
+    PyObject *values[7];
+    PyObject *request = nargs >= 2 ? args[REQUEST] : arg_at(w, args, nargs, kwnames, REQUEST);
+    if (nargs < 1 || request == NULL) {
+        return CALL_SLOW();
+    }
+    for (int i = 0; i < 7; i++) {
+        if ((values[i] = arg_at(w, args, nargs, kwnames, recorded_args[i])) == NULL) {
+            return CALL_SLOW();
+        }
+    }
+    ProbeState *probe = cached_probe(w, args[0], 1);
+    if (probe == NULL) {
+        return CALL_SLOW();
+    }
+    /* The fast path of _enter: a known request with no newly completed hash unit. */
+    PyObject *request_id = NULL, *hashes = NULL, *num_computed = NULL, *num_tokens = NULL;
+    PyObject *known = NULL;
+    Py_ssize_t num_hashes = -1;
+    if (probe->reqs == NULL || !PyDict_CheckExact(probe->reqs) || probe->records == NULL
+        || probe->held == NULL) {
+        goto slow;
+    }
+    if ((request_id = PyObject_GetAttr(request, s_request_id)) == NULL
+        || (known = PyDict_GetItemWithError(probe->reqs, request_id)) == NULL
+        || !PyTuple_CheckExact(known) || PyTuple_GET_SIZE(known) != 2
+        || (hashes = PyObject_GetAttr(request, s_block_hashes)) == NULL
+        || (num_hashes = PyObject_Size(hashes)) < 0
+        || num_hashes > PyLong_AsSsize_t(PyTuple_GET_ITEM(known, 1))
+        || PyErr_Occurred()
+        || (num_computed = PyObject_GetAttr(request, s_num_computed_tokens)) == NULL
+        || (num_tokens = PyObject_GetAttr(request, s_num_tokens)) == NULL) {
+        goto slow;
+    }
+    PyObject *req = PyTuple_GET_ITEM(known, 0);
+    Py_INCREF(req);
+    Py_XDECREF(request_id);
+    Py_XDECREF(hashes);
+    PyObject *held = probe->held;
+    Py_INCREF(held);
+    Py_INCREF(Py_True);
+    set_field(&probe->held, Py_True);
+    Py_INCREF(req);
+    set_field(&probe->req, req);
+    Py_INCREF(request);
+    set_field(&probe->request, request);
+    PyObject *records = probe->records;
+    Py_INCREF(records);
+    Py_ssize_t first_effect = PyList_GET_SIZE(records);
+
+    PyObject *result = CALL_ORIGINAL();
+
+    /* As the Python wrapper's finally: the input record goes in front of the call's effects. */
+    PyObject *exc_type, *exc_value, *exc_tb;
+    PyErr_Fetch(&exc_type, &exc_value, &exc_tb);
+    PyObject *allocated = (result != NULL && result != Py_None) ? Py_True : Py_False;
+    PyObject *fields[NUM_FIELDS] = {
+        req, values[0], num_computed, values[1], values[2], values[3], num_tokens, allocated,
+        values[4], values[5], values[6]};
+    PyObject *record = call_record(SlotsAllocated, fields, NUM_FIELDS);
+    if (record == NULL || PyList_Insert(records, first_effect, record) < 0) {
+        count_failure(probe);
+    }
+    Py_XDECREF(record);
+    Py_INCREF(NoReq);
+    set_field(&probe->req, NoReq);
+    Py_INCREF(Py_None);
+    set_field(&probe->request, Py_None);
+    int was_held = held == Py_True;
+    set_field(&probe->held, held);
+    if (!was_held) {
+        flush(probe);
+    }
+    PyErr_Restore(exc_type, exc_value, exc_tb);
+    Py_DECREF(records);
+    Py_DECREF(req);
+    Py_DECREF(num_computed);
+    Py_DECREF(num_tokens);
+    Py_DECREF(probe);
+    return result;
+
+slow:
+    PyErr_Clear();
+    Py_XDECREF(request_id);
+    Py_XDECREF(hashes);
+    Py_XDECREF(num_computed);
+    Py_XDECREF(num_tokens);
+    Py_DECREF(probe);
+    return CALL_SLOW();
+}
+
+/* Conditions for the BlockPool fast paths: records held (the Python wrapper flushes otherwise),
+ * and hash ids interned in a dict we can use. */
+static int
+pool_fast_path_ok(ProbeState *probe)
+{
+    return probe->held == Py_True && probe->records != NULL && probe->hash_ids != NULL
+           && PyDict_CheckExact(probe->hash_ids) && probe->depth != NULL
+           && PyDict_CheckExact(probe->depth) && probe->req != NULL
+           && probe->store_kind != NULL && probe->remove_reason != NULL
+           && probe->emit_hash_bytes != NULL;
+}
+
+/* BlockPool._insert_block_hash(self, block_hash_with_group_id, block, num_tokens): fast when the
+ * block has no hash yet (so the key is new on it). */
+static PyObject *
+insert_block_hash(FastWrapper *w, PyObject *const *args, size_t nargsf, PyObject *kwnames)
+{
+    Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
+    if (nargs < 1) {
+        return CALL_SLOW();
+    }
+    PyObject *key = arg_at(w, args, nargs, kwnames, 1);
+    PyObject *block = arg_at(w, args, nargs, kwnames, 2);
+    PyObject *num_tokens = arg_at(w, args, nargs, kwnames, 3);
+    ProbeState *probe = cached_probe(w, args[0], 0);
+    if (probe == NULL) {
+        return pool_observed(args[0]) ? CALL_SLOW() : CALL_ORIGINAL();
+    }
+    PyObject *block_hash;
+    if (key == NULL || block == NULL || num_tokens == NULL || !pool_fast_path_ok(probe)
+        || (block_hash = PyObject_GetAttr(block, s_block_hash)) == NULL) {
+        PyErr_Clear();
+        Py_DECREF(probe);
+        return CALL_SLOW();
+    }
+    Py_DECREF(block_hash);
+    if (block_hash != Py_None) {
+        Py_DECREF(probe);
+        return CALL_SLOW();
+    }
+    PyObject *result = CALL_ORIGINAL();
+    if (result == NULL) {
+        Py_DECREF(probe);
+        return NULL;
+    }
+    PyObject *block_id = NULL, *hash_id = NULL, *group = NULL, *fallback = NULL;
+    if ((block_hash = PyObject_GetAttr(block, s_block_hash)) == NULL) {
+        count_failure(probe);
+        goto done;
+    }
+    Py_DECREF(block_hash);
+    if (block_hash == Py_None) { /* the key already named the block: nothing new */
+        goto done;
+    }
+    unsigned long group_number;
+    int num_tokens_true = num_tokens == Py_None ? 0 : PyObject_IsTrue(num_tokens);
+    if ((block_id = PyObject_GetAttr(block, s_block_id)) == NULL || num_tokens_true < 0
+        || (hash_id = intern_key(probe, key, &group_number)) == NULL
+        || (group = PyLong_FromUnsignedLong(group_number)) == NULL
+        || (fallback = num_tokens_true ? Py_NewRef(num_tokens) : PyLong_FromLong(0)) == NULL) {
+        count_failure(probe);
+        goto done;
+    }
+    PyObject *depth = depth_of(probe, hash_id, fallback);
+    if (depth == NULL) {
+        count_failure(probe);
+        goto done;
+    }
+    PyObject *fields[] = {block_id, hash_id, group, depth, probe->store_kind, probe->req};
+    append_record(probe, call_record(BlockStored, fields, 6));
+done:
+    Py_XDECREF(block_id);
+    Py_XDECREF(hash_id);
+    Py_XDECREF(group);
+    Py_XDECREF(fallback);
+    Py_DECREF(probe);
+    return result;
+}
+
+/* BlockPool._remove_cached_block_hashes(self, block): fast unless a checkpoint publication is
+ * stripping keys (the Python wrapper counts those). */
+static PyObject *
+remove_cached_block_hashes(FastWrapper *w, PyObject *const *args, size_t nargsf,
+                           PyObject *kwnames)
+{
+    Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
+    if (nargs < 1) {
+        return CALL_SLOW();
+    }
+    PyObject *block = arg_at(w, args, nargs, kwnames, 1);
+    ProbeState *probe = cached_probe(w, args[0], 0);
+    if (probe == NULL) {
+        return pool_observed(args[0]) ? CALL_SLOW() : CALL_ORIGINAL();
+    }
+    if (block == NULL || !pool_fast_path_ok(probe) || probe->remove_reason == StaleCheckpoint) {
+        Py_DECREF(probe);
+        return CALL_SLOW();
+    }
+    PyObject *removed = CALL_ORIGINAL();
+    int any_removed = removed == NULL ? 0 : PyObject_IsTrue(removed);
+    if (any_removed <= 0) { /* mostly not: get_new_blocks asks this of every block it hands out */
+        if (any_removed < 0) {
+            count_failure(probe);
+        }
+        Py_DECREF(probe);
+        return removed;
+    }
+    PyObject *block_id = PyObject_GetAttr(block, s_block_id);
+    PyObject *keys = block_id == NULL ? NULL : PyObject_GetIter(removed);
+    PyObject *zero = PyLong_FromLong(0);
+    PyObject *key;
+    if (keys == NULL || zero == NULL) {
+        count_failure(probe);
+    }
+    while (keys != NULL && zero != NULL && (key = PyIter_Next(keys)) != NULL) {
+        unsigned long group_number;
+        PyObject *hash_id = intern_key(probe, key, &group_number);
+        PyObject *group = hash_id == NULL ? NULL : PyLong_FromUnsignedLong(group_number);
+        PyObject *depth = group == NULL ? NULL : depth_of(probe, hash_id, zero);
+        Py_DECREF(key);
+        if (depth == NULL) {
+            Py_XDECREF(hash_id);
+            Py_XDECREF(group);
+            break;
+        }
+        PyObject *fields[] = {block_id, hash_id, group, depth, probe->remove_reason};
+        int appended = append_record(probe, call_record(BlockRemoved, fields, 5));
+        Py_DECREF(hash_id);
+        Py_DECREF(group);
+        if (appended < 0) {
+            break;
+        }
+    }
+    if (PyErr_Occurred()) {
+        count_failure(probe);
+    }
+    Py_XDECREF(keys);
+    Py_XDECREF(zero);
+    Py_XDECREF(block_id);
+    Py_DECREF(probe);
+    return removed;
+}
+
+/* _checkpoints of a MambaManager (None outside "align" mode); new reference, NULL on error. */
+static PyObject *
+checkpoints_of(PyObject *manager)
+{
+    PyObject *checkpoints;
+    if (LOOKUP_ATTR(manager, s_checkpoints, &checkpoints) < 0) {
+        return NULL;
+    }
+    return checkpoints != NULL ? checkpoints : Py_NewRef(Py_None);
+}
+
+/* len(manager._pending_boundary_state_offloads), or -1 with an error. */
+static Py_ssize_t
+num_pending_offloads(PyObject *manager)
+{
+    PyObject *pending = PyObject_GetAttr(manager, s_pending_offloads);
+    if (pending == NULL) {
+        return -1;
+    }
+    Py_ssize_t size = PyObject_Size(pending);
+    Py_DECREF(pending);
+    return size;
+}
+
+/* After the original: report offloads it queued (rare; the Python method does it). */
+static void
+report_new_offloads(ProbeState *probe, PyObject *manager, Py_ssize_t num_before)
+{
+    Py_ssize_t num_after = num_pending_offloads(manager);
+    if (num_after < 0) {
+        count_failure(probe);
+        return;
+    }
+    if (num_after > num_before) {
+        PyObject *before = PyLong_FromSsize_t(num_before);
+        PyObject *reported = before == NULL ? NULL : PyObject_CallMethodObjArgs(
+            (PyObject *)probe, s_report_offloads, manager, before, NULL);
+        if (reported == NULL) {
+            count_failure(probe);
+        }
+        Py_XDECREF(reported);
+        Py_XDECREF(before);
+    }
+}
+
+/* MambaManager.get_num_blocks_to_allocate(self, request_id, num_tokens, new_computed_blocks,
+ *   total_computed_tokens, num_local_computed_tokens, num_tokens_main_model,
+ *   apply_admission_cap, prefill_end): reports a checkpoint it records. */
+static PyObject *
+get_num_blocks_to_allocate(FastWrapper *w, PyObject *const *args, size_t nargsf,
+                           PyObject *kwnames)
+{
+    Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
+    PyObject *request_id = arg_at(w, args, nargs, kwnames, 1);
+    PyObject *num_tokens_main_model = arg_at(w, args, nargs, kwnames, 6);
+    PyObject *apply_admission_cap = arg_at(w, args, nargs, kwnames, 7);
+    if (nargs < 1 || request_id == NULL || num_tokens_main_model == NULL
+        || apply_admission_cap == NULL) {
+        return CALL_SLOW();
+    }
+    ProbeState *probe = cached_probe(w, args[0], 1);
+    if (probe == NULL) {
+        return CALL_SLOW();
+    }
+    PyObject *checkpoints = checkpoints_of(args[0]);
+    int cap = PyObject_IsTrue(apply_admission_cap);
+    if (checkpoints == NULL || cap < 0) {
+        PyErr_Clear();
+        Py_XDECREF(checkpoints);
+        Py_DECREF(probe);
+        return CALL_SLOW();
+    }
+    if (checkpoints == Py_None || cap) {
+        Py_DECREF(checkpoints);
+        Py_DECREF(probe);
+        return CALL_ORIGINAL();
+    }
+    PyObject *before = PyDict_CheckExact(checkpoints)
+                           ? PyDict_GetItemWithError(checkpoints, request_id) : NULL;
+    if (!PyDict_CheckExact(checkpoints) || PyErr_Occurred()) {
+        PyErr_Clear();
+        Py_DECREF(checkpoints);
+        Py_DECREF(probe);
+        return CALL_SLOW();
+    }
+    Py_XINCREF(before);
+    PyObject *result = CALL_ORIGINAL();
+    if (result != NULL) {
+        PyObject *after = PyDict_GetItemWithError(checkpoints, request_id);
+        if (after == NULL && PyErr_Occurred()) {
+            count_failure(probe);
+        } else if (after != NULL && after != Py_None && after != before) {
+            PyObject *reported = PyObject_CallMethodObjArgs(
+                (PyObject *)probe, s_report_checkpoint, args[0], after, num_tokens_main_model,
+                NULL);
+            if (reported == NULL) {
+                count_failure(probe);
+            }
+            Py_XDECREF(reported);
+            flush_unless_held(probe);
+        }
+    }
+    Py_XDECREF(before);
+    Py_DECREF(checkpoints);
+    Py_DECREF(probe);
+    return result;
+}
+
+/* MambaManager.allocate_new_blocks(self, request_id, num_tokens, num_tokens_main_model) */
+static PyObject *
+allocate_new_blocks(FastWrapper *w, PyObject *const *args, size_t nargsf, PyObject *kwnames)
+{
+    Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
+    if (nargs < 1) {
+        return CALL_SLOW();
+    }
+    ProbeState *probe = cached_probe(w, args[0], 1);
+    if (probe == NULL) {
+        return CALL_SLOW();
+    }
+    Py_ssize_t num_offloads = num_pending_offloads(args[0]);
+    if (num_offloads < 0) {
+        PyErr_Clear();
+        Py_DECREF(probe);
+        return CALL_SLOW();
+    }
+    PyObject *blocks = CALL_ORIGINAL();
+    if (blocks != NULL) {
+        report_new_offloads(probe, args[0], num_offloads);
+    }
+    Py_DECREF(probe);
+    return blocks;
+}
+
+/* MambaManager.cache_blocks(self, request, num_tokens, retention_interval, *,
+ *   replay_boundaries): fast when the request has no checkpoint to publish. */
+static PyObject *
+cache_blocks(FastWrapper *w, PyObject *const *args, size_t nargsf, PyObject *kwnames)
+{
+    Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
+    PyObject *request = arg_at(w, args, nargs, kwnames, 1);
+    if (nargs < 1 || request == NULL) {
+        return CALL_SLOW();
+    }
+    ProbeState *probe = cached_probe(w, args[0], 1);
+    if (probe == NULL) {
+        return CALL_SLOW();
+    }
+    PyObject *checkpoints = checkpoints_of(args[0]);
+    PyObject *request_id = NULL;
+    Py_ssize_t num_offloads = -1;
+    if (checkpoints == NULL) {
+        goto slow;
+    }
+    if (checkpoints != Py_None) {
+        if (!PyDict_CheckExact(checkpoints)
+            || (request_id = PyObject_GetAttr(request, s_request_id)) == NULL) {
+            goto slow;
+        }
+        PyObject *checkpoint = PyDict_GetItemWithError(checkpoints, request_id);
+        if (PyErr_Occurred() || (checkpoint != NULL && checkpoint != Py_None)) {
+            goto slow; /* a slot to publish or strip: the Python wrapper sets the context */
+        }
+    }
+    if ((num_offloads = num_pending_offloads(args[0])) < 0) {
+        goto slow;
+    }
+    Py_DECREF(checkpoints);
+    Py_XDECREF(request_id);
+    PyObject *result = CALL_ORIGINAL();
+    if (result != NULL) {
+        report_new_offloads(probe, args[0], num_offloads);
+        flush_unless_held(probe);
+    }
+    Py_DECREF(probe);
+    return result;
+slow:
+    PyErr_Clear();
+    Py_XDECREF(checkpoints);
+    Py_XDECREF(request_id);
+    Py_DECREF(probe);
+    return CALL_SLOW();
+}
+
+/* Per-block records of a BlockPool call, added all or none (as the Python wrappers' list
+ * comprehensions): BlockAllocated(block_id, req) for every block; BlockTouched(block_id, req)
+ * and BlockFreed(block_id, ref_cnt, block_hash is not None) for blocks that are not null. */
+enum BlockRecord { ALLOCATED, TOUCHED, FREED };
+
+static void
+add_block_records(ProbeState *probe, PyObject *blocks, enum BlockRecord kind)
+{
+    PyObject *records = PyList_New(0);
+    PyObject *iterator = records == NULL ? NULL : PyObject_GetIter(blocks);
+    PyObject *block;
+    while (iterator != NULL && (block = PyIter_Next(iterator)) != NULL) {
+        PyObject *record = NULL, *is_null = NULL, *block_id = NULL, *ref_cnt = NULL,
+                 *block_hash = NULL;
+        int skip = 0;
+        if (kind != ALLOCATED) {
+            is_null = PyObject_GetAttr(block, s_is_null);
+            skip = is_null == NULL ? -1 : PyObject_IsTrue(is_null);
+        }
+        if (skip == 0 && (block_id = PyObject_GetAttr(block, s_block_id)) != NULL) {
+            if (kind == FREED) {
+                if ((ref_cnt = PyObject_GetAttr(block, s_ref_cnt)) != NULL
+                    && (block_hash = PyObject_GetAttr(block, s_block_hash)) != NULL) {
+                    PyObject *fields[] = {block_id, ref_cnt,
+                                          block_hash != Py_None ? Py_True : Py_False};
+                    record = call_record(BlockFreed, fields, 3);
+                }
+            } else {
+                PyObject *fields[] = {block_id, probe->req};
+                record = call_record(kind == ALLOCATED ? BlockAllocated : BlockTouched, fields, 2);
+            }
+        }
+        int failed = skip < 0 || (skip == 0 && (record == NULL || PyList_Append(records, record) < 0));
+        Py_XDECREF(record);
+        Py_XDECREF(is_null);
+        Py_XDECREF(block_id);
+        Py_XDECREF(ref_cnt);
+        Py_XDECREF(block_hash);
+        Py_DECREF(block);
+        if (failed) {
+            break;
+        }
+    }
+    Py_XDECREF(iterator);
+    if (PyErr_Occurred() || records == NULL) {
+        count_failure(probe);
+    } else if (PyList_SetSlice(probe->records, PY_SSIZE_T_MAX, PY_SSIZE_T_MAX, records) < 0) {
+        count_failure(probe); /* appended at the end, all at once */
+    }
+    Py_XDECREF(records);
+}
+
+/* BlockPool.get_new_blocks(self, num_blocks): what it evicts is an LRU reuse. */
+static PyObject *
+get_new_blocks(FastWrapper *w, PyObject *const *args, size_t nargsf, PyObject *kwnames)
+{
+    if (PyVectorcall_NARGS(nargsf) < 1) {
+        return CALL_SLOW();
+    }
+    ProbeState *probe = cached_probe(w, args[0], 0);
+    if (probe == NULL) {
+        return pool_observed(args[0]) ? CALL_SLOW() : CALL_ORIGINAL();
+    }
+    if (!pool_fast_path_ok(probe)) {
+        Py_DECREF(probe);
+        return CALL_SLOW();
+    }
+    PyObject *reason = probe->remove_reason; /* its reference moves here for the call */
+    probe->remove_reason = Py_NewRef(LruReuse);
+    PyObject *blocks = CALL_ORIGINAL();
+    set_field(&probe->remove_reason, reason);
+    if (blocks != NULL) {
+        add_block_records(probe, blocks, ALLOCATED);
+    }
+    Py_DECREF(probe);
+    return blocks;
+}
+
+/* BlockPool.touch(self, blocks) */
+static PyObject *
+touch(FastWrapper *w, PyObject *const *args, size_t nargsf, PyObject *kwnames)
+{
+    Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
+    PyObject *blocks = arg_at(w, args, nargs, kwnames, 1);
+    if (nargs < 1 || blocks == NULL) {
+        return CALL_SLOW();
+    }
+    ProbeState *probe = cached_probe(w, args[0], 0);
+    if (probe == NULL) {
+        return pool_observed(args[0]) ? CALL_SLOW() : CALL_ORIGINAL();
+    }
+    if (!pool_fast_path_ok(probe)) {
+        Py_DECREF(probe);
+        return CALL_SLOW();
+    }
+    PyObject *result = CALL_ORIGINAL();
+    if (result != NULL) {
+        add_block_records(probe, blocks, TOUCHED);
+    }
+    Py_DECREF(probe);
+    return result;
+}
+
+/* BlockPool.free_blocks(self, ordered_blocks): a free outside any cache-manager call is the
+ * engine releasing blocks itself (BlocksReleased, an input). */
+static PyObject *
+free_blocks(FastWrapper *w, PyObject *const *args, size_t nargsf, PyObject *kwnames)
+{
+    if (PyVectorcall_NARGS(nargsf) != 2 || kwnames != NULL) {
+        return CALL_SLOW();
+    }
+    ProbeState *probe = cached_probe(w, args[0], 0);
+    if (probe == NULL) {
+        return pool_observed(args[0]) ? CALL_SLOW() : CALL_ORIGINAL();
+    }
+    int outside = pool_fast_path_ok(probe) ? PyObject_RichCompareBool(probe->req, NoReq, Py_EQ)
+                                           : -1;
+    if (outside < 0) {
+        PyErr_Clear();
+        Py_DECREF(probe);
+        return CALL_SLOW();
+    }
+    PyObject *blocks = PySequence_List(args[1]); /* an iterator would be spent by vLLM */
+    if (blocks == NULL) { /* not iterable: what list() raises, as the Python wrapper would */
+        Py_DECREF(probe);
+        return NULL;
+    }
+    if (outside) {
+        PyObject *block_ids = PyList_New(0);
+        PyObject *released = NULL, *block;
+        for (Py_ssize_t i = 0; block_ids != NULL && i < PyList_GET_SIZE(blocks); i++) {
+            block = PyList_GET_ITEM(blocks, i);
+            PyObject *is_null = PyObject_GetAttr(block, s_is_null);
+            int skip = is_null == NULL ? -1 : PyObject_IsTrue(is_null);
+            Py_XDECREF(is_null);
+            PyObject *block_id = skip == 0 ? PyObject_GetAttr(block, s_block_id) : NULL;
+            if (skip < 0 || (skip == 0 && (block_id == NULL
+                                            || PyList_Append(block_ids, block_id) < 0))) {
+                Py_XDECREF(block_id);
+                Py_CLEAR(block_ids);
+                break;
+            }
+            Py_XDECREF(block_id);
+        }
+        if (block_ids != NULL) {
+            released = call_record(BlocksReleased, &block_ids, 1);
+            append_record(probe, released);
+        } else {
+            count_failure(probe);
+        }
+        Py_XDECREF(block_ids);
+    }
+    PyObject *call_args[] = {args[0], blocks};
+    PyObject *result = PyObject_Vectorcall(w->original, call_args, 2, NULL);
+    if (result != NULL) {
+        add_block_records(probe, blocks, FREED);
+    }
+    Py_DECREF(blocks);
+    Py_DECREF(probe);
+    return result;
+}
+
+static vectorcallfunc fast_paths[NUM_KINDS] = {
+    (vectorcallfunc)new_step_starts, (vectorcallfunc)allocate_slots,
+    (vectorcallfunc)insert_block_hash, (vectorcallfunc)remove_cached_block_hashes,
+    (vectorcallfunc)get_num_blocks_to_allocate, (vectorcallfunc)allocate_new_blocks,
+    (vectorcallfunc)cache_blocks, (vectorcallfunc)get_new_blocks, (vectorcallfunc)touch,
+    (vectorcallfunc)free_blocks,
+};
+
+static const char *kind_names[NUM_KINDS] = {
+    "new_step_starts", "allocate_slots", "_insert_block_hash", "_remove_cached_block_hashes",
+    "get_num_blocks_to_allocate", "allocate_new_blocks", "cache_blocks", "get_new_blocks",
+    "touch", "free_blocks",
+};
+
+static PyObject *
+wrapper_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
+{
+    const char *method_name;
+    PyObject *original, *slow, *names, *defaults;
+    static char *keywords[] = {"method_name", "original", "slow", "names", "defaults", NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "sOOO!O!:FastWrapper", keywords, &method_name,
+                                     &original, &slow, &PyTuple_Type, &names, &PyTuple_Type,
+                                     &defaults)) {
+        return NULL;
+    }
+    int kind = 0;
+    while (kind < NUM_KINDS && strcmp(kind_names[kind], method_name) != 0) {
+        kind++;
+    }
+    if (kind == NUM_KINDS) {
+        return PyErr_Format(PyExc_ValueError, "no native fast path for %s", method_name);
+    }
+    if (StepStarted == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "kvtrace._native: configure() first");
+        return NULL;
+    }
+    if (PyTuple_GET_SIZE(defaults) > PyTuple_GET_SIZE(names)) {
+        PyErr_SetString(PyExc_ValueError, "more defaults than parameters");
+        return NULL;
+    }
+    FastWrapper *self = (FastWrapper *)type->tp_alloc(type, 0);
+    if (self == NULL) {
+        return NULL;
+    }
+    self->kind = kind;
+    self->original = Py_NewRef(original);
+    self->slow = Py_NewRef(slow);
+    self->names = Py_NewRef(names);
+    self->defaults = Py_NewRef(defaults);
+    self->vectorcall = fast_paths[kind];
+    return (PyObject *)self;
+}
+
+static int
+wrapper_traverse(FastWrapper *self, visitproc visit, void *arg)
+{
+    for (int i = 0; i < PROBE_CACHE_SIZE; i++) {
+        Py_VISIT(self->cache[i].owner);
+        Py_VISIT(self->cache[i].probe);
+    }
+    Py_VISIT(self->original);
+    Py_VISIT(self->slow);
+    Py_VISIT(self->names);
+    Py_VISIT(self->defaults);
+    Py_VISIT(self->dict);
+    Py_VISIT(Py_TYPE(self));
+    return 0;
+}
+
+static int
+wrapper_clear(FastWrapper *self)
+{
+    clear_probe_cache(self);
+    Py_CLEAR(self->original);
+    Py_CLEAR(self->slow);
+    Py_CLEAR(self->names);
+    Py_CLEAR(self->defaults);
+    Py_CLEAR(self->dict);
+    return 0;
+}
+
+static void
+wrapper_dealloc(FastWrapper *self)
+{
+    PyTypeObject *type = Py_TYPE(self);
+    PyObject_GC_UnTrack(self);
+    wrapper_clear(self);
+    type->tp_free((PyObject *)self);
+    Py_DECREF(type);
+}
+
+/* A method: bound like a function, so instance.method(...) passes the instance as self. */
+static PyObject *
+wrapper_get(PyObject *self, PyObject *instance, PyObject *owner)
+{
+    if (instance == NULL || instance == Py_None) {
+        return Py_NewRef(self);
+    }
+    return PyMethod_New(self, instance);
+}
+
+static PyMemberDef wrapper_members[] = {
+    {"__vectorcalloffset__", T_PYSSIZET, offsetof(FastWrapper, vectorcall), READONLY, NULL},
+    {"__dictoffset__", T_PYSSIZET, offsetof(FastWrapper, dict), READONLY, NULL},
+    {"slow", T_OBJECT, offsetof(FastWrapper, slow), READONLY,
+     "The Python wrapper the fast path hands every other case to."},
+    {NULL},
+};
+
+static PyGetSetDef wrapper_getset[] = {
+    {"__dict__", PyObject_GenericGetDict, PyObject_GenericSetDict, NULL, NULL},
+    {NULL},
+};
+
+static PyType_Slot wrapper_slots[] = {
+    {Py_tp_doc, "A probe wrapper whose common case runs in C (see cache_probes.py)."},
+    {Py_tp_new, wrapper_new},
+    {Py_tp_call, PyVectorcall_Call},
+    {Py_tp_descr_get, wrapper_get},
+    {Py_tp_members, wrapper_members},
+    {Py_tp_getset, wrapper_getset},
+    {Py_tp_traverse, wrapper_traverse},
+    {Py_tp_clear, wrapper_clear},
+    {Py_tp_dealloc, wrapper_dealloc},
+    {0, NULL},
+};
+
+static PyType_Spec wrapper_spec = {
+    "kvtrace._native.FastWrapper", sizeof(FastWrapper), 0,
+    Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL
+        | Py_TPFLAGS_METHOD_DESCRIPTOR,
+    wrapper_slots,
+};
+
+/* --- StepBuffer: the capture's hand-over of one engine step's records ---------------------------- */
+
+/* Called by the probes once per engine step with that step's records: encodes them (msgspec, via
+ * `encode`) and appends (number of records, bytes) to `chunks`, which the writer thread drains;
+ * counters in records. When the records do not fit in `capacity`, or drops wait to be marked,
+ * `overflow(records)` (Python) decides what to keep. kvtrace/capture/hook.py has its twin. */
+typedef struct {
+    PyObject_HEAD
+    PyObject *chunks;
+    PyObject *encode;
+    PyObject *overflow;
+    Py_ssize_t capacity, num_buffered, num_drained, num_enqueued, unmarked_drops;
+    vectorcallfunc vectorcall;
+} StepBuffer;
+
+static PyObject *
+step_buffer_call(StepBuffer *self, PyObject *const *args, size_t nargsf, PyObject *kwnames)
+{
+    if (PyVectorcall_NARGS(nargsf) != 1 || kwnames != NULL) {
+        PyErr_SetString(PyExc_TypeError, "StepBuffer takes one list of records");
+        return NULL;
+    }
+    PyObject *records = args[0];
+    Py_ssize_t num_records = PyObject_Size(records);
+    if (num_records < 0) {
+        return NULL;
+    }
+    if (self->unmarked_drops
+        || self->num_buffered - self->num_drained + num_records > self->capacity) {
+        return PyObject_CallOneArg(self->overflow, records);
+    }
+    PyObject *encoded = PyObject_CallOneArg(self->encode, records);
+    if (encoded == NULL) {
+        return NULL;
+    }
+    PyObject *size = PyLong_FromSsize_t(num_records);
+    PyObject *chunk = size == NULL ? NULL : PyTuple_Pack(2, size, encoded);
+    Py_XDECREF(size);
+    Py_DECREF(encoded);
+    if (chunk == NULL || PyList_Append(self->chunks, chunk) < 0) {
+        Py_XDECREF(chunk);
+        return NULL;
+    }
+    Py_DECREF(chunk);
+    self->num_buffered += num_records;
+    self->num_enqueued += num_records;
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+step_buffer_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
+{
+    PyObject *encode, *overflow;
+    Py_ssize_t capacity;
+    static char *keywords[] = {"encode", "capacity", "overflow", NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OnO:StepBuffer", keywords, &encode,
+                                     &capacity, &overflow)) {
+        return NULL;
+    }
+    StepBuffer *self = (StepBuffer *)type->tp_alloc(type, 0);
+    if (self == NULL || (self->chunks = PyList_New(0)) == NULL) {
+        Py_XDECREF(self);
+        return NULL;
+    }
+    self->encode = Py_NewRef(encode);
+    self->overflow = Py_NewRef(overflow);
+    self->capacity = capacity;
+    self->vectorcall = (vectorcallfunc)step_buffer_call;
+    return (PyObject *)self;
+}
+
+static int
+step_buffer_traverse(StepBuffer *self, visitproc visit, void *arg)
+{
+    Py_VISIT(self->chunks);
+    Py_VISIT(self->encode);
+    Py_VISIT(self->overflow);
+    Py_VISIT(Py_TYPE(self));
+    return 0;
+}
+
+static int
+step_buffer_clear(StepBuffer *self)
+{
+    Py_CLEAR(self->chunks);
+    Py_CLEAR(self->encode);
+    Py_CLEAR(self->overflow);
+    return 0;
+}
+
+static void
+step_buffer_dealloc(StepBuffer *self)
+{
+    PyTypeObject *type = Py_TYPE(self);
+    PyObject_GC_UnTrack(self);
+    step_buffer_clear(self);
+    type->tp_free((PyObject *)self);
+    Py_DECREF(type);
+}
+
+static PyMemberDef step_buffer_members[] = {
+    {"__vectorcalloffset__", T_PYSSIZET, offsetof(StepBuffer, vectorcall), READONLY, NULL},
+    {"chunks", T_OBJECT, offsetof(StepBuffer, chunks), READONLY, NULL},
+    {"capacity", T_PYSSIZET, offsetof(StepBuffer, capacity), 0, NULL},
+    {"num_buffered", T_PYSSIZET, offsetof(StepBuffer, num_buffered), 0, NULL},
+    {"num_drained", T_PYSSIZET, offsetof(StepBuffer, num_drained), 0, NULL},
+    {"num_enqueued", T_PYSSIZET, offsetof(StepBuffer, num_enqueued), 0, NULL},
+    {"unmarked_drops", T_PYSSIZET, offsetof(StepBuffer, unmarked_drops), 0, NULL},
+    {NULL},
+};
+
+static PyType_Slot step_buffer_slots[] = {
+    {Py_tp_doc, "StepBuffer(encode, capacity, overflow): a capture's per-step hand-over."},
+    {Py_tp_new, step_buffer_new},
+    {Py_tp_call, PyVectorcall_Call},
+    {Py_tp_members, step_buffer_members},
+    {Py_tp_traverse, step_buffer_traverse},
+    {Py_tp_clear, step_buffer_clear},
+    {Py_tp_dealloc, step_buffer_dealloc},
+    {0, NULL},
+};
+
+static PyType_Spec step_buffer_spec = {
+    "kvtrace._native.StepBuffer", sizeof(StepBuffer), 0,
+    Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL, step_buffer_slots,
+};
+
+/* --- write_frame: one trace frame, written without the interpreter lock --------------------------- */
+
+static uint32_t crc_table[256];
+
+static void
+init_crc_table(void)
+{
+    for (uint32_t n = 0; n < 256; n++) {
+        uint32_t c = n;
+        for (int k = 0; k < 8; k++) {
+            c = (c & 1) ? 0xEDB88320u ^ (c >> 1) : c >> 1;
+        }
+        crc_table[n] = c;
+    }
+}
+
+/* CRC-32 as zlib.crc32 computes it (reflected, polynomial 0xEDB88320). */
+static uint32_t
+crc32_of(const unsigned char *data, size_t size)
+{
+    uint32_t c = 0xFFFFFFFFu;
+    for (size_t i = 0; i < size; i++) {
+        c = crc_table[(c ^ data[i]) & 0xFF] ^ (c >> 8);
+    }
+    return c ^ 0xFFFFFFFFu;
+}
+
+static void
+put_u32_le(unsigned char *out, uint32_t value)
+{
+    out[0] = value & 0xFF;
+    out[1] = (value >> 8) & 0xFF;
+    out[2] = (value >> 16) & 0xFF;
+    out[3] = (value >> 24) & 0xFF;
+}
+
+/* write_frame(fd, parts): write one frame whose payload is the concatenation of `parts` (bytes,
+ * the frame type first): u32 payload length, u32 crc32(payload), payload, as traceio writes it.
+ * Joining, checksumming and writing happen with the interpreter lock released. */
+static PyObject *
+write_frame(PyObject *module, PyObject *args)
+{
+    int fd;
+    PyObject *parts;
+    if (!PyArg_ParseTuple(args, "iO!:write_frame", &fd, &PyList_Type, &parts)) {
+        return NULL;
+    }
+    Py_ssize_t num_parts = PyList_GET_SIZE(parts);
+    PyObject **held = PyMem_Malloc(sizeof(PyObject *) * (num_parts + 1));
+    if (held == NULL) {
+        return PyErr_NoMemory();
+    }
+    size_t payload_size = 0;
+    for (Py_ssize_t i = 0; i < num_parts; i++) {
+        PyObject *part = PyList_GET_ITEM(parts, i);
+        if (!PyBytes_Check(part)) {
+            for (Py_ssize_t j = 0; j < i; j++) {
+                Py_DECREF(held[j]);
+            }
+            PyMem_Free(held);
+            PyErr_SetString(PyExc_TypeError, "write_frame: parts must be bytes");
+            return NULL;
+        }
+        held[i] = Py_NewRef(part); /* bytes are immutable: readable without the lock */
+        payload_size += PyBytes_GET_SIZE(part);
+    }
+    if (payload_size > 0xFFFFFFFFu) {
+        for (Py_ssize_t i = 0; i < num_parts; i++) {
+            Py_DECREF(held[i]);
+        }
+        PyMem_Free(held);
+        PyErr_SetString(PyExc_OverflowError, "write_frame: frame larger than 4 GiB");
+        return NULL;
+    }
+    int error = 0;
+    Py_BEGIN_ALLOW_THREADS
+    unsigned char *frame = malloc(8 + payload_size);
+    if (frame == NULL) {
+        error = ENOMEM;
+    } else {
+        unsigned char *out = frame + 8;
+        for (Py_ssize_t i = 0; i < num_parts; i++) {
+            memcpy(out, PyBytes_AS_STRING(held[i]), PyBytes_GET_SIZE(held[i]));
+            out += PyBytes_GET_SIZE(held[i]);
+        }
+        put_u32_le(frame, (uint32_t)payload_size);
+        put_u32_le(frame + 4, crc32_of(frame + 8, payload_size));
+        size_t written = 0;
+        while (written < 8 + payload_size) {
+            ssize_t n = write(fd, frame + written, 8 + payload_size - written);
+            if (n < 0) {
+                if (errno == EINTR) {
+                    continue;
+                }
+                error = errno;
+                break;
+            }
+            written += (size_t)n;
+        }
+        free(frame);
+    }
+    Py_END_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < num_parts; i++) {
+        Py_DECREF(held[i]);
+    }
+    PyMem_Free(held);
+    if (error) {
+        errno = error;
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    Py_RETURN_NONE;
+}
+
+/* --- module ------------------------------------------------------------------------------------- */
+
+static PyObject *
+configure(PyObject *module, PyObject *args)
+{
+    PyObject *step_started, *slots_allocated, *block_stored, *block_removed, *hash_interned,
+        *block_allocated, *block_touched, *block_freed, *blocks_released, *no_req,
+        *stale_checkpoint, *lru_reuse;
+    if (!PyArg_ParseTuple(args, "OOOOOOOOOOOO:configure", &step_started, &slots_allocated,
+                          &block_stored, &block_removed, &hash_interned, &block_allocated,
+                          &block_touched, &block_freed, &blocks_released, &no_req,
+                          &stale_checkpoint, &lru_reuse)) {
+        return NULL;
+    }
+    Py_XSETREF(BlockAllocated, Py_NewRef(block_allocated));
+    Py_XSETREF(BlockTouched, Py_NewRef(block_touched));
+    Py_XSETREF(BlockFreed, Py_NewRef(block_freed));
+    Py_XSETREF(BlocksReleased, Py_NewRef(blocks_released));
+    Py_XSETREF(LruReuse, Py_NewRef(lru_reuse));
+    Py_XSETREF(StepStarted, Py_NewRef(step_started));
+    Py_XSETREF(SlotsAllocated, Py_NewRef(slots_allocated));
+    Py_XSETREF(BlockStored, Py_NewRef(block_stored));
+    Py_XSETREF(BlockRemoved, Py_NewRef(block_removed));
+    Py_XSETREF(HashInterned, Py_NewRef(hash_interned));
+    Py_XSETREF(NoReq, Py_NewRef(no_req));
+    Py_XSETREF(StaleCheckpoint, Py_NewRef(stale_checkpoint));
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+probes_changed(PyObject *module, PyObject *unused)
+{
+    probes_generation++;
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef module_methods[] = {
+    {"write_frame", write_frame, METH_VARARGS,
+     "write_frame(fd, parts): one trace frame (payload = the joined parts), lock released."},
+    {"probes_changed", probes_changed, METH_NOARGS,
+     "A probe set was armed or disarmed: forget which probe set observes which cache."},
+    {"configure", configure, METH_VARARGS,
+     "configure(StepStarted, SlotsAllocated, BlockStored, BlockRemoved, HashInterned, "
+     "BlockAllocated, BlockTouched, BlockFreed, BlocksReleased, NO_REQ, STALE_CHECKPOINT, "
+     "LRU_REUSE): the record types and constants the fast paths use."},
+    {NULL},
+};
+
+static struct PyModuleDef module_def = {
+    PyModuleDef_HEAD_INIT, "kvtrace._native",
+    "Native fast paths of kvtrace's cache probes (see cache_probes.py).", -1, module_methods,
+};
+
+PyMODINIT_FUNC
+PyInit__native(void)
+{
+    if (intern_names() < 0) {
+        return NULL;
+    }
+    PyObject *module = PyModule_Create(&module_def);
+    if (module == NULL) {
+        return NULL;
+    }
+    init_crc_table();
+    ProbeStateType = (PyTypeObject *)PyType_FromSpec(&state_spec);
+    PyObject *wrapper_type = PyType_FromSpec(&wrapper_spec);
+    PyObject *step_buffer_type = PyType_FromSpec(&step_buffer_spec);
+    if (ProbeStateType == NULL || wrapper_type == NULL || step_buffer_type == NULL
+        || PyModule_AddObjectRef(module, "ProbeState", (PyObject *)ProbeStateType) < 0
+        || PyModule_AddObjectRef(module, "FastWrapper", wrapper_type) < 0
+        || PyModule_AddObjectRef(module, "StepBuffer", step_buffer_type) < 0) {
+        Py_XDECREF(wrapper_type);
+        Py_XDECREF(step_buffer_type);
+        Py_DECREF(module);
+        return NULL;
+    }
+    Py_DECREF(wrapper_type);
+    Py_DECREF(step_buffer_type);
+    return module;
+}

@@ -1,0 +1,229 @@
+"""kvtrace's optional native core (``kvtrace/_native.c``) against its Python twins.
+
+Each native part must do exactly what the Python code it stands in for does: the same records
+from the same vLLM engine run, the same hand-over when the buffer overflows, the same frames on
+disk. The rest of the suite runs with the native core on (the default where it is built).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import sys
+import time
+import zlib
+
+import pytest
+from msgspec.structs import replace
+from vllm_support import prefill_chunks, seed_config, vllm_backend_class  # noqa: F401
+
+from kvtrace import native
+from kvtrace.events import (
+    BlockStored,
+    EventsDropped,
+    GpuSampled,
+    HashInterner,
+    RequestArrived,
+    StepStarted,
+    TraceHeader,
+)
+from kvtrace.traceio import TraceWriter, encode_rows, read_records
+
+pytestmark = pytest.mark.skipif(
+    native.built is None,
+    reason="kvtrace._native was not built here (no C compiler at install): only the Python "
+           "twins exist, and the rest of the suite tests them")
+
+HOT_METHODS = {
+    "vllm.v1.core.kv_cache_manager.KVCacheManager": ("new_step_starts", "allocate_slots"),
+    "vllm.v1.core.block_pool.BlockPool": ("_insert_block_hash", "_remove_cached_block_hashes",
+                                          "get_new_blocks", "touch", "free_blocks"),
+    "vllm.v1.core.single_type_kv_cache_manager.MambaManager": (
+        "get_num_blocks_to_allocate", "allocate_new_blocks", "cache_blocks"),
+}
+
+
+def patched_kinds() -> set[str]:
+    """Type names of what replaces the hot methods while probes are armed."""
+    import importlib
+
+    kinds = set()
+    for qualname, methods in HOT_METHODS.items():
+        module_name, class_name = qualname.rsplit(".", 1)
+        owner = getattr(importlib.import_module(module_name), class_name)
+        kinds |= {type(owner.__dict__[method]).__name__ for method in methods}
+    return kinds
+
+
+def engine_records(workload, variant: str, monkeypatch, core) -> tuple[list, set[str]]:
+    """One run of vLLM's own scheduler under a process-wide probe set; its records (wall-clock
+    stamps cleared) and what the hot methods were replaced by."""
+    from kvtrace.probes import CacheProbes
+    from kvtrace.replay.vllm_engine import VllmScheduler
+
+    monkeypatch.setattr(native, "core", core)
+    engine = VllmScheduler(workload.config, workload.settings, variant)
+    records: list = []
+    probes = CacheProbes(records.append, HashInterner(), created_ns=0, emit_hash_bytes=True,
+                         sink_many=records.extend).arm()
+    try:
+        kinds = patched_kinds()
+        engine.run(workload.arrivals)
+    finally:
+        probes.disarm()
+    assert probes.num_failures == 0
+    cleared = {StepStarted: {"ts_ns": 0}, RequestArrived: {"arrival_ns": 0}}
+    return [replace(r, **cleared[type(r)]) if type(r) in cleared else r for r in records], kinds
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", ["unfixed", "fixed"])
+def test_native_wrappers_record_exactly_what_the_python_wrappers_record(tmp_path, monkeypatch,
+                                                                        variant):
+    """A tight agent workload (evictions, preemptions, checkpoints published and suppressed)."""
+    from kvtrace.replay.scheduler import SchedulerSettings
+    from kvtrace.replay.vllm_engine import EngineOptions, load_workload
+    from kvtrace.replay.workloads import EngineShape, synthesize, write_workload
+
+    path = tmp_path / "workload.kvtrace"
+    shape = EngineShape(num_gpu_blocks=260)
+    write_workload(path, synthesize("agent", 40, 0, shape.hash_unit), shape)
+    workload = load_workload(EngineOptions(str(path), variant=variant, speed=0))
+    config = replace(workload.config, reserve_full_sequence=False)  # admit by chunk: preempt
+    workload = dataclasses.replace(workload, config=config,
+                                   settings=SchedulerSettings.from_config(config))
+
+    python, python_kinds = engine_records(workload, variant, monkeypatch, None)
+    fast, fast_kinds = engine_records(workload, variant, monkeypatch, native.built)
+
+    assert python_kinds == {"function"} and fast_kinds == {"FastWrapper"}
+    first = next((i for i, (a, b) in enumerate(zip(python, fast)) if a != b), None)
+    assert first is None, f"record {first}: Python {python[first]!r}, native {fast[first]!r}"
+    assert len(python) == len(fast)
+    kinds = {type(r).__name__ for r in python}
+    assert {"BlockStored", "BlockRemoved", "CheckpointRecorded", "RequestPreempted",
+            "HashesExtended", "HashInterned"} <= kinds
+
+
+def test_native_wrappers_never_raise_into_vllm_and_count_the_failure(vllm_backend_class):
+    """A sink that raises: the engine's answers are unchanged and the failure is counted."""
+    from kvtrace.probes import CacheProbes
+
+    def broken_sink(records):
+        raise RuntimeError("sink broke")
+
+    answers = []
+    for armed in (False, True):
+        with vllm_backend_class(seed_config(0), "fixed", None) as backend:
+            probes = CacheProbes(print, HashInterner(), sink_many=broken_sink)
+            if armed:
+                probes.arm()
+            try:
+                backend.add_request(1, 240, list(range(15)), 8)
+                prefill_chunks(backend, 1, [128, 112])
+                answers.append(backend.num_free_blocks())
+                assert patched_kinds() == ({"FastWrapper"} if armed else {"function"})
+            finally:
+                probes.disarm()
+    assert answers[0] == answers[1]
+    assert probes.num_failures >= 1  # each step's hand-over failed, and said so
+
+
+def test_step_buffer_overflows_as_its_python_twin(monkeypatch):
+    """Capacity 5, steps of 2, 2, 3 records, a drain, then 1, 1, 4 (worked out by hand below)."""
+    from kvtrace.capture import hook
+
+    monkeypatch.setattr(hook.time, "time_ns", lambda: 7)  # the drop marker's stamp
+    steps = [[StepStarted(i, i)] * size for i, size in enumerate([2, 2, 3, 1, 1, 4])]
+    outcomes = []
+    for step_buffer in (hook.StepBuffer, native.built.StepBuffer):
+        session = hook.CaptureSession(hook.CaptureOptions(path="unused", buffer_capacity=5))
+        session._steps = buffer = step_buffer(encode_rows, 5, session._overflow)
+        for i, records in enumerate(steps):
+            buffer(records)
+            if i == 2:  # the writer takes what is there
+                del buffer.chunks[:]
+                buffer.num_drained = buffer.num_buffered
+        outcomes.append((list(buffer.chunks), buffer.num_buffered, buffer.num_enqueued,
+                         buffer.unmarked_drops, session.num_dropped))
+    assert outcomes[0] == outcomes[1]
+    chunks, num_buffered, num_enqueued, unmarked, dropped = outcomes[0]
+    # Steps 0 and 1 fit (4 of 5); step 2 keeps 1 and drops 2. After the drain, step 3 comes
+    # behind a marker of those 2; step 4 fits; step 5 finds room for 2 of 4 (5 - 3 held).
+    assert chunks == [(1, encode_rows([EventsDropped(2, 7)])),
+                      (1, encode_rows(steps[3])), (1, encode_rows(steps[4])),
+                      (2, encode_rows(steps[5][:2]))]
+    assert (dropped, unmarked) == (4, 2)
+    assert (num_enqueued, num_buffered) == (2 + 2 + 1 + 1 + 1 + 2, 10)
+
+
+def test_native_frames_are_byte_for_byte_the_python_frames(tmp_path, monkeypatch):
+    """Pre-encoded rows written through ``write_frame`` (lock released) and through Python."""
+    stored = [BlockStored(i, i * 7, 1, 16 * i, 0, 3) for i in range(5000)]
+    sampled = [GpuSampled(1, 0, 2, 3, 4)] * 40  # a chunk of more than 15 rows: array16 header
+    chunks = [(len(stored[i:i + 3]), encode_rows(stored[i:i + 3])) for i in range(0, 5000, 3)]
+    chunks.append((40, encode_rows(sampled)))
+    records = stored + sampled
+    header = TraceHeader(kvtrace_version="test", created_ns=1, source="capture")
+    monkeypatch.setattr(time, "time_ns", lambda: 2)  # the closing frame's end time
+    files = {}
+    for name, core in (("python", None), ("native", native.built)):
+        monkeypatch.setattr(native, "core", core)
+        path = tmp_path / f"{name}.kvtrace"
+        with TraceWriter(str(path), header, rows=True, batch_size=2048) as writer:
+            assert writer.write_encoded_rows(chunks) == len(records)
+        files[name] = path.read_bytes()
+    assert files["python"] == files["native"]
+    reader, read = read_records(tmp_path / "native.kvtrace")
+    assert read == records and not reader.truncated
+
+
+def test_write_frame_checksums_as_zlib(tmp_path):
+    path = tmp_path / "frame"
+    parts = [b"R", bytes(range(256)) * 40, b"", b"tail"]
+    with open(path, "wb") as out:
+        native.built.write_frame(out.fileno(), parts)
+    data = path.read_bytes()
+    payload = b"".join(parts)
+    assert int.from_bytes(data[:4], "little") == len(payload)
+    assert int.from_bytes(data[4:8], "little") == zlib.crc32(payload)
+    assert data[8:] == payload
+
+
+def test_write_frame_reports_a_failed_write():
+    with open("/dev/full", "wb") as full:
+        with pytest.raises(OSError, match="No space left"):
+            native.built.write_frame(full.fileno(), [b"R", b"x" * 100])
+
+
+def test_kvtrace_native_0_turns_the_native_core_off():
+    code = "from kvtrace import native; print(native.core is None, native.built is not None)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={**os.environ, "KVTRACE_NATIVE": "0"}).stdout
+    assert out.split() == ["True", "True"]
+
+
+def test_without_the_built_core_the_python_twins_capture(tmp_path):
+    """As on a machine that could not compile it: the import fails, captures still work."""
+    code = f"""
+import sys
+sys.modules["kvtrace._native"] = None  # import fails as if it were never built
+from kvtrace import native
+from kvtrace.capture import hook
+from kvtrace.probes import CacheProbes
+from kvtrace.replay.vllm_backend import VllmBackend
+sys.path.insert(0, {os.path.dirname(__file__)!r})
+from vllm_support import prefill_chunks, seed_config
+assert native.core is None and CacheProbes.__mro__[1] is object
+with VllmBackend(seed_config(0), "fixed", None) as backend:
+    hook.arm(hook.CaptureOptions(path={str(tmp_path / 'cap.kvtrace')!r}, gpu_interval_ms=0))
+    backend.add_request(1, 240, list(range(15)), 8)
+    prefill_chunks(backend, 1, [128, 112])
+    print(hook.disarm()["written"])
+"""
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert int(result.stdout.split()[-1]) > 10
+    _, records = read_records(tmp_path / "cap.kvtrace")
+    assert any(isinstance(r, BlockStored) for r in records)
