@@ -14,9 +14,9 @@
  *   unexpected before the original runs) goes, arguments untouched, to the Python wrapper, which
  *   does the whole call. ProbeState is CacheProbes' base class: the fields both sides use.
  * - StepBuffer: a capture's per-step hand-over of records to the writer (kvtrace/capture/hook.py).
- * - write_frame: a trace frame joined, checksummed and written with the interpreter lock
- *   released, so the writer thread barely competes with vLLM's scheduler thread
- *   (kvtrace/traceio.py).
+ * - write_rows_frame: a frame of pre-encoded rows joined, checksummed and written with the
+ *   interpreter lock released, so the writer thread barely competes with vLLM's scheduler
+ *   thread (kvtrace/traceio.py).
  *
  * Rules kept from the Python side: nothing of ours raises into vLLM (our failures are cleared and
  * counted in num_failures), and the original's result or exception is returned or raised
@@ -272,7 +272,7 @@ append_record(ProbeState *probe, PyObject *record)
 }
 
 static PyObject *
-call_record(PyObject *type, PyObject *const *fields, Py_ssize_t num_fields)
+new_record(PyObject *type, PyObject *const *fields, Py_ssize_t num_fields)
 {
     return PyObject_Vectorcall(type, fields, num_fields, NULL);
 }
@@ -309,7 +309,7 @@ intern_key(ProbeState *probe, PyObject *key, unsigned long *group)
     }
     if (probe->emit_hash_bytes == Py_True) {
         PyObject *fields[] = {hash_id, hash_bytes};
-        append_record(probe, call_record(HashInterned, fields, 2));
+        append_record(probe, new_record(HashInterned, fields, 2));
     }
     Py_DECREF(hash_bytes);
     return hash_id;
@@ -340,6 +340,7 @@ enum Kind {
 typedef struct {
     PyObject *owner;
     ProbeState *probe;
+    PyObject *checkpoints; /* a MambaManager's _checkpoints (vLLM sets it once, in __init__) */
 } ProbeCacheEntry;
 
 static unsigned long long probes_generation = 1;
@@ -364,6 +365,7 @@ clear_probe_cache(FastWrapper *w)
     for (int i = 0; i < PROBE_CACHE_SIZE; i++) {
         Py_CLEAR(w->cache[i].owner);
         Py_CLEAR(w->cache[i].probe);
+        Py_CLEAR(w->cache[i].checkpoints);
     }
 }
 
@@ -388,8 +390,27 @@ cached_probe(FastWrapper *w, PyObject *owner, int is_manager)
         w->next_entry = (w->next_entry + 1) % PROBE_CACHE_SIZE;
         Py_XSETREF(entry->owner, Py_NewRef(owner));
         Py_XSETREF(entry->probe, (ProbeState *)Py_NewRef(probe));
+        Py_CLEAR(entry->checkpoints);
     }
     return probe;
+}
+
+static PyObject *checkpoints_of(PyObject *manager);
+
+/* checkpoints_of(manager), cached with the manager's probe set; new reference. */
+static PyObject *
+cached_checkpoints(FastWrapper *w, PyObject *manager)
+{
+    for (int i = 0; i < PROBE_CACHE_SIZE; i++) {
+        ProbeCacheEntry *entry = &w->cache[i];
+        if (entry->owner == manager) {
+            if (entry->checkpoints == NULL && (entry->checkpoints = checkpoints_of(manager)) == NULL) {
+                return NULL;
+            }
+            return Py_NewRef(entry->checkpoints);
+        }
+    }
+    return checkpoints_of(manager);
 }
 
 /* Parameter `index` of a call (0 is self): positional, keyword or default; borrowed, or NULL
@@ -455,7 +476,7 @@ new_step_starts(FastWrapper *w, PyObject *const *args, size_t nargsf, PyObject *
         Py_INCREF(step);
         set_field(&probe->step, step);
         PyObject *fields[] = {step, ts_ns};
-        append_record(probe, call_record(StepStarted, fields, 2));
+        append_record(probe, new_record(StepStarted, fields, 2));
     }
     Py_XDECREF(step);
     Py_XDECREF(ts_ns);
@@ -539,7 +560,7 @@ allocate_slots(FastWrapper *w, PyObject *const *args, size_t nargsf, PyObject *k
     PyObject *fields[NUM_FIELDS] = {
         req, values[0], num_computed, values[1], values[2], values[3], num_tokens, allocated,
         values[4], values[5], values[6]};
-    PyObject *record = call_record(SlotsAllocated, fields, NUM_FIELDS);
+    PyObject *record = new_record(SlotsAllocated, fields, NUM_FIELDS);
     if (record == NULL || PyList_Insert(records, first_effect, record) < 0) {
         count_failure(probe);
     }
@@ -640,7 +661,7 @@ insert_block_hash(FastWrapper *w, PyObject *const *args, size_t nargsf, PyObject
         goto done;
     }
     PyObject *fields[] = {block_id, hash_id, group, depth, probe->store_kind, probe->req};
-    append_record(probe, call_record(BlockStored, fields, 6));
+    append_record(probe, new_record(BlockStored, fields, 6));
 done:
     Py_XDECREF(block_id);
     Py_XDECREF(hash_id);
@@ -697,7 +718,7 @@ remove_cached_block_hashes(FastWrapper *w, PyObject *const *args, size_t nargsf,
             break;
         }
         PyObject *fields[] = {block_id, hash_id, group, depth, probe->remove_reason};
-        int appended = append_record(probe, call_record(BlockRemoved, fields, 5));
+        int appended = append_record(probe, new_record(BlockRemoved, fields, 5));
         Py_DECREF(hash_id);
         Py_DECREF(group);
         if (appended < 0) {
@@ -778,7 +799,7 @@ get_num_blocks_to_allocate(FastWrapper *w, PyObject *const *args, size_t nargsf,
     if (probe == NULL) {
         return CALL_SLOW();
     }
-    PyObject *checkpoints = checkpoints_of(args[0]);
+    PyObject *checkpoints = cached_checkpoints(w, args[0]);
     int cap = PyObject_IsTrue(apply_admission_cap);
     if (checkpoints == NULL || cap < 0) {
         PyErr_Clear();
@@ -862,7 +883,7 @@ cache_blocks(FastWrapper *w, PyObject *const *args, size_t nargsf, PyObject *kwn
     if (probe == NULL) {
         return CALL_SLOW();
     }
-    PyObject *checkpoints = checkpoints_of(args[0]);
+    PyObject *checkpoints = cached_checkpoints(w, args[0]);
     PyObject *request_id = NULL;
     Py_ssize_t num_offloads = -1;
     if (checkpoints == NULL) {
@@ -923,11 +944,11 @@ add_block_records(ProbeState *probe, PyObject *blocks, enum BlockRecord kind)
                     && (block_hash = PyObject_GetAttr(block, s_block_hash)) != NULL) {
                     PyObject *fields[] = {block_id, ref_cnt,
                                           block_hash != Py_None ? Py_True : Py_False};
-                    record = call_record(BlockFreed, fields, 3);
+                    record = new_record(BlockFreed, fields, 3);
                 }
             } else {
                 PyObject *fields[] = {block_id, probe->req};
-                record = call_record(kind == ALLOCATED ? BlockAllocated : BlockTouched, fields, 2);
+                record = new_record(kind == ALLOCATED ? BlockAllocated : BlockTouched, fields, 2);
             }
         }
         int failed = skip < 0 || (skip == 0 && (record == NULL || PyList_Append(records, record) < 0));
@@ -1043,7 +1064,7 @@ free_blocks(FastWrapper *w, PyObject *const *args, size_t nargsf, PyObject *kwna
             Py_XDECREF(block_id);
         }
         if (block_ids != NULL) {
-            released = call_record(BlocksReleased, &block_ids, 1);
+            released = new_record(BlocksReleased, &block_ids, 1);
             append_record(probe, released);
         } else {
             count_failure(probe);
@@ -1119,6 +1140,7 @@ wrapper_traverse(FastWrapper *self, visitproc visit, void *arg)
     for (int i = 0; i < PROBE_CACHE_SIZE; i++) {
         Py_VISIT(self->cache[i].owner);
         Py_VISIT(self->cache[i].probe);
+        Py_VISIT(self->cache[i].checkpoints);
     }
     Py_VISIT(self->original);
     Py_VISIT(self->slow);
@@ -1321,7 +1343,7 @@ static PyType_Spec step_buffer_spec = {
     Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL, step_buffer_slots,
 };
 
-/* --- write_frame: one trace frame, written without the interpreter lock --------------------------- */
+/* --- write_rows_frame: one trace frame, written without the interpreter lock ---------------------- */
 
 static uint32_t crc_table[256];
 
@@ -1357,81 +1379,121 @@ put_u32_le(unsigned char *out, uint32_t value)
     out[3] = (value >> 24) & 0xFF;
 }
 
-/* write_frame(fd, parts): write one frame whose payload is the concatenation of `parts` (bytes,
- * the frame type first): u32 payload length, u32 crc32(payload), payload, as traceio writes it.
- * Joining, checksumming and writing happen with the interpreter lock released. */
+/* Length of the msgpack array header `chunk` starts with, and the number of items it announces;
+ * -1 if it is not an array header. */
+static Py_ssize_t
+array_header(const unsigned char *chunk, Py_ssize_t size, Py_ssize_t *num_items)
+{
+    if (size >= 1 && (chunk[0] & 0xF0) == 0x90) {
+        *num_items = chunk[0] & 0x0F;
+        return 1;
+    }
+    if (size >= 3 && chunk[0] == 0xDC) {
+        *num_items = ((Py_ssize_t)chunk[1] << 8) | chunk[2];
+        return 3;
+    }
+    if (size >= 5 && chunk[0] == 0xDD) {
+        *num_items = ((Py_ssize_t)chunk[1] << 24) | ((Py_ssize_t)chunk[2] << 16)
+                     | ((Py_ssize_t)chunk[3] << 8) | chunk[4];
+        return 5;
+    }
+    return -1;
+}
+
+/* write_rows_frame(fd, chunks) -> number of records: one R frame of pre-encoded rows, as
+ * TraceWriter writes it. Each chunk is (number of records, encode_rows(records)); the frame's
+ * payload is b"R", one msgpack array32 header for all the records, and each chunk without its
+ * own array header; the frame is u32 payload length, u32 crc32(payload), payload. Joining,
+ * checksumming and writing happen with the interpreter lock released. */
 static PyObject *
-write_frame(PyObject *module, PyObject *args)
+write_rows_frame(PyObject *module, PyObject *args)
 {
     int fd;
-    PyObject *parts;
-    if (!PyArg_ParseTuple(args, "iO!:write_frame", &fd, &PyList_Type, &parts)) {
+    PyObject *chunks;
+    if (!PyArg_ParseTuple(args, "iO!:write_rows_frame", &fd, &PyList_Type, &chunks)) {
         return NULL;
     }
-    Py_ssize_t num_parts = PyList_GET_SIZE(parts);
-    PyObject **held = PyMem_Malloc(sizeof(PyObject *) * (num_parts + 1));
-    if (held == NULL) {
+    Py_ssize_t num_chunks = PyList_GET_SIZE(chunks);
+    PyObject **held = PyMem_Malloc(sizeof(PyObject *) * (num_chunks + 1));
+    Py_ssize_t *skip = PyMem_Malloc(sizeof(Py_ssize_t) * (num_chunks + 1));
+    if (held == NULL || skip == NULL) {
+        PyMem_Free(held);
+        PyMem_Free(skip);
         return PyErr_NoMemory();
     }
-    size_t payload_size = 0;
-    for (Py_ssize_t i = 0; i < num_parts; i++) {
-        PyObject *part = PyList_GET_ITEM(parts, i);
-        if (!PyBytes_Check(part)) {
-            for (Py_ssize_t j = 0; j < i; j++) {
-                Py_DECREF(held[j]);
+    Py_ssize_t num_held = 0, num_records = 0;
+    size_t payload_size = 1 + 5;
+    for (; num_held < num_chunks; num_held++) {
+        PyObject *chunk = PyList_GET_ITEM(chunks, num_held), *body;
+        Py_ssize_t size, announced;
+        if (!PyTuple_CheckExact(chunk) || PyTuple_GET_SIZE(chunk) != 2
+            || !PyBytes_Check(body = PyTuple_GET_ITEM(chunk, 1))
+            || (size = PyLong_AsSsize_t(PyTuple_GET_ITEM(chunk, 0))) < 0
+            || (skip[num_held] = array_header((const unsigned char *)PyBytes_AS_STRING(body),
+                                              PyBytes_GET_SIZE(body), &announced)) < 0
+            || announced != size) {
+            if (!PyErr_Occurred()) {
+                PyErr_SetString(PyExc_ValueError, "write_rows_frame: each chunk must be "
+                                "(number of records, encode_rows(records))");
             }
-            PyMem_Free(held);
-            PyErr_SetString(PyExc_TypeError, "write_frame: parts must be bytes");
-            return NULL;
+            break;
         }
-        held[i] = Py_NewRef(part); /* bytes are immutable: readable without the lock */
-        payload_size += PyBytes_GET_SIZE(part);
-    }
-    if (payload_size > 0xFFFFFFFFu) {
-        for (Py_ssize_t i = 0; i < num_parts; i++) {
-            Py_DECREF(held[i]);
-        }
-        PyMem_Free(held);
-        PyErr_SetString(PyExc_OverflowError, "write_frame: frame larger than 4 GiB");
-        return NULL;
+        held[num_held] = Py_NewRef(body); /* bytes are immutable: readable without the lock */
+        payload_size += PyBytes_GET_SIZE(body) - skip[num_held];
+        num_records += size;
     }
     int error = 0;
-    Py_BEGIN_ALLOW_THREADS
-    unsigned char *frame = malloc(8 + payload_size);
-    if (frame == NULL) {
-        error = ENOMEM;
-    } else {
-        unsigned char *out = frame + 8;
-        for (Py_ssize_t i = 0; i < num_parts; i++) {
-            memcpy(out, PyBytes_AS_STRING(held[i]), PyBytes_GET_SIZE(held[i]));
-            out += PyBytes_GET_SIZE(held[i]);
-        }
-        put_u32_le(frame, (uint32_t)payload_size);
-        put_u32_le(frame + 4, crc32_of(frame + 8, payload_size));
-        size_t written = 0;
-        while (written < 8 + payload_size) {
-            ssize_t n = write(fd, frame + written, 8 + payload_size - written);
-            if (n < 0) {
-                if (errno == EINTR) {
-                    continue;
-                }
-                error = errno;
-                break;
-            }
-            written += (size_t)n;
-        }
-        free(frame);
+    if (num_held == num_chunks && (payload_size > 0xFFFFFFFFu || num_records > 0xFFFFFFFFL)) {
+        PyErr_SetString(PyExc_OverflowError, "write_rows_frame: frame larger than 4 GiB");
     }
-    Py_END_ALLOW_THREADS
-    for (Py_ssize_t i = 0; i < num_parts; i++) {
+    if (!PyErr_Occurred()) {
+        Py_BEGIN_ALLOW_THREADS
+        unsigned char *frame = malloc(8 + payload_size);
+        if (frame == NULL) {
+            error = ENOMEM;
+        } else {
+            unsigned char *out = frame + 8;
+            *out++ = 'R';
+            *out++ = 0xDD;
+            for (int shift = 24; shift >= 0; shift -= 8) {
+                *out++ = (num_records >> shift) & 0xFF;
+            }
+            for (Py_ssize_t i = 0; i < num_held; i++) {
+                Py_ssize_t body_size = PyBytes_GET_SIZE(held[i]) - skip[i];
+                memcpy(out, PyBytes_AS_STRING(held[i]) + skip[i], body_size);
+                out += body_size;
+            }
+            put_u32_le(frame, (uint32_t)payload_size);
+            put_u32_le(frame + 4, crc32_of(frame + 8, payload_size));
+            size_t written = 0;
+            while (written < 8 + payload_size) {
+                ssize_t n = write(fd, frame + written, 8 + payload_size - written);
+                if (n < 0) {
+                    if (errno == EINTR) {
+                        continue;
+                    }
+                    error = errno;
+                    break;
+                }
+                written += (size_t)n;
+            }
+            free(frame);
+        }
+        Py_END_ALLOW_THREADS
+    }
+    for (Py_ssize_t i = 0; i < num_held; i++) {
         Py_DECREF(held[i]);
     }
     PyMem_Free(held);
+    PyMem_Free(skip);
+    if (PyErr_Occurred()) {
+        return NULL;
+    }
     if (error) {
         errno = error;
         return PyErr_SetFromErrno(PyExc_OSError);
     }
-    Py_RETURN_NONE;
+    return PyLong_FromSsize_t(num_records);
 }
 
 /* --- module ------------------------------------------------------------------------------------- */
@@ -1471,8 +1533,9 @@ probes_changed(PyObject *module, PyObject *unused)
 }
 
 static PyMethodDef module_methods[] = {
-    {"write_frame", write_frame, METH_VARARGS,
-     "write_frame(fd, parts): one trace frame (payload = the joined parts), lock released."},
+    {"write_rows_frame", write_rows_frame, METH_VARARGS,
+     "write_rows_frame(fd, chunks) -> number of records: one R frame of pre-encoded rows, "
+     "written with the interpreter lock released."},
     {"probes_changed", probes_changed, METH_NOARGS,
      "A probe set was armed or disarmed: forget which probe set observes which cache."},
     {"configure", configure, METH_VARARGS,

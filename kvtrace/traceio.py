@@ -39,7 +39,7 @@ from array import array
 from collections import Counter
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from operator import attrgetter
+from operator import attrgetter, itemgetter
 from typing import Any, BinaryIO, Union
 
 import msgspec
@@ -293,6 +293,7 @@ def _default_columns(record_type: type[Record], num_present: int, num_rows: int)
 # --- writer -------------------------------------------------------------------------------------
 
 _ARRAY32 = struct.Struct(">BI")  # msgpack array32 header
+_FIRST = itemgetter(0)
 
 
 class TraceWriter:
@@ -318,7 +319,7 @@ class TraceWriter:
         self.counts: Counter = Counter()
         self.num_records = 0
         self._pending: list[Record] = []
-        self._chunks: list[bytes] = []  # encoded rows, without their array headers
+        self._chunks: list[tuple[int, bytes]] = []  # encoded rows: (number, msgpack array)
         self._num_chunk_records = 0
         self._final_path: str | None = None
         if isinstance(destination, (str, os.PathLike)):
@@ -367,24 +368,24 @@ class TraceWriter:
         (readers count them)."""
         if self._pending:
             self.flush_batch()
-        # Each chunk without its msgpack array header (fixarray, array16 or array32).
-        self._chunks.extend([chunk[1:] if size < 16 else chunk[3:] if size < 65536 else chunk[5:]
-                             for size, chunk in chunks])
-        num_taken = sum([size for size, _ in chunks])
+        self._chunks.extend(chunks)
+        num_taken = sum(map(_FIRST, chunks))
         self._num_chunk_records += num_taken
         if self._num_chunk_records >= self.batch_size:
             self._flush_chunks()
         return num_taken
 
     def _flush_chunks(self) -> None:
-        num_records = self._num_chunk_records
-        parts = [FRAME_ROWS, _ARRAY32.pack(0xDD, num_records), *self._chunks]
+        chunks, num_records = self._chunks, self._num_chunk_records
         self._chunks, self._num_chunk_records = [], 0
-        if self._native_fd is None:
-            self._write_frame(FRAME_ROWS, b"".join(parts[1:]))
-        else:  # the same frame, joined, checksummed and written without the interpreter lock
+        if self._native_fd is not None:  # joined, checksummed, written without the GIL
             self._file.flush()
-            native.core.write_frame(self._native_fd, parts)
+            native.core.write_rows_frame(self._native_fd, chunks)
+        else:  # each chunk without its msgpack array header (fixarray, array16 or array32)
+            self._write_frame(FRAME_ROWS, b"".join([
+                _ARRAY32.pack(0xDD, num_records),
+                *[chunk[1:] if size < 16 else chunk[3:] if size < 65536 else chunk[5:]
+                  for size, chunk in chunks]]))
         self.num_records += num_records
 
     def flush_batch(self) -> None:

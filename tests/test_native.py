@@ -159,7 +159,7 @@ def test_step_buffer_overflows_as_its_python_twin(monkeypatch):
 
 
 def test_native_frames_are_byte_for_byte_the_python_frames(tmp_path, monkeypatch):
-    """Pre-encoded rows written through ``write_frame`` (lock released) and through Python."""
+    """Pre-encoded rows written through ``write_rows_frame`` (lock released) and in Python."""
     stored = [BlockStored(i, i * 7, 1, 16 * i, 0, 3) for i in range(5000)]
     sampled = [GpuSampled(1, 0, 2, 3, 4)] * 40  # a chunk of more than 15 rows: array16 header
     chunks = [(len(stored[i:i + 3]), encode_rows(stored[i:i + 3])) for i in range(0, 5000, 3)]
@@ -179,22 +179,30 @@ def test_native_frames_are_byte_for_byte_the_python_frames(tmp_path, monkeypatch
     assert read == records and not reader.truncated
 
 
-def test_write_frame_checksums_as_zlib(tmp_path):
+def test_native_frames_checksum_as_zlib(tmp_path):
+    rows = [(1, encode_rows([StepStarted(1, 2)])), (20, encode_rows([StepStarted(3, 4)] * 20))]
     path = tmp_path / "frame"
-    parts = [b"R", bytes(range(256)) * 40, b"", b"tail"]
     with open(path, "wb") as out:
-        native.built.write_frame(out.fileno(), parts)
+        assert native.built.write_rows_frame(out.fileno(), rows) == 21
     data = path.read_bytes()
-    payload = b"".join(parts)
+    payload = b"R\xdd" + (21).to_bytes(4, "big") + rows[0][1][1:] + rows[1][1][3:]
     assert int.from_bytes(data[:4], "little") == len(payload)
     assert int.from_bytes(data[4:8], "little") == zlib.crc32(payload)
     assert data[8:] == payload
 
 
-def test_write_frame_reports_a_failed_write():
+def test_native_frames_refuse_what_is_not_encoded_rows(tmp_path):
+    with open(tmp_path / "frame", "wb") as out:
+        for chunks in ([(2, encode_rows([StepStarted(1, 2)]))], [(1, b"\xc0")], [b"R"]):
+            with pytest.raises(ValueError, match="encode_rows"):
+                native.built.write_rows_frame(out.fileno(), chunks)
+    assert (tmp_path / "frame").read_bytes() == b""
+
+
+def test_native_frames_report_a_failed_write():
     with open("/dev/full", "wb") as full:
         with pytest.raises(OSError, match="No space left"):
-            native.built.write_frame(full.fileno(), [b"R", b"x" * 100])
+            native.built.write_rows_frame(full.fileno(), [(1, encode_rows([StepStarted(1, 2)]))])
 
 
 def test_kvtrace_native_0_turns_the_native_core_off():
