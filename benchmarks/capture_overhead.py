@@ -2,12 +2,14 @@
 
 Runs the engine loop of ``kvtrace engine`` (vLLM 0.33's own ``Scheduler`` and
 ``KVCacheManager``, no probes of its own; a step is ``schedule()`` + ``update_from_output()``)
-on one workload, in one process, alternating three ways: bare; with the probes only (their records go to a list: what the wrappers cost the
-scheduler thread); with a whole capture armed (probes, bounded buffer, writer thread encoding
-the trace file). On this CPU engine the writer thread competes with the scheduler for the
-interpreter lock; in a GPU deployment it mostly runs while the scheduler waits for the model.
-A step here is only scheduling and cache work; the model's forward makes a real step 10-100x
-longer, so the script also says what the measured extra time per step adds to a 30 ms step.
+on one workload, in one process, alternating: bare; with the probes only (their records go to
+a list: what the wrappers cost the scheduler thread); with a whole capture armed (probes, the
+per-step hand-over that encodes records, bounded buffer, writer thread, trace file); and, where
+the native core is built, the same capture as pure Python, for reference. On this CPU engine
+the writer thread competes with the scheduler for the interpreter lock; in a GPU deployment it
+mostly runs while the scheduler waits for the model. A step here is only scheduling and cache
+work; the model's forward makes a real step 10-100x longer, so the script also says what the
+measured extra time per step adds to a 30 ms step.
 
 Targets (issue "Capture"): <= 1 us per wrapped call; step-time ratio <= 1.10 on this CPU engine.
 
@@ -32,14 +34,24 @@ GPU_STEP_S = 0.030
 PROBES_ONLY = "probes only"
 
 
-def engine_run(workload, config, settings, capture: str | None) -> tuple[float, int]:
+def engine_run(workload, config, settings, capture: str | None,
+               native_core: bool = True) -> tuple[float, int]:
     """One run of the engine loop; (seconds spent in engine steps, number of steps).
 
-    ``capture``: None (bare), PROBES_ONLY, or the path of a trace to capture into."""
+    ``capture``: None (bare), PROBES_ONLY, or the path of a trace to capture into.
+    ``native_core``: False runs the probes and hand-over as pure Python."""
+    from kvtrace import native
     from kvtrace.capture import hook
     from kvtrace.events import HashInterner
     from kvtrace.probes import CacheProbes
     from kvtrace.replay.vllm_engine import VllmScheduler
+
+    if not native_core:
+        core, native.core = native.core, None
+        try:
+            return engine_run(workload, config, settings, capture)
+        finally:
+            native.core = core
 
     engine = VllmScheduler(config, settings, "upstream")
     records: list = []
@@ -119,16 +131,22 @@ def main() -> int:
                        for arrival in arrivals_of(records)),
                       key=lambda arrival: arrival.arrival_ns)
 
+    from kvtrace import native
+
     engine_run(workload, config, settings, None)  # warm-up: imports, caches
     calls = count_wrapped_calls(workload, config, settings)
-    bare, probed, armed = [], [], []
+    bare, probed, armed, pure = [], [], [], []
     for repeat in range(args.repeats):
         bare.append(engine_run(workload, config, settings, None))
         probed.append(engine_run(workload, config, settings, PROBES_ONLY))
         armed.append(engine_run(workload, config, settings,
                                 os.path.join(directory, f"capture-{repeat}.kvtrace")))
+        if native.core is not None:  # the same capture without the native core, for reference
+            pure.append(engine_run(workload, config, settings,
+                                   os.path.join(directory, f"pure-{repeat}.kvtrace"), False))
     steps = bare[0][1]
     bare_s, probed_s, armed_s = (statistics.median(t for t, _ in runs) for runs in (bare, probed, armed))
+    pure_s = statistics.median(t for t, _ in pure) if pure else None
     wrapper_ns = (probed_s - bare_s) / calls * 1e9
     per_call_ns = (armed_s - bare_s) / calls * 1e9
     extra_per_step_s = (armed_s - bare_s) / steps
@@ -140,6 +158,8 @@ def main() -> int:
         "ns_per_wrapped_call": wrapper_ns, "capture_ns_per_wrapped_call": per_call_ns,
         "extra_per_step_us": extra_per_step_s * 1e6,
         "fraction_of_30ms_step": extra_per_step_s / GPU_STEP_S,
+        "native_core": native.core is not None,
+        "pure_python_step_time_ratio": pure_s / bare_s if pure_s else None,
     }
     checks = {"wrapper <= 1 us per wrapped call": wrapper_ns <= 1000,
               "step-time ratio <= 1.10": results["step_time_ratio"] <= 1.10}
@@ -154,7 +174,12 @@ def main() -> int:
               f"{results['probed_step_us']:8.1f} us with probes, "
               f"{results['armed_step_us']:8.1f} us captured  (ratio {results['step_time_ratio']:.3f})")
         print(f"  per call       {wrapper_ns:8.0f} ns per wrapped call on the scheduler thread, "
-              f"{per_call_ns:.0f} ns with the writer thread's encoding")
+              f"{per_call_ns:.0f} ns with the hand-over and the writer thread")
+        if pure_s:
+            print(f"  pure Python    {pure_s / steps * 1e6:8.1f} us captured without the native core "
+                  f"(ratio {pure_s / bare_s:.3f})")
+        else:
+            print("  native core    not built (or KVTRACE_NATIVE=0): the capture above is pure Python")
         print(f"  on a GPU step  +{results['extra_per_step_us']:.1f} us per step = "
               f"{results['fraction_of_30ms_step'] * 100:.3f}% of a 30 ms step")
         for name, ok in checks.items():

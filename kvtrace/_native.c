@@ -131,7 +131,7 @@ static PyObject *StepStarted, *SlotsAllocated, *BlockStored, *BlockRemoved, *Has
     *BlockAllocated, *BlockTouched, *BlockFreed, *BlocksReleased;
 static PyObject *NoReq, *StaleCheckpoint, *LruReuse, *One;
 static PyObject *s_block_pool, *s_probe_attr, *s_checkpoints, *s_pending_offloads, *s_request_id,
-    *s_block_hashes, *s_num_computed_tokens, *s_num_tokens, *s_block_hash, *s_block_id, *s_flush,
+    *s_block_hashes, *s_num_computed_tokens, *s_all_token_ids, *s_block_hash, *s_block_id, *s_flush,
     *s_report_checkpoint, *s_report_offloads, *s_is_null, *s_ref_cnt;
 
 static int
@@ -145,8 +145,11 @@ intern_names(void)
     NAME(s_request_id, "request_id")
     NAME(s_block_hashes, "block_hashes")
     NAME(s_num_computed_tokens, "num_computed_tokens")
-    NAME(s_num_tokens, "num_tokens")
-    NAME(s_block_hash, "block_hash")
+    /* The attributes behind two vLLM 0.33 properties, read directly (the same value, without a
+     * Python call): Request.num_tokens is len(_all_token_ids), KVCacheBlock.block_hash is
+     * _block_hash. */
+    NAME(s_all_token_ids, "_all_token_ids")
+    NAME(s_block_hash, "_block_hash")
     NAME(s_block_id, "block_id")
     NAME(s_flush, "_flush")
     NAME(s_report_checkpoint, "_report_checkpoint")
@@ -488,6 +491,16 @@ new_step_starts(FastWrapper *w, PyObject *const *args, size_t nargsf, PyObject *
     return result;
 }
 
+/* request.num_tokens; new reference. */
+static PyObject *
+num_tokens_of(PyObject *request)
+{
+    PyObject *token_ids = PyObject_GetAttr(request, s_all_token_ids);
+    Py_ssize_t num_tokens = token_ids == NULL ? -1 : PyObject_Size(token_ids);
+    Py_XDECREF(token_ids);
+    return num_tokens < 0 ? NULL : PyLong_FromSsize_t(num_tokens);
+}
+
 /* KVCacheManager.allocate_slots(self, request, num_new_tokens, num_new_computed_tokens,
  *   new_computed_blocks, num_lookahead_tokens, num_external_computed_tokens, delay_cache_blocks,
  *   num_encoder_tokens, full_sequence_must_fit, reserved_blocks, has_scheduled_reqs,
@@ -532,7 +545,7 @@ allocate_slots(FastWrapper *w, PyObject *const *args, size_t nargsf, PyObject *k
         || num_hashes > PyLong_AsSsize_t(PyTuple_GET_ITEM(known, 1))
         || PyErr_Occurred()
         || (num_computed = PyObject_GetAttr(request, s_num_computed_tokens)) == NULL
-        || (num_tokens = PyObject_GetAttr(request, s_num_tokens)) == NULL) {
+        || (num_tokens = num_tokens_of(request)) == NULL) {
         goto slow;
     }
     PyObject *req = PyTuple_GET_ITEM(known, 0);
