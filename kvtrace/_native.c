@@ -1545,7 +1545,68 @@ probes_changed(PyObject *module, PyObject *unused)
     Py_RETURN_NONE;
 }
 
+/* intern_hashes(probe, hashes, start, stop, hash_block_size) -> ids: CacheProbes._hash_ids for a
+ * plain HashInterner. Interns hashes[start:stop] (a new id announced by a HashInterned record
+ * when the probe emits hash bytes) and records the prefix length each id covers. */
+static PyObject *
+intern_hashes(PyObject *module, PyObject *args)
+{
+    ProbeState *probe;
+    PyObject *hashes;
+    Py_ssize_t start, stop, hash_block_size;
+    if (!PyArg_ParseTuple(args, "O!O!nnn:intern_hashes", ProbeStateType, &probe, &PyList_Type,
+                          &hashes, &start, &stop, &hash_block_size)) {
+        return NULL;
+    }
+    if (probe->hash_ids == NULL || !PyDict_CheckExact(probe->hash_ids) || probe->depth == NULL
+        || !PyDict_CheckExact(probe->depth) || probe->records == NULL) {
+        PyErr_SetString(PyExc_TypeError, "intern_hashes: the probe set has no HashInterner");
+        return NULL;
+    }
+    stop = Py_MIN(stop, PyList_GET_SIZE(hashes));
+    start = Py_MAX(Py_MIN(start, stop), 0);
+    PyObject *ids = PyList_New(stop - start);
+    for (Py_ssize_t i = start; ids != NULL && i < stop; i++) {
+        PyObject *hash_bytes = PyList_GET_ITEM(hashes, i);
+        PyObject *hash_id = PyDict_GetItemWithError(probe->hash_ids, hash_bytes);
+        if (hash_id != NULL) {
+            Py_INCREF(hash_id);
+        } else if (PyErr_Occurred()
+                   || (hash_id = PyLong_FromSsize_t(PyDict_GET_SIZE(probe->hash_ids))) == NULL
+                   || PyDict_SetItem(probe->hash_ids, hash_bytes, hash_id) < 0) {
+            Py_XDECREF(hash_id);
+            Py_CLEAR(ids);
+            break;
+        } else if (probe->emit_hash_bytes == Py_True) {
+            PyObject *copy = PyBytes_FromObject(hash_bytes); /* bytes(hash_bytes) */
+            PyObject *fields[] = {hash_id, copy};
+            PyObject *record = copy == NULL ? NULL : new_record(HashInterned, fields, 2);
+            Py_XDECREF(copy);
+            if (record == NULL || PyList_Append(probe->records, record) < 0) {
+                Py_XDECREF(record);
+                Py_DECREF(hash_id);
+                Py_CLEAR(ids);
+                break;
+            }
+            Py_DECREF(record);
+        }
+        PyObject *depth = PyLong_FromSsize_t((i + 1) * hash_block_size);
+        if (depth == NULL || PyDict_SetItem(probe->depth, hash_id, depth) < 0) {
+            Py_XDECREF(depth);
+            Py_DECREF(hash_id);
+            Py_CLEAR(ids);
+            break;
+        }
+        Py_DECREF(depth);
+        PyList_SET_ITEM(ids, i - start, hash_id);
+    }
+    return ids;
+}
+
 static PyMethodDef module_methods[] = {
+    {"intern_hashes", intern_hashes, METH_VARARGS,
+     "intern_hashes(probe, hashes, start, stop, hash_block_size) -> ids: CacheProbes._hash_ids "
+     "for a plain HashInterner."},
     {"write_rows_frame", write_rows_frame, METH_VARARGS,
      "write_rows_frame(fd, chunks) -> number of records: one R frame of pre-encoded rows, "
      "written with the interpreter lock released."},

@@ -748,7 +748,10 @@ class CacheProbes(object if native.built is None else native.built.ProbeState):
 
     def _hash_ids(self, hashes: list, start: int, stop: int, hash_block_size: int) -> list[int]:
         """Intern a request's hash units (a prompt has hundreds: comprehensions, not a loop;
-        with a plain HashInterner, one dict lookup per unit and a call only for new ones)."""
+        with a plain HashInterner, one dict lookup per unit and a call only for new ones, or
+        all of it in the native core)."""
+        if self._interned_ids is not None and native.core is not None and type(hashes) is list:
+            return native.core.intern_hashes(self, hashes, start, stop, hash_block_size)
         hashes = hashes[start:stop]
         if self._interned_ids is None:
             interned = list(map(self.interner.intern, hashes))
