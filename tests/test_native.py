@@ -130,8 +130,9 @@ def test_native_wrappers_never_raise_into_vllm_and_count_the_failure(vllm_backen
     assert probes.num_failures >= 1  # each step's hand-over failed, and said so
 
 
-def test_step_buffer_overflows_as_its_python_twin(monkeypatch):
-    """Capacity 5, steps of 2, 2, 3 records, a drain, then 1, 1, 4 (worked out by hand below)."""
+def test_step_buffer_batches_and_overflows_as_its_python_twin(monkeypatch):
+    """Capacity 5, batches of 3 records, steps of 2, 2, 3 records, a drain, then 1, 1, 4
+    (worked out by hand below)."""
     from kvtrace.capture import hook
 
     monkeypatch.setattr(hook.time, "time_ns", lambda: 7)  # the drop marker's stamp
@@ -139,23 +140,39 @@ def test_step_buffer_overflows_as_its_python_twin(monkeypatch):
     outcomes = []
     for step_buffer in (hook.StepBuffer, native.built.StepBuffer):
         session = hook.CaptureSession(hook.CaptureOptions(path="unused", buffer_capacity=5))
-        session._steps = buffer = step_buffer(encode_rows, 5, session._overflow)
+        session._steps = buffer = step_buffer(encode_rows, 5, session._overflow, 3, 60.0)
+        drained = []
         for i, records in enumerate(steps):
             buffer(records)
             if i == 2:  # the writer takes what is there
+                drained = buffer.chunks[:]
                 del buffer.chunks[:]
                 buffer.num_drained = buffer.num_buffered
-        outcomes.append((list(buffer.chunks), buffer.num_buffered, buffer.num_enqueued,
-                         buffer.unmarked_drops, session.num_dropped))
+        outcomes.append((drained, list(buffer.chunks), buffer.num_buffered,
+                         buffer.num_enqueued, buffer.unmarked_drops, session.num_dropped))
     assert outcomes[0] == outcomes[1]
-    chunks, num_buffered, num_enqueued, unmarked, dropped = outcomes[0]
-    # Steps 0 and 1 fit (4 of 5); step 2 keeps 1 and drops 2. After the drain, step 3 comes
-    # behind a marker of those 2; step 4 fits; step 5 finds room for 2 of 4 (5 - 3 held).
-    assert chunks == [(1, encode_rows([EventsDropped(2, 7)])),
-                      (1, encode_rows(steps[3])), (1, encode_rows(steps[4])),
-                      (2, encode_rows(steps[5][:2]))]
+    drained, chunks, num_buffered, num_enqueued, unmarked, dropped = outcomes[0]
+    # Steps 0 and 1 fit (4 of 5) and make a batch of 4 >= 3; step 2 keeps 1 and drops 2.
+    assert drained == [(4, encode_rows(steps[0] + steps[1])), (1, encode_rows(steps[2][:1]))]
+    # After the drain, step 3 comes behind a marker of those 2; step 4 waits for a batch until
+    # step 5 overflows (room for 2 of 4: 5 - 3 held) and sends it ahead.
+    assert chunks == [(1, encode_rows([EventsDropped(2, 7)])), (1, encode_rows(steps[3])),
+                      (1, encode_rows(steps[4])), (2, encode_rows(steps[5][:2]))]
     assert (dropped, unmarked) == (4, 2)
     assert (num_enqueued, num_buffered) == (2 + 2 + 1 + 1 + 1 + 2, 10)
+
+
+def test_step_buffer_encodes_what_waited_too_long(monkeypatch):
+    """A trickle (an idle engine) is encoded once its oldest record has waited max_delay_s."""
+    from kvtrace.capture import hook
+
+    for step_buffer in (hook.StepBuffer, native.built.StepBuffer):
+        buffer = step_buffer(encode_rows, 100, print, 1000, 0.05)
+        buffer([StepStarted(1, 1)])
+        assert buffer.chunks == []
+        time.sleep(0.06)
+        buffer([StepStarted(2, 2)])
+        assert buffer.chunks == [(2, encode_rows([StepStarted(1, 1), StepStarted(2, 2)]))]
 
 
 def test_native_frames_are_byte_for_byte_the_python_frames(tmp_path, monkeypatch):

@@ -45,6 +45,9 @@ from kvtrace.traceio import TraceWriter, encode_rows
 
 DEFAULT_BUFFER_CAPACITY = 1 << 18
 WRITER_POLL_S = 0.02
+# Records are encoded in batches of steps: this many records, or the oldest this old.
+ENCODE_BATCH_RECORDS = 256
+ENCODE_MAX_DELAY_S = 0.05
 
 
 class AlreadyCapturingError(KvtraceError):
@@ -179,30 +182,49 @@ def engine_variant(manager: Any) -> str:
 class StepBuffer:
     """A capture's hand-over of records from vLLM's scheduler thread to the writer thread.
 
-    Called with one engine step's records (a list): encodes them into one chunk
-    (``encode_rows``, msgspec in C, while the records are still in cache) and appends
-    ``(number of records, chunk)`` to ``chunks``, which the writer thread drains. Counts are in
-    records; what would exceed ``capacity``, or arrives while drops wait for their marker, goes
-    to ``overflow(records)``. Producers count what they put in, the writer what it took out:
-    the difference is what the buffer holds, without a lock. The native core has the same type
-    (``kvtrace/_native.c``), used when it is on."""
+    Called with one engine step's records (a list). They join ``pending``; every
+    ``batch_records`` records, or once the oldest has waited ``max_delay_s``, the pending
+    records are encoded at once (``encode_rows``, msgspec in C: one call for many steps costs
+    far less than one per step) and ``(number of records, chunk)`` goes to ``chunks``, which the
+    writer thread drains. Counts are in records; what would exceed ``capacity``, or arrives
+    while drops wait for their marker, goes to ``overflow(records)``. Producers count what they
+    put in, the writer what it took out: the difference is what the buffer holds, without a
+    lock. The native core has the same type (``kvtrace/_native.c``), used when it is on; there
+    each call is one step under the interpreter lock."""
 
     def __init__(self, encode: Callable[[list[Record]], bytes], capacity: int,
-                 overflow: Callable[[list[Record]], None]) -> None:
+                 overflow: Callable[[list[Record]], None], batch_records: int,
+                 max_delay_s: float) -> None:
         self.chunks: list[tuple[int, bytes]] = []
         self.capacity = capacity
         self.num_buffered = self.num_drained = self.num_enqueued = self.unmarked_drops = 0
+        self._pending: list[Record] = []
+        self._pending_since_ns = 0
         self._encode = encode
         self._overflow = overflow
+        self._batch_records = batch_records
+        self._max_delay_ns = int(max_delay_s * 1e9)
 
     def __call__(self, records: list[Record]) -> None:
         num_records = len(records)
         if self.unmarked_drops or self.num_buffered - self.num_drained + num_records > self.capacity:
             self._overflow(records)
             return
-        self.chunks.append((num_records, self._encode(records)))
+        now = time.monotonic_ns()
+        if not self._pending:
+            self._pending_since_ns = now
+        self._pending.extend(records)
         self.num_buffered += num_records
         self.num_enqueued += num_records
+        if (len(self._pending) >= self._batch_records
+                or now - self._pending_since_ns >= self._max_delay_ns):
+            self.flush()
+
+    def flush(self) -> None:
+        """Encode the pending records now."""
+        if self._pending:
+            self.chunks.append((len(self._pending), self._encode(self._pending)))
+            self._pending = []
 
 
 class CaptureSession:
@@ -214,7 +236,8 @@ class CaptureSession:
         self.error: str | None = None
         self.started_ns = 0
         step_buffer = StepBuffer if native.core is None else native.core.StepBuffer
-        self._steps = step_buffer(encode_rows, options.buffer_capacity, self._overflow)
+        self._steps = step_buffer(encode_rows, options.buffer_capacity, self._overflow,
+                                  ENCODE_BATCH_RECORDS, ENCODE_MAX_DELAY_S)
         self._stop = threading.Event()
         self._writer: TraceWriter | None = None
         self._writer_thread: threading.Thread | None = None
@@ -228,6 +251,7 @@ class CaptureSession:
         """Records that do not all fit: keep what does, behind a marker for earlier drops; the
         rest is dropped and counted (the scheduler thread never waits)."""
         steps = self._steps
+        steps.flush()  # what came before goes first
         room = steps.capacity - (steps.num_buffered - steps.num_drained)
         if steps.unmarked_drops and room > 0:
             steps.chunks.append((1, encode_rows([EventsDropped(
@@ -300,6 +324,7 @@ class CaptureSession:
                 # would keep this thread competing with the scheduler for the interpreter lock.
                 self._drain(writer)
                 self._stop.wait(WRITER_POLL_S)
+            self._steps.flush()  # the probes are disarmed: nothing else hands records over
             while self._drain(writer):
                 pass
             steps = self._steps
