@@ -81,14 +81,21 @@ state_clear(ProbeState *self)
     return 0;
 }
 
+/* tp_dealloc of this module's types: heap types with references that `clear` drops. */
 static void
-state_dealloc(ProbeState *self)
+dealloc_with(PyObject *self, inquiry clear)
 {
     PyTypeObject *type = Py_TYPE(self);
     PyObject_GC_UnTrack(self);
-    state_clear(self);
-    type->tp_free((PyObject *)self);
+    clear(self);
+    type->tp_free(self);
     Py_DECREF(type);
+}
+
+static void
+state_dealloc(PyObject *self)
+{
+    dealloc_with(self, (inquiry)state_clear);
 }
 
 static PyMemberDef state_members[] = {
@@ -617,35 +624,50 @@ pool_fast_path_ok(ProbeState *probe)
            && probe->emit_hash_bytes != NULL;
 }
 
+/* The probe set for a BlockPool fast path (new reference), or NULL when the call went elsewhere,
+ * its result in *result: to the original when nothing observes the pool, else to the Python
+ * wrapper (`usable` false: the caller's own arguments did not fit the fast path). */
+static ProbeState *
+fast_pool_probe(FastWrapper *w, PyObject *const *args, size_t nargsf, PyObject *kwnames,
+                int usable, PyObject **result)
+{
+    ProbeState *probe = PyVectorcall_NARGS(nargsf) < 1 ? NULL : cached_probe(w, args[0], 0);
+    if (probe != NULL && usable && pool_fast_path_ok(probe)) {
+        return probe;
+    }
+    if (probe == NULL && usable && PyVectorcall_NARGS(nargsf) >= 1 && !pool_observed(args[0])) {
+        *result = CALL_ORIGINAL();
+    } else {
+        *result = CALL_SLOW();
+    }
+    Py_XDECREF(probe);
+    return NULL;
+}
+
 /* BlockPool._insert_block_hash(self, block_hash_with_group_id, block, num_tokens): fast when the
  * block has no hash yet (so the key is new on it). */
 static PyObject *
 insert_block_hash(FastWrapper *w, PyObject *const *args, size_t nargsf, PyObject *kwnames)
 {
     Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
-    if (nargs < 1) {
-        return CALL_SLOW();
-    }
     PyObject *key = arg_at(w, args, nargs, kwnames, 1);
     PyObject *block = arg_at(w, args, nargs, kwnames, 2);
     PyObject *num_tokens = arg_at(w, args, nargs, kwnames, 3);
-    ProbeState *probe = cached_probe(w, args[0], 0);
+    PyObject *result;
+    ProbeState *probe = fast_pool_probe(w, args, nargsf, kwnames,
+                                        key != NULL && block != NULL && num_tokens != NULL,
+                                        &result);
     if (probe == NULL) {
-        return pool_observed(args[0]) ? CALL_SLOW() : CALL_ORIGINAL();
+        return result;
     }
-    PyObject *block_hash;
-    if (key == NULL || block == NULL || num_tokens == NULL || !pool_fast_path_ok(probe)
-        || (block_hash = PyObject_GetAttr(block, s_block_hash)) == NULL) {
+    PyObject *block_hash = PyObject_GetAttr(block, s_block_hash);
+    Py_XDECREF(block_hash);
+    if (block_hash != Py_None) { /* it has one (or it could not be read): the Python wrapper */
         PyErr_Clear();
         Py_DECREF(probe);
         return CALL_SLOW();
     }
-    Py_DECREF(block_hash);
-    if (block_hash != Py_None) {
-        Py_DECREF(probe);
-        return CALL_SLOW();
-    }
-    PyObject *result = CALL_ORIGINAL();
+    result = CALL_ORIGINAL();
     if (result == NULL) {
         Py_DECREF(probe);
         return NULL;
@@ -690,20 +712,17 @@ static PyObject *
 remove_cached_block_hashes(FastWrapper *w, PyObject *const *args, size_t nargsf,
                            PyObject *kwnames)
 {
-    Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
-    if (nargs < 1) {
-        return CALL_SLOW();
-    }
-    PyObject *block = arg_at(w, args, nargs, kwnames, 1);
-    ProbeState *probe = cached_probe(w, args[0], 0);
+    PyObject *block = arg_at(w, args, PyVectorcall_NARGS(nargsf), kwnames, 1);
+    PyObject *removed;
+    ProbeState *probe = fast_pool_probe(w, args, nargsf, kwnames, block != NULL, &removed);
     if (probe == NULL) {
-        return pool_observed(args[0]) ? CALL_SLOW() : CALL_ORIGINAL();
+        return removed;
     }
-    if (block == NULL || !pool_fast_path_ok(probe) || probe->remove_reason == StaleCheckpoint) {
+    if (probe->remove_reason == StaleCheckpoint) {
         Py_DECREF(probe);
         return CALL_SLOW();
     }
-    PyObject *removed = CALL_ORIGINAL();
+    removed = CALL_ORIGINAL();
     int any_removed = removed == NULL ? 0 : PyObject_IsTrue(removed);
     if (any_removed <= 0) { /* mostly not: get_new_blocks asks this of every block it hands out */
         if (any_removed < 0) {
@@ -988,20 +1007,14 @@ add_block_records(ProbeState *probe, PyObject *blocks, enum BlockRecord kind)
 static PyObject *
 get_new_blocks(FastWrapper *w, PyObject *const *args, size_t nargsf, PyObject *kwnames)
 {
-    if (PyVectorcall_NARGS(nargsf) < 1) {
-        return CALL_SLOW();
-    }
-    ProbeState *probe = cached_probe(w, args[0], 0);
+    PyObject *blocks;
+    ProbeState *probe = fast_pool_probe(w, args, nargsf, kwnames, 1, &blocks);
     if (probe == NULL) {
-        return pool_observed(args[0]) ? CALL_SLOW() : CALL_ORIGINAL();
-    }
-    if (!pool_fast_path_ok(probe)) {
-        Py_DECREF(probe);
-        return CALL_SLOW();
+        return blocks;
     }
     PyObject *reason = probe->remove_reason; /* its reference moves here for the call */
     probe->remove_reason = Py_NewRef(LruReuse);
-    PyObject *blocks = CALL_ORIGINAL();
+    blocks = CALL_ORIGINAL();
     set_field(&probe->remove_reason, reason);
     if (blocks != NULL) {
         add_block_records(probe, blocks, ALLOCATED);
@@ -1014,20 +1027,13 @@ get_new_blocks(FastWrapper *w, PyObject *const *args, size_t nargsf, PyObject *k
 static PyObject *
 touch(FastWrapper *w, PyObject *const *args, size_t nargsf, PyObject *kwnames)
 {
-    Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
-    PyObject *blocks = arg_at(w, args, nargs, kwnames, 1);
-    if (nargs < 1 || blocks == NULL) {
-        return CALL_SLOW();
-    }
-    ProbeState *probe = cached_probe(w, args[0], 0);
+    PyObject *blocks = arg_at(w, args, PyVectorcall_NARGS(nargsf), kwnames, 1);
+    PyObject *result;
+    ProbeState *probe = fast_pool_probe(w, args, nargsf, kwnames, blocks != NULL, &result);
     if (probe == NULL) {
-        return pool_observed(args[0]) ? CALL_SLOW() : CALL_ORIGINAL();
+        return result;
     }
-    if (!pool_fast_path_ok(probe)) {
-        Py_DECREF(probe);
-        return CALL_SLOW();
-    }
-    PyObject *result = CALL_ORIGINAL();
+    result = CALL_ORIGINAL();
     if (result != NULL) {
         add_block_records(probe, blocks, TOUCHED);
     }
@@ -1040,15 +1046,13 @@ touch(FastWrapper *w, PyObject *const *args, size_t nargsf, PyObject *kwnames)
 static PyObject *
 free_blocks(FastWrapper *w, PyObject *const *args, size_t nargsf, PyObject *kwnames)
 {
-    if (PyVectorcall_NARGS(nargsf) != 2 || kwnames != NULL) {
-        return CALL_SLOW();
-    }
-    ProbeState *probe = cached_probe(w, args[0], 0);
+    PyObject *result;
+    ProbeState *probe = fast_pool_probe(
+        w, args, nargsf, kwnames, PyVectorcall_NARGS(nargsf) == 2 && kwnames == NULL, &result);
     if (probe == NULL) {
-        return pool_observed(args[0]) ? CALL_SLOW() : CALL_ORIGINAL();
+        return result;
     }
-    int outside = pool_fast_path_ok(probe) ? PyObject_RichCompareBool(probe->req, NoReq, Py_EQ)
-                                           : -1;
+    int outside = PyObject_RichCompareBool(probe->req, NoReq, Py_EQ);
     if (outside < 0) {
         PyErr_Clear();
         Py_DECREF(probe);
@@ -1085,7 +1089,7 @@ free_blocks(FastWrapper *w, PyObject *const *args, size_t nargsf, PyObject *kwna
         Py_XDECREF(block_ids);
     }
     PyObject *call_args[] = {args[0], blocks};
-    PyObject *result = PyObject_Vectorcall(w->original, call_args, 2, NULL);
+    result = PyObject_Vectorcall(w->original, call_args, 2, NULL);
     if (result != NULL) {
         add_block_records(probe, blocks, FREED);
     }
@@ -1177,13 +1181,9 @@ wrapper_clear(FastWrapper *self)
 }
 
 static void
-wrapper_dealloc(FastWrapper *self)
+wrapper_dealloc(PyObject *self)
 {
-    PyTypeObject *type = Py_TYPE(self);
-    PyObject_GC_UnTrack(self);
-    wrapper_clear(self);
-    type->tp_free((PyObject *)self);
-    Py_DECREF(type);
+    dealloc_with(self, (inquiry)wrapper_clear);
 }
 
 /* A method: bound like a function, so instance.method(...) passes the instance as self. */
@@ -1373,13 +1373,9 @@ step_buffer_clear(StepBuffer *self)
 }
 
 static void
-step_buffer_dealloc(StepBuffer *self)
+step_buffer_dealloc(PyObject *self)
 {
-    PyTypeObject *type = Py_TYPE(self);
-    PyObject_GC_UnTrack(self);
-    step_buffer_clear(self);
-    type->tp_free((PyObject *)self);
-    Py_DECREF(type);
+    dealloc_with(self, (inquiry)step_buffer_clear);
 }
 
 static PyMemberDef step_buffer_members[] = {
