@@ -3,17 +3,19 @@
  * Built at install when a C compiler is there (setup.py, optional); kvtrace/native.py says
  * whether it is, and every part has a Python twin that is the reference and the fallback:
  *
- * - FastWrapper / ProbeState: the probes' seven hottest wrappers (kvtrace/probes/cache_probes.py).
+ * - FastWrapper / ProbeState: the probes' ten hottest wrappers (kvtrace/probes/cache_probes.py).
  *   The probes wrap ~10 vLLM cache methods per engine step; as Python functions each wrapper
  *   costs a frame, its own argument binding and several attribute lookups. Here
  *   KVCacheManager.new_step_starts / allocate_slots, BlockPool._insert_block_hash /
- *   _remove_cached_block_hashes and MambaManager.get_num_blocks_to_allocate /
- *   allocate_new_blocks / cache_blocks handle their common case: forward the caller's arguments
- *   untouched to the original and build the records the Python wrapper would. Every other case
- *   (a new request, a checkpoint publication, a replay probe set that flushes per call, anything
- *   unexpected before the original runs) goes, arguments untouched, to the Python wrapper, which
- *   does the whole call. ProbeState is CacheProbes' base class: the fields both sides use.
- * - StepBuffer: a capture's per-step hand-over of records to the writer (kvtrace/capture/hook.py).
+ *   _remove_cached_block_hashes / get_new_blocks / touch / free_blocks and
+ *   MambaManager.get_num_blocks_to_allocate / allocate_new_blocks / cache_blocks handle their
+ *   common case: forward the caller's arguments untouched to the original and build the records
+ *   the Python wrapper would. Every other case (a new request, a checkpoint publication, a
+ *   replay probe set that flushes per call, anything unexpected before the original runs) goes,
+ *   arguments untouched, to the Python wrapper, which does the whole call. ProbeState is
+ *   CacheProbes' base class: the fields both sides use. intern_hashes is CacheProbes._hash_ids.
+ * - StepBuffer: a capture's per-step hand-over of records to the writer, encoded in batches
+ *   (kvtrace/capture/hook.py).
  * - write_rows_frame: a frame of pre-encoded rows joined, checksummed and written with the
  *   interpreter lock released, so the writer thread barely competes with vLLM's scheduler
  *   thread (kvtrace/traceio.py).

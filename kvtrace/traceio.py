@@ -15,9 +15,9 @@ exact order of its records in ``kinds`` (one byte per record: an index into its 
 
 A capture writes R batches instead: the records as one msgpack array of tagged rows, which
 msgspec encodes in C at a few tens of ns per record (columns cost several times more to build,
-in Python). The capture hook encodes each engine step's records itself (``encode_rows``) and the
-writer only frames the chunks (``write_encoded_rows``), so the writer thread holds the engine's
-interpreter lock as briefly as possible. Readers turn R batches into the same columns, so
+in Python). The capture hook encodes records itself, in batches of engine steps
+(``encode_rows``), and the writer only frames the chunks (``write_encoded_rows``), so the writer
+thread holds the engine's interpreter lock as briefly as possible. Readers turn R batches into the same columns, so
 nothing downstream sees the difference.
 
 A writer cut off anywhere loses at most its last, incomplete frame: the reader recovers every

@@ -2,14 +2,14 @@
 
 ``CaptureSession.start()`` arms the shared probes on the real vLLM classes (refusing before
 anything is patched if a signature differs from the supported version), and from then on the
-probes hand each engine step's records, as one list, to a ``StepBuffer``, which packs them into
-one msgpack chunk (msgspec, in C, while the records are still in cache) and appends it to a
-bounded buffer. A writer thread drains the buffer, frames and writes the chunks, holding the
-interpreter lock only briefly (with the native core, not at all while it joins, checksums and
-writes), so it barely competes with the scheduler thread: encoding there, whole batches of
-records gone cold, cost the engine several times more. Records that do not fit (the capacity
-counts records) are dropped and counted, and an ``EventsDropped`` marker goes where the gap is:
-the scheduler thread never waits for the disk. ``stop()`` disarms
+probes hand each engine step's records, as one list, to a ``StepBuffer``, a bounded buffer that
+encodes them in batches of steps (msgspec, in C, while the records are still in cache). A writer
+thread drains the encoded chunks, frames and writes them, holding the interpreter lock only
+briefly (with the native core, not at all while it joins, checksums and writes), so it barely
+competes with the scheduler thread: encoding there, whole batches of records gone cold, cost the
+engine several times more. Records that do not fit (the capacity counts records) are dropped
+and counted, and an ``EventsDropped`` marker goes where the gap is: the scheduler thread never
+waits for the disk. ``stop()`` disarms
 (restoring every original function object, handing over the last step's records), drains, and
 closes the trace with its drop count.
 
@@ -337,6 +337,7 @@ class CaptureSession:
             self.error = f"trace writer failed: {error!r}"
             steps = self._steps
             self.num_dropped += steps.num_buffered - steps.num_drained
+            steps.flush()
             steps.chunks.clear()
             try:
                 writer.abandon()

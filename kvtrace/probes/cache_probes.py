@@ -21,7 +21,7 @@ Wrappers never raise into vLLM: a failure of ours or of the sink is swallowed an
 Cost: the wrappers run on the engine's scheduler thread, ~10 calls per engine step, so each is
 a single Python frame with the method's own parameters, and records are batched rather than
 handed to the sink one at a time (``benchmarks/capture_overhead.py`` measures it). Where the
-optional native core (``kvtrace/_native.c``, see ``kvtrace.native``) is on, the seven hottest
+optional native core (``kvtrace/_native.c``, see ``kvtrace.native``) is on, the ten hottest
 wrappers run their common case in C and hand every other case to the Python wrapper below,
 which stays the reference.
 """
