@@ -54,7 +54,7 @@ typedef struct {
     PyObject *announced_step; /* _announced_step: (step, ts_ns) or None */
     PyObject *remove_reason;  /* _remove_reason */
     PyObject *store_kind;     /* _store_kind */
-    PyObject *hash_ids;       /* _interned_ids: the interner's bytes -> id dict, or None (use Python) */
+    PyObject *hash_ids;       /* _interned_ids: the interner's bytes -> id dict, or None */
     PyObject *emit_hash_bytes;
     PyObject *sink_many;      /* takes one step's records as a list, or None */
     long long created_ns;
@@ -172,7 +172,7 @@ intern_names(void)
     return 0;
 }
 
-/* --- helpers ------------------------------------------------------------------------------------ */
+/* --- helpers ---------------------------------------------------------------------------------- */
 
 /* A failure of ours: counted, never raised. */
 static void
@@ -301,7 +301,8 @@ intern_key(ProbeState *probe, PyObject *key, unsigned long *group)
     }
     const unsigned char *data = (const unsigned char *)PyBytes_AS_STRING(key);
     Py_ssize_t num_hash_bytes = PyBytes_GET_SIZE(key) - 4;
-    *group = ((unsigned long)data[num_hash_bytes] << 24) | ((unsigned long)data[num_hash_bytes + 1] << 16)
+    *group = ((unsigned long)data[num_hash_bytes] << 24)
+             | ((unsigned long)data[num_hash_bytes + 1] << 16)
              | ((unsigned long)data[num_hash_bytes + 2] << 8) | data[num_hash_bytes + 3];
     PyObject *hash_bytes = PyBytes_FromStringAndSize((const char *)data, num_hash_bytes);
     if (hash_bytes == NULL) {
@@ -335,7 +336,7 @@ depth_of(ProbeState *probe, PyObject *hash_id, PyObject *fallback)
     return depth != NULL ? depth : (PyErr_Occurred() ? NULL : fallback);
 }
 
-/* --- FastWrapper ---------------------------------------------------------------------------------- */
+/* --- FastWrapper ------------------------------------------------------------------------------ */
 
 enum Kind {
     NEW_STEP_STARTS, ALLOCATE_SLOTS, INSERT_BLOCK_HASH, REMOVE_CACHED_BLOCK_HASHES,
@@ -416,7 +417,8 @@ cached_checkpoints(FastWrapper *w, PyObject *manager)
     for (int i = 0; i < PROBE_CACHE_SIZE; i++) {
         ProbeCacheEntry *entry = &w->cache[i];
         if (entry->owner == manager) {
-            if (entry->checkpoints == NULL && (entry->checkpoints = checkpoints_of(manager)) == NULL) {
+            if (entry->checkpoints == NULL
+                && (entry->checkpoints = checkpoints_of(manager)) == NULL) {
                 return NULL;
             }
             return Py_NewRef(entry->checkpoints);
@@ -546,15 +548,17 @@ allocate_slots(FastWrapper *w, PyObject *const *args, size_t nargsf, PyObject *k
         || probe->held == NULL) {
         goto slow;
     }
+    /* The request's attributes first: `known` is borrowed, so no code may run between its
+     * lookup and taking `req` from it. */
     if ((request_id = PyObject_GetAttr(request, s_request_id)) == NULL
-        || (known = PyDict_GetItemWithError(probe->reqs, request_id)) == NULL
-        || !PyTuple_CheckExact(known) || PyTuple_GET_SIZE(known) != 2
         || (hashes = PyObject_GetAttr(request, s_block_hashes)) == NULL
         || (num_hashes = PyObject_Size(hashes)) < 0
-        || num_hashes > PyLong_AsSsize_t(PyTuple_GET_ITEM(known, 1))
-        || PyErr_Occurred()
         || (num_computed = PyObject_GetAttr(request, s_num_computed_tokens)) == NULL
-        || (num_tokens = num_tokens_of(request)) == NULL) {
+        || (num_tokens = num_tokens_of(request)) == NULL
+        || (known = PyDict_GetItemWithError(probe->reqs, request_id)) == NULL
+        || !PyTuple_CheckExact(known) || PyTuple_GET_SIZE(known) != 2
+        || num_hashes > PyLong_AsSsize_t(PyTuple_GET_ITEM(known, 1))
+        || PyErr_Occurred()) {
         goto slow;
     }
     PyObject *req = PyTuple_GET_ITEM(known, 0);
@@ -985,7 +989,8 @@ add_block_records(ProbeState *probe, PyObject *blocks, enum BlockRecord kind)
                 record = new_record(kind == ALLOCATED ? BlockAllocated : BlockTouched, fields, 2);
             }
         }
-        int failed = skip < 0 || (skip == 0 && (record == NULL || PyList_Append(records, record) < 0));
+        int failed = skip < 0
+                     || (skip == 0 && (record == NULL || PyList_Append(records, record) < 0));
         Py_XDECREF(record);
         Py_XDECREF(is_null);
         Py_XDECREF(block_id);
@@ -1231,7 +1236,7 @@ static PyType_Spec wrapper_spec = {
     wrapper_slots,
 };
 
-/* --- StepBuffer: the capture's hand-over of one engine step's records ---------------------------- */
+/* --- StepBuffer: the capture's hand-over of one engine step's records ------------------------- */
 
 /* Called by the probes once per engine step with that step's records. They join `pending`;
  * every BATCH_RECORDS records, or once the oldest has waited MAX_DELAY_NS, the pending records
@@ -1414,7 +1419,7 @@ static PyType_Spec step_buffer_spec = {
     Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL, step_buffer_slots,
 };
 
-/* --- write_rows_frame: one trace frame, written without the interpreter lock ---------------------- */
+/* --- write_rows_frame: one trace frame, written without the interpreter lock ------------------ */
 
 static uint32_t crc_table[256];
 
@@ -1567,7 +1572,7 @@ write_rows_frame(PyObject *module, PyObject *args)
     return PyLong_FromSsize_t(num_records);
 }
 
-/* --- module ------------------------------------------------------------------------------------- */
+/* --- module ----------------------------------------------------------------------------------- */
 
 static PyObject *
 configure(PyObject *module, PyObject *args)
@@ -1621,7 +1626,7 @@ intern_hashes(PyObject *module, PyObject *args)
         PyErr_SetString(PyExc_TypeError, "intern_hashes: the probe set has no HashInterner");
         return NULL;
     }
-    stop = Py_MIN(stop, PyList_GET_SIZE(hashes));
+    stop = Py_MAX(Py_MIN(stop, PyList_GET_SIZE(hashes)), 0); /* as hashes[start:stop] */
     start = Py_MAX(Py_MIN(start, stop), 0);
     PyObject *ids = PyList_New(stop - start);
     for (Py_ssize_t i = start; ids != NULL && i < stop; i++) {

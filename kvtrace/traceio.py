@@ -17,8 +17,8 @@ A capture writes R batches instead: the records as one msgpack array of tagged r
 msgspec encodes in C at a few tens of ns per record (columns cost several times more to build,
 in Python). The capture hook encodes records itself, in batches of engine steps
 (``encode_rows``), and the writer only frames the chunks (``write_encoded_rows``), so the writer
-thread holds the engine's interpreter lock as briefly as possible. Readers turn R batches into the same columns, so
-nothing downstream sees the difference.
+thread holds the engine's interpreter lock as briefly as possible. Readers turn R batches into
+the same columns, so nothing downstream sees the difference.
 
 A writer cut off anywhere loses at most its last, incomplete frame: the reader recovers every
 complete frame, sets ``truncated`` and never fails on the cut. Bytes that fail their checksum or
