@@ -436,6 +436,9 @@ arg_at(FastWrapper *w, PyObject *const *args, Py_ssize_t nargs, PyObject *kwname
     if (index < nargs) {
         return args[index];
     }
+    if (index >= PyTuple_GET_SIZE(w->names)) {
+        return NULL;
+    }
     PyObject *name = PyTuple_GET_ITEM(w->names, index);
     if (kwnames != NULL) {
         Py_ssize_t num_kw = PyTuple_GET_SIZE(kwnames);
@@ -472,7 +475,8 @@ new_step_starts(FastWrapper *w, PyObject *const *args, size_t nargsf, PyObject *
     if (probe == NULL) {
         return CALL_SLOW();
     }
-    if (probe->announced_step != Py_None || probe->step == NULL || probe->records == NULL) {
+    if (probe->announced_step != Py_None || probe->step == NULL || probe->records == NULL
+        || !PyList_Check(probe->records)) {
         Py_DECREF(probe);
         return CALL_SLOW();
     }
@@ -545,7 +549,7 @@ allocate_slots(FastWrapper *w, PyObject *const *args, size_t nargsf, PyObject *k
     PyObject *known = NULL;
     Py_ssize_t num_hashes = -1;
     if (probe->reqs == NULL || !PyDict_CheckExact(probe->reqs) || probe->records == NULL
-        || probe->held == NULL) {
+        || !PyList_Check(probe->records) || probe->held == NULL) {
         goto slow;
     }
     /* The request's attributes first: `known` is borrowed, so no code may run between its
