@@ -221,21 +221,6 @@ probe_of_manager(PyObject *manager)
     return probe;
 }
 
-/* True when a pool has a probe attribute at all (even one that is not ours). */
-static int
-pool_observed(PyObject *pool)
-{
-    PyObject *probe;
-    int found = LOOKUP_ATTR(pool, s_probe_attr, &probe);
-    if (found < 0) {
-        PyErr_Clear();
-        return 1; /* let the Python wrapper decide */
-    }
-    found = probe != NULL && probe != Py_None;
-    Py_XDECREF(probe);
-    return found;
-}
-
 /* CacheProbes._flush: hand the held records to the sink; with sink_many (a capture), here. */
 static void
 flush(ProbeState *probe)
@@ -634,9 +619,10 @@ pool_fast_path_ok(ProbeState *probe)
            && probe->emit_hash_bytes != NULL;
 }
 
-/* The probe set for a BlockPool fast path (new reference), or NULL when the call went elsewhere,
- * its result in *result: to the original when nothing observes the pool, else to the Python
- * wrapper (`usable` false: the caller's own arguments did not fit the fast path). */
+/* The probe set for a BlockPool fast path (new reference), or NULL when the call went, with
+ * its result in *result, to the Python wrapper: nothing of ours observes the pool (the wrapper
+ * calls the original), or `usable` is false (the caller's own arguments did not fit the fast
+ * path). */
 static ProbeState *
 fast_pool_probe(FastWrapper *w, PyObject *const *args, size_t nargsf, PyObject *kwnames,
                 int usable, PyObject **result)
@@ -645,11 +631,7 @@ fast_pool_probe(FastWrapper *w, PyObject *const *args, size_t nargsf, PyObject *
     if (probe != NULL && usable && pool_fast_path_ok(probe)) {
         return probe;
     }
-    if (probe == NULL && usable && PyVectorcall_NARGS(nargsf) >= 1 && !pool_observed(args[0])) {
-        *result = CALL_ORIGINAL();
-    } else {
-        *result = CALL_SLOW();
-    }
+    *result = CALL_SLOW();
     Py_XDECREF(probe);
     return NULL;
 }

@@ -398,7 +398,7 @@ class TraceWriter:
 
     def _write_batch(self, batch: list[Record]) -> None:
         if self.rows:
-            payload = _BATCH_ENCODER.encode(batch)
+            payload = encode_rows(batch)
             counts = {tag_of(t): n for t, n in Counter(map(type, batch)).items()}
         else:
             payload, counts = encode_batch(batch)

@@ -747,19 +747,12 @@ class CacheProbes(object if native.built is None else native.built.ProbeState):
         return req
 
     def _hash_ids(self, hashes: list, start: int, stop: int, hash_block_size: int) -> list[int]:
-        """Intern a request's hash units (a prompt has hundreds: comprehensions, not a loop;
-        with a plain HashInterner, one dict lookup per unit and a call only for new ones, or
-        all of it in the native core)."""
+        """Intern a request's hash units (a prompt has hundreds: comprehensions, not a loop; with
+        a plain HashInterner and the native core, all of it in C)."""
         if self._interned_ids is not None and native.core is not None and type(hashes) is list:
             return native.core.intern_hashes(self, hashes, start, stop, hash_block_size)
         hashes = hashes[start:stop]
-        if self._interned_ids is None:
-            interned = list(map(self.interner.intern, hashes))
-        else:
-            interned = [(hash_id, False) for hash_id in map(self._interned_ids.get, hashes)]
-            if (None, False) in interned:
-                interned = [self.interner.intern(hash_bytes) if hash_id is None else (hash_id, False)
-                            for (hash_id, _), hash_bytes in zip(interned, hashes)]
+        interned = list(map(self.interner.intern, hashes))
         ids = [hash_id for hash_id, _ in interned]
         if self.emit_hash_bytes:
             self._records.extend([HashInterned(hash_id, bytes(hash_bytes))
