@@ -44,7 +44,7 @@ def engine_run(workload, config, settings, capture: str | None,
     from kvtrace.capture import hook
     from kvtrace.events import HashInterner
     from kvtrace.probes import CacheProbes
-    from kvtrace.replay.vllm_engine import VllmScheduler
+    from kvtrace.engine.core import VllmScheduler
 
     if not native_core:
         core, native.core = native.core, None
@@ -117,7 +117,8 @@ def main() -> int:
     args = parser.parse_args()
 
     from kvtrace.replay.scheduler import SchedulerSettings, arrivals_of
-    from kvtrace.replay.workloads import EngineShape, synthesize, write_workload
+    from kvtrace.workloads.workload import EngineShape, write_workload
+    from kvtrace.workloads.synth import synthesize
     from kvtrace.traceio import read_records
 
     directory = tempfile.mkdtemp(prefix="kvtrace-bench-")

@@ -119,13 +119,37 @@ def in_engine_rule(name: str, imp: Import) -> str | None:
 def replay_rule(name: str, imp: Import) -> str | None:
     if not under(name, "kvtrace.replay"):
         return None
-    if under(imp.module, "kvtrace.capture", "kvtrace.analysis"):
-        return "replay must not import capture or analysis"
-    if root(imp.module) == "vllm" and name not in ("kvtrace.replay.vllm_backend", "kvtrace.replay.variants",
-                                                 "kvtrace.replay.vllm_engine"):
+    if under(imp.module, "kvtrace.capture", "kvtrace.analysis", "kvtrace.engine", "kvtrace.cli"):
+        return "replay must not import capture, analysis, the engine or the CLI"
+    if root(imp.module) == "vllm" and name not in ("kvtrace.replay.vllm_backend",
+                                                 "kvtrace.replay.variants"):
         return "vllm only in the real-vLLM backend"
     if root(imp.module) == "torch" and not name.startswith("kvtrace.replay.execute"):
         return "torch only in the execute mode"
+    return None
+
+
+def workloads_rule(name: str, imp: Import) -> str | None:
+    """Workload producers only write traces: no cache, no engine, no analysis."""
+    if not under(name, "kvtrace.workloads"):
+        return None
+    if under(imp.module, "kvtrace.capture", "kvtrace.replay", "kvtrace.engine",
+             "kvtrace.analysis", "kvtrace.probes", "kvtrace.cli"):
+        return "workloads write traces; they never import capture, replay, engine or analysis"
+    if root(imp.module) in ("vllm", "torch", "duckdb", "click"):
+        return "workloads never import vllm, torch, duckdb or click"
+    return None
+
+
+def engine_rule(name: str, imp: Import) -> str | None:
+    """The CPU engine runs vLLM's scheduler over replay's cache pieces; capture attaches to it
+    from outside, so the engine never imports capture (or analysis, or the CLI)."""
+    if not under(name, "kvtrace.engine"):
+        return None
+    if under(imp.module, "kvtrace.capture", "kvtrace.analysis", "kvtrace.cli"):
+        return "the engine must not import capture, analysis or the CLI"
+    if root(imp.module) in ("vllm", "torch") and imp.top_level:
+        return "vllm only inside functions (kvtrace engine --help must stay fast)"
     return None
 
 
@@ -149,7 +173,8 @@ def cli_rule(name: str, imp: Import) -> str | None:
     return None
 
 
-RULES = [core_rule, traceio_rule, native_rule, in_engine_rule, replay_rule, analysis_rule, cli_rule]
+RULES = [core_rule, traceio_rule, native_rule, in_engine_rule, replay_rule, workloads_rule,
+         engine_rule, analysis_rule, cli_rule]
 
 
 @pytest.mark.parametrize("rule", RULES, ids=lambda r: r.__name__)

@@ -19,8 +19,9 @@ import pytest
 from click.testing import CliRunner
 
 from kvtrace.cli import cli
-from kvtrace.replay.engine_process import EngineProcess
-from kvtrace.replay.workloads import EngineShape, synthesize, write_workload
+from kvtrace.engine.process import EngineProcess
+from kvtrace.workloads.workload import EngineShape, write_workload
+from kvtrace.workloads.synth import synthesize
 from kvtrace.traceio import TraceReader
 
 pytestmark = pytest.mark.slow

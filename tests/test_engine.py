@@ -19,9 +19,10 @@ import pytest
 from click.testing import CliRunner
 
 from kvtrace.cli import cli
-from kvtrace.replay.engine_process import EngineProcess
-from kvtrace.replay.vllm_engine import END_OF_INPUT, START, read_commands
-from kvtrace.replay.workloads import EngineShape, synthesize, write_workload
+from kvtrace.engine.process import EngineProcess
+from kvtrace.engine.core import END_OF_INPUT, START, read_commands
+from kvtrace.workloads.workload import EngineShape, write_workload
+from kvtrace.workloads.synth import synthesize
 
 SPEED = 20
 # Registers a vLLM general plugin through package metadata, as an installed package does; the
@@ -181,7 +182,7 @@ def test_a_process_wide_capture_sees_every_call_of_the_engines_cache(workload, c
     from kvtrace.events import HashInterner, RequestArrived
     from kvtrace.probes import CacheProbes
     from kvtrace.replay.run import ReplaySummary
-    from kvtrace.replay.vllm_engine import Engine, EngineOptions, load_workload
+    from kvtrace.engine.core import Engine, EngineOptions, load_workload
 
     options = EngineOptions(str(workload), variant="unfixed", speed=0)
     engine = Engine(options, load_workload(options))

@@ -60,7 +60,7 @@ def engine_records(workload, variant: str, monkeypatch, core) -> tuple[list, set
     """One run of vLLM's own scheduler under a process-wide probe set; its records (wall-clock
     stamps cleared) and what the hot methods were replaced by."""
     from kvtrace.probes import CacheProbes
-    from kvtrace.replay.vllm_engine import VllmScheduler
+    from kvtrace.engine.core import VllmScheduler
 
     monkeypatch.setattr(native, "core", core)
     engine = VllmScheduler(workload.config, workload.settings, variant)
@@ -83,8 +83,9 @@ def test_native_wrappers_record_exactly_what_the_python_wrappers_record(tmp_path
                                                                         variant):
     """A tight agent workload (evictions, preemptions, checkpoints published and suppressed)."""
     from kvtrace.replay.scheduler import SchedulerSettings
-    from kvtrace.replay.vllm_engine import EngineOptions, load_workload
-    from kvtrace.replay.workloads import EngineShape, synthesize, write_workload
+    from kvtrace.engine.core import EngineOptions, load_workload
+    from kvtrace.workloads.workload import EngineShape, write_workload
+    from kvtrace.workloads.synth import synthesize
 
     path = tmp_path / "workload.kvtrace"
     shape = EngineShape(num_gpu_blocks=260)

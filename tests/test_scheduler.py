@@ -238,8 +238,8 @@ def test_each_step_releases_its_copy_on_write_retentions_so_no_block_leaks():
     The engine itself frees them, outside any cache-manager call: a ``BlocksReleased`` input."""
     from kvtrace.events import BlocksReleased
     from kvtrace.replay.vllm_backend import VllmBackend
-    from kvtrace.replay.workloads import (EngineShape, engine_config, pool_size, synthesize,
-                                          workload_records)
+    from kvtrace.workloads.workload import EngineShape, engine_config, pool_size, workload_records
+    from kvtrace.workloads.synth import synthesize
 
     shape = EngineShape()
     workload = synthesize("shared-prompt", 40, 0, shape.hash_unit)

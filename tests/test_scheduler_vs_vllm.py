@@ -16,13 +16,14 @@ from msgspec.structs import replace
 
 from kvtrace.events import HashInterner, RequestArrived, SlotsAllocated, StepStarted
 from kvtrace.replay.scheduler import Scheduler
-from kvtrace.replay.workloads import EngineShape, synthesize, write_workload
+from kvtrace.workloads.workload import EngineShape, write_workload
+from kvtrace.workloads.synth import synthesize
 from shared_data import MOONCAKE_SYNTHETIC
 
 
 def through_vllm(workload) -> list:
     from kvtrace.probes import CacheProbes
-    from kvtrace.replay.vllm_engine import VllmScheduler
+    from kvtrace.engine.core import VllmScheduler
 
     engine = VllmScheduler(workload.config, workload.settings, "unfixed")
     records: list = []
@@ -76,7 +77,7 @@ def assert_same_schedule(workload) -> list:
 def test_the_model_schedules_exactly_as_vllm(tmp_path, preset, num_requests, num_gpu_blocks,
                                              reserve_full_sequence):
     from kvtrace.replay.scheduler import SchedulerSettings
-    from kvtrace.replay.vllm_engine import EngineOptions, load_workload
+    from kvtrace.engine.core import EngineOptions, load_workload
 
     path = tmp_path / "workload.kvtrace"
     shape = EngineShape(num_gpu_blocks=num_gpu_blocks)
@@ -100,7 +101,7 @@ def test_the_model_schedules_the_mooncake_trace_exactly_as_vllm(tmp_path):
     from click.testing import CliRunner
 
     from kvtrace.cli import cli
-    from kvtrace.replay.vllm_engine import EngineOptions, load_workload
+    from kvtrace.engine.core import EngineOptions, load_workload
 
     log = tmp_path / "mooncake-400.jsonl"
     with open(MOONCAKE_SYNTHETIC) as full:

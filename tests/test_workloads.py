@@ -13,18 +13,19 @@ from click.testing import CliRunner
 
 from kvtrace.cli import cli
 from kvtrace.events import HashesExtended, RequestArrived
-from kvtrace.replay import workloads
-from kvtrace.replay.mooncake import import_mooncake
-from shared_data import MOONCAKE_SYNTHETIC
-from kvtrace.replay.workloads import (
+from kvtrace.traceio import read_records
+from kvtrace.workloads import synth
+from kvtrace.workloads.mooncake import import_mooncake
+from kvtrace.workloads.synth import UnitHasher, synthesize
+from kvtrace.workloads.workload import (
     EngineShape,
-    UnitHasher,
     Workload,
     WorkloadRequest,
     distinct_attention_blocks,
-    synthesize,
+    pool_size,
+    workload_records,
 )
-from kvtrace.traceio import read_records
+from shared_data import MOONCAKE_SYNTHETIC
 
 H = 32
 
@@ -70,7 +71,7 @@ def test_unit_ids_chain_pieces_of_segments_by_hand():
 # --- synth: structure, determinism, sharing ---------------------------------------------------------
 
 
-@pytest.mark.parametrize("preset", list(workloads.PRESETS))
+@pytest.mark.parametrize("preset", list(synth.PRESETS))
 def test_same_seed_same_workload_other_seed_another(preset):
     first = synthesize(preset, 300, seed=7, hash_unit=H)
     again = synthesize(preset, 300, seed=7, hash_unit=H)
@@ -79,7 +80,7 @@ def test_same_seed_same_workload_other_seed_another(preset):
     assert [r.hash_ids for r in first.requests] != [r.hash_ids for r in other.requests]
 
 
-@pytest.mark.parametrize("preset", list(workloads.PRESETS))
+@pytest.mark.parametrize("preset", list(synth.PRESETS))
 def test_every_request_has_one_id_per_full_unit_dense_and_in_order(preset):
     workload = synthesize(preset, 400, seed=1, hash_unit=H)
     assert len(workload.requests) == 400
@@ -130,7 +131,7 @@ def test_agent_step_extends_previous_prompt_with_its_tool_call():
 
 
 def test_shared_prompt_requests_share_exactly_their_system_prompt():
-    params = workloads.preset_params("shared-prompt")
+    params = synth.preset_params("shared-prompt")
     workload = synthesize("shared-prompt", 400, seed=5, hash_unit=H)
     groups: dict[int, list[WorkloadRequest]] = {}
     for r in workload.requests:
@@ -168,10 +169,10 @@ def test_parameter_flags_reach_the_generator():
 
 
 def test_docstring_table_is_the_generated_one_and_every_parameter_is_documented():
-    assert workloads.parameter_table() in workloads.__doc__
-    for preset in workloads.PRESETS.values():
+    assert synth.parameter_table() in synth.__doc__
+    for preset in synth.PRESETS.values():
         for name in preset.params_type.__dataclass_fields__:
-            assert name in workloads.PARAM_HELP
+            assert name in synth.PARAM_HELP
 
 
 # --- pool sizing ---------------------------------------------------------------------------------------
@@ -186,11 +187,11 @@ def test_distinct_attention_blocks_by_hand():
         WorkloadRequest(1, 70, [0, 1, 2, 3], 30, [], "b"),
     ], hash_unit=16)
     assert distinct_attention_blocks(workload, shape) == 4 + 1
-    assert workloads.pool_size(workload, EngineShape(hash_unit=16, attention_block_size=32,
+    assert pool_size(workload, EngineShape(hash_unit=16, attention_block_size=32,
                                                      mamba_block_size=64, num_gpu_blocks=50)) == (50, "given")
     # 0.25 x 5 is tiny: the floor is twice the largest request (130 tokens = 5 attention
     # blocks, + 4 Mamba pages).
-    assert workloads.pool_size(workload, shape) == (18, "2 x the largest request (9 blocks)")
+    assert pool_size(workload, shape) == (18, "2 x the largest request (9 blocks)")
 
 
 # --- synth through the CLI --------------------------------------------------------------------------------
@@ -216,7 +217,7 @@ def test_synth_cli_writes_a_workload_trace(tmp_path):
     assert config.max_num_batched_tokens == 1024 and config.max_model_len % 64 == 0
     # Records: each RequestArrived, in request order, then its HashesExtended (if any).
     expected = synthesize("chat", 120, seed=4, hash_unit=16, overrides={"turns": 3.0})
-    assert records == list(workloads.workload_records(expected))
+    assert records == list(workload_records(expected))
     assert isinstance(records[0], RequestArrived) and records[0].req == 0
     for record, after in zip(records, records[1:]):
         if isinstance(after, HashesExtended):

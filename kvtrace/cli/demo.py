@@ -53,9 +53,10 @@ def command(workdir: str, quick: bool) -> None:
     from kvtrace.analysis.load import load_traces
     from kvtrace.analysis.report import report_database
     from kvtrace.errors import KvtraceError
-    from kvtrace.replay.engine_process import EngineProcess
+    from kvtrace.engine.process import EngineProcess
     from kvtrace.replay.run import ReplayOptions, replay
-    from kvtrace.replay.workloads import EngineShape, synthesize, write_workload
+    from kvtrace.workloads.workload import EngineShape, write_workload
+    from kvtrace.workloads.synth import synthesize
 
     work = Path(workdir).resolve()
     try:

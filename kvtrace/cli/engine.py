@@ -42,7 +42,7 @@ def command(workload: str, variant: str, num_gpu_blocks: int | None, retention: 
 
     from kvtrace.cli.common import write_atomically
     from kvtrace.replay.run import KEEP, parse_retention
-    from kvtrace.replay.vllm_engine import EngineOptions, run_engine
+    from kvtrace.engine.core import EngineOptions, run_engine
 
     options = EngineOptions(
         source=workload, variant=variant, num_gpu_blocks=num_gpu_blocks,

@@ -40,8 +40,8 @@ def mooncake(log: str, source_block_size: int, output: str, **options) -> None:
         kvtrace import mooncake trace.jsonl --hash-unit 64 --attention-block-size 64 \\
             --mamba-block-size 256 -o trace.kvtrace
     """
-    from kvtrace.replay.mooncake import import_mooncake
-    from kvtrace.replay.workloads import write_workload
+    from kvtrace.workloads.mooncake import import_mooncake
+    from kvtrace.workloads.workload import write_workload
 
     shape = engine_shape(options)
     workload = import_mooncake(log, shape.hash_unit, source_block_size)

@@ -1,7 +1,7 @@
 """``kvtrace synth``: a synthetic hybrid-KDA workload (shared prompts, chats, agent loops).
 
 Its flags for preset parameters and engine settings are made from the tables in
-``kvtrace.replay.workloads`` (one source for code, ``--help`` and docs); they are added when the
+``kvtrace.workloads`` (one source for code, ``--help`` and docs); they are added when the
 command is first used, so ``kvtrace --help`` never imports the replay package.
 """
 
@@ -48,7 +48,7 @@ def engine_options() -> list[click.Option]:
     """One flag per ``EngineShape`` field, defaults and help from ``workloads``."""
     import dataclasses
 
-    from kvtrace.replay.workloads import ENGINE_HELP, EngineShape
+    from kvtrace.workloads.workload import ENGINE_HELP, EngineShape
 
     options = []
     for spec in dataclasses.fields(EngineShape):
@@ -72,7 +72,7 @@ def engine_shape(options: dict):
     """Pop the engine flags out of a command's keyword arguments into an ``EngineShape``."""
     import dataclasses
 
-    from kvtrace.replay.workloads import EngineShape
+    from kvtrace.workloads.workload import EngineShape
 
     return EngineShape(**{f.name: options.pop(f.name) for f in dataclasses.fields(EngineShape)})
 
@@ -81,7 +81,7 @@ def _preset_options() -> list[click.Option]:
     """One flag per preset parameter; each names its default in every preset using it."""
     import dataclasses
 
-    from kvtrace.replay.workloads import PARAM_HELP, PRESETS
+    from kvtrace.workloads.synth import PARAM_HELP, PRESETS
 
     options = []
     for name, meaning in PARAM_HELP.items():
@@ -121,7 +121,8 @@ def command(preset: str, num_requests: int, seed: int, output: str, **options) -
         kvtrace synth --preset agent --requests 500 --seed 1 -o agent.kvtrace
         kvtrace synth --preset chat --turns 8 --num-gpu-blocks 4096 -o chat.kvtrace
     """
-    from kvtrace.replay.workloads import synthesize, write_workload
+    from kvtrace.workloads.workload import write_workload
+    from kvtrace.workloads.synth import synthesize
 
     shape = engine_shape(options)
     overrides = {name: value for name, value in options.items() if value is not None}

@@ -24,7 +24,7 @@ import os
 import msgspec
 
 from kvtrace.errors import KvtraceError
-from kvtrace.replay.workloads import Workload, WorkloadRequest
+from kvtrace.workloads.workload import Workload, WorkloadRequest
 
 MOONCAKE_BLOCK_SIZE = 512
 
