@@ -116,7 +116,8 @@ def main() -> int:
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
 
-    from kvtrace.replay.scheduler import SchedulerSettings, arrivals_of
+    from kvtrace.engine_config import SchedulerSettings
+    from kvtrace.replay.scheduler import arrivals_of
     from kvtrace.workloads.workload import EngineShape, write_workload
     from kvtrace.workloads.synth import synthesize
     from kvtrace.traceio import read_records

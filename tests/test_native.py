@@ -82,7 +82,7 @@ def engine_records(workload, variant: str, monkeypatch, core) -> tuple[list, set
 def test_native_wrappers_record_exactly_what_the_python_wrappers_record(tmp_path, monkeypatch,
                                                                         variant):
     """A tight agent workload (evictions, preemptions, checkpoints published and suppressed)."""
-    from kvtrace.replay.scheduler import SchedulerSettings
+    from kvtrace.engine_config import SchedulerSettings
     from kvtrace.engine.core import EngineOptions, load_workload
     from kvtrace.workloads.workload import EngineShape, write_workload
     from kvtrace.workloads.synth import synthesize

@@ -9,18 +9,17 @@ from __future__ import annotations
 
 import pytest
 
+from kvtrace.engine_config import SchedulerSettings
 from kvtrace.errors import ConfigError
-from vllm_support import seed_config
-
 from kvtrace.events import EngineConfig, FinishStatus, KVCacheGroup
 from kvtrace.replay.scheduler import (
+    Arrival,
     MambaAlignedSplit,
     Scheduler,
-    SchedulerSettings,
-    Arrival,
     arrivals_of,
     mamba_checkpoint_position,
 )
+from vllm_support import seed_config
 
 # The seed config of the PR analysis: full attention 16, Mamba align 32, hash unit 16.
 HYBRID = seed_config(0)
@@ -238,13 +237,13 @@ def test_each_step_releases_its_copy_on_write_retentions_so_no_block_leaks():
     The engine itself frees them, outside any cache-manager call: a ``BlocksReleased`` input."""
     from kvtrace.events import BlocksReleased
     from kvtrace.replay.vllm_backend import VllmBackend
-    from kvtrace.workloads.workload import EngineShape, engine_config, pool_size, workload_records
+    from kvtrace.workloads.workload import EngineShape, engine_config_for, pool_size, workload_records
     from kvtrace.workloads.synth import synthesize
 
     shape = EngineShape()
     workload = synthesize("shared-prompt", 40, 0, shape.hash_unit)
     records = list(workload_records(workload))
-    config = engine_config(workload, shape, pool_size(workload, shape)[0])
+    config = engine_config_for(workload, shape, pool_size(workload, shape)[0])
     replayed: list = []
     with VllmBackend(config, "unfixed", replayed.append) as backend:
         Scheduler(backend, config, SchedulerSettings.from_config(config)).run(arrivals_of(records))

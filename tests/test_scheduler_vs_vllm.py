@@ -76,7 +76,7 @@ def assert_same_schedule(workload) -> list:
 ])
 def test_the_model_schedules_exactly_as_vllm(tmp_path, preset, num_requests, num_gpu_blocks,
                                              reserve_full_sequence):
-    from kvtrace.replay.scheduler import SchedulerSettings
+    from kvtrace.engine_config import SchedulerSettings
     from kvtrace.engine.core import EngineOptions, load_workload
 
     path = tmp_path / "workload.kvtrace"

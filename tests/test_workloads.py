@@ -245,7 +245,7 @@ def test_retention_dense_and_explicit_pool(tmp_path):
 @pytest.mark.parametrize("args, message", [
     (["--preset", "chat", "--tool-call-len", 5], "--tool-call-len does not apply to preset chat"),
     (["--preset", "chat", "--attention-block-size", 48], "not a multiple of the hash unit 32"),
-    (["--preset", "agent", "--num-gpu-blocks", 10], "cannot hold the largest request"),
+    (["--preset", "agent", "--num-gpu-blocks", 10], "a pool of 10 blocks cannot hold request"),
     (["--preset", "chat", "--rate", 0], "--rate must be positive"),
     (["--preset", "agent", "--turns", 0.5], "--turns must be at least 1, not 0.5"),
 ])

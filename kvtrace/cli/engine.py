@@ -41,13 +41,13 @@ def command(workload: str, variant: str, num_gpu_blocks: int | None, retention: 
     import msgspec
 
     from kvtrace.cli.common import write_atomically
-    from kvtrace.replay.run import KEEP, parse_retention
     from kvtrace.engine.core import EngineOptions, run_engine
+    from kvtrace.engine_config import KEEP, Overrides, parse_retention
 
     options = EngineOptions(
-        source=workload, variant=variant, num_gpu_blocks=num_gpu_blocks,
-        retention_interval=KEEP if retention is None else parse_retention(retention),
-        speed=speed)
+        source=workload, variant=variant, speed=speed, overrides=Overrides(
+            num_gpu_blocks=num_gpu_blocks,
+            retention_interval=KEEP if retention is None else parse_retention(retention)))
 
     def write_summary(summary: dict) -> None:
         write_atomically(summary_json, msgspec.json.format(msgspec.json.encode(summary),

@@ -54,21 +54,21 @@ def command(source: str, variants: tuple[str, ...], backend: str, num_gpu_blocks
     """
     import msgspec
 
-    from kvtrace.errors import KvtraceError
     from kvtrace.cli.common import write_atomically
-    from kvtrace.replay.run import KEEP, ReplayOptions, parse_retention, replay
+    from kvtrace.engine_config import KEEP, Overrides, parse_retention
+    from kvtrace.errors import KvtraceError
+    from kvtrace.replay.run import ReplayOptions, replay
 
     if verify and not lockstep:
         raise KvtraceError("--verify needs --lockstep",
                            "Verification re-issues the captured calls: add --lockstep.")
     options = ReplayOptions(
         source=source, outdir=outdir, variants=variants, backend=backend,
-        num_gpu_blocks=num_gpu_blocks,
-        retention_interval=KEEP if retention is None else parse_retention(retention),
-        lockstep=lockstep, verify=verify,
-        scheduler_overrides={"max_num_batched_tokens": max_num_batched_tokens,
-                             "max_num_seqs": max_num_seqs,
-                             "long_prefill_token_threshold": long_prefill_token_threshold})
+        lockstep=lockstep, verify=verify, overrides=Overrides(
+            num_gpu_blocks=num_gpu_blocks,
+            retention_interval=KEEP if retention is None else parse_retention(retention),
+            max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
+            long_prefill_token_threshold=long_prefill_token_threshold))
     result = replay(options, progress=_progress_bar if sys.stderr.isatty() else None)
     _print_table(result)
     if summary_json:
@@ -113,9 +113,11 @@ def _progress_bar(variant: str, num_requests: int):
 
 
 def _print_table(result) -> None:
+    from kvtrace.engine_config import describe_retention
+
     config = result.config
-    retention = "none" if config.retention_interval is None else config.retention_interval
-    click.echo(f"mode {result.mode}, {config.num_gpu_blocks} blocks, retention {retention}")
+    click.echo(f"mode {result.mode}, {config.num_gpu_blocks} blocks, "
+               f"retention {describe_retention(config.retention_interval)}")
     header = (f"{'variant':<10} {'requests':>8} {'prompt tok':>11} {'hit tok':>10} {'hit rate':>8} "
               f"{'evicted':>8} {'ckpt pub':>8} {'ckpt sup':>8} {'stale':>6} {'preempt':>7} "
               f"{'wall s':>7}  output")

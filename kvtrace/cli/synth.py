@@ -29,19 +29,21 @@ class LazyOptionsCommand(click.Command):
 
 
 class RetentionInterval(click.ParamType):
-    """An interval in tokens, or ``dense`` (None: keep every block's state)."""
+    """``none``/``dense`` (None: keep every block's state), 0 (latest-only) or N tokens: the
+    same values as ``kvtrace replay --retention``."""
 
-    name = "TOKENS|dense"
+    name = "none|0|N"
 
     def convert(self, value, param, ctx):
         if value is None or isinstance(value, int):
             return value
-        if value == "dense":
-            return None
+        from kvtrace.engine_config import parse_retention
+        from kvtrace.errors import ConfigError
+
         try:
-            return int(value)
-        except ValueError:
-            self.fail(f"{value!r} is neither a number of tokens nor 'dense'", param, ctx)
+            return parse_retention(str(value))
+        except ConfigError as error:
+            self.fail(str(error), param, ctx)
 
 
 def engine_options() -> list[click.Option]:

@@ -45,14 +45,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvtrace.engine_config import (Overrides, SchedulerSettings, check_fits_model_len,
+                                   check_pool_fits, derive, describe_retention)
 from kvtrace.errors import ConfigError, KvtraceError
 from kvtrace.events import EngineConfig
-from kvtrace.replay.run import CAPTURED_VARIANT, KEEP, ReplayOptions, config_for
-from kvtrace.replay.scheduler import (Arrival, SchedulerSettings, arrivals_of,
-                                      check_fits_model_len)
+from kvtrace.replay.run import CAPTURED_VARIANT
+from kvtrace.replay.scheduler import Arrival, arrivals_of
 from kvtrace.replay.variants import get_variant
-from kvtrace.replay.vllm_backend import (UNLIMITED_MODEL_LEN, MadeUpHashIds, check_fits,
-                                          kv_cache_config_of, new_request)
+from kvtrace.replay.vllm_backend import (UNLIMITED_MODEL_LEN, MadeUpHashIds, kv_cache_config_of,
+                                          new_request)
 from kvtrace.traceio import TraceReader
 
 # vLLM's name for the process (``run_engine_core``, without data parallelism).
@@ -71,8 +72,7 @@ class Shutdown(BaseException):
 class EngineOptions:
     source: str
     variant: str = CAPTURED_VARIANT
-    num_gpu_blocks: int | None = None
-    retention_interval: Any = KEEP  # KEEP, None (dense) or an int
+    overrides: Overrides = Overrides()  # the pool and the retention; scheduler limits too
     speed: float = 1.0  # virtual seconds per wall second; 0: as fast as possible
 
 
@@ -91,17 +91,14 @@ def load_workload(options: EngineOptions) -> EngineWorkload:
     get_variant(options.variant)
     reader = TraceReader(options.source)
     records = list(reader)
-    config = config_for(reader.header, ReplayOptions(
-        source=options.source, outdir="", num_gpu_blocks=options.num_gpu_blocks,
-        retention_interval=options.retention_interval))
+    config, settings = derive(reader.header.config, options.source, options.overrides)
     arrivals = sorted(arrivals_of(records), key=lambda arrival: arrival.arrival_ns)
     if not arrivals:
         raise KvtraceError(f"{options.source} has no requests (no request_arrived records)",
                            "Run a workload (kvtrace synth / import) or a captured trace.")
-    settings = SchedulerSettings.from_config(config)
     for arrival in arrivals:  # vLLM's scheduler would wait forever for a request that never fits
-        check_fits_model_len(arrival, settings)
-        check_fits(config, arrival.req, arrival.prompt_len + arrival.max_tokens)
+        check_fits_model_len(settings, arrival.req, arrival.prompt_len)
+        check_pool_fits(config, arrival.req, arrival.prompt_len + arrival.max_tokens)
     return EngineWorkload(config, settings, arrivals)
 
 
@@ -241,7 +238,7 @@ class Engine:
 
     def describe(self) -> str:
         config = self.workload.config
-        retention = "none" if config.retention_interval is None else config.retention_interval
+        retention = describe_retention(config.retention_interval)
         speed = "max" if not self.options.speed else f"{self.options.speed:g}x"
         return (f"variant {self.options.variant}, {len(self.workload.arrivals)} requests, "
                 f"{config.num_gpu_blocks} blocks, retention {retention}, speed {speed}")

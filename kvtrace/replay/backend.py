@@ -1,16 +1,19 @@
-"""The interface every replay backend implements (the real vLLM one; later a fast model).
+"""The interface every replay backend implements, and how the driver picks one by name.
 
 A backend owns one prefix cache built from an ``EngineConfig`` under one checkpoint variant,
 and reports everything through a ``RecordSink``: the *input* records for the calls it is
 given and the *effect* records the cache produced, in the trace schema (``kvtrace.events``).
-Drivers (the scheduler model, lockstep replay) call it in the order a vLLM scheduler would.
+Drivers (the scheduler model, lockstep replay) call it in the order a vLLM scheduler would;
+``CacheBackend`` is everything they call, so a second backend plugs in by implementing it and
+adding a line to ``BACKENDS``, without touching the driver.
 """
 
 from __future__ import annotations
 
+import importlib
 from typing import Callable, Protocol
 
-from kvtrace.events import FinishStatus, Record
+from kvtrace.events import EngineConfig, FinishStatus, Record
 
 RecordSink = Callable[[Record], None]
 
@@ -31,11 +34,13 @@ class CacheBackend(Protocol):
         """Prefix lookup for a waiting request: (num_hit_tokens, shared_prefix_boundary)."""
 
     def allocate_slots(self, req: int, num_new_tokens: int, num_new_computed_tokens: int = 0,
-                       num_lookahead_tokens: int = 0, *,
-                       full_sequence_must_fit: bool = False) -> bool:
+                       num_lookahead_tokens: int = 0, *, full_sequence_must_fit: bool = False,
+                       reserved_blocks: int = 0, has_scheduled_reqs: bool = False) -> bool:
         """``KVCacheManager.allocate_slots``; False when the pool cannot fit the chunk (or, with
         ``full_sequence_must_fit``, the request's whole sequence so far).
-        ``num_new_computed_tokens`` > 0 only on the first allocation after a lookup."""
+        ``num_new_computed_tokens`` > 0 only on the first allocation after a lookup;
+        ``reserved_blocks`` and ``has_scheduled_reqs`` are vLLM's admission terms (lockstep
+        passes the captured ones)."""
 
     def end_schedule(self) -> None:
         """The step's allocations are made: release what vLLM's ``schedule()`` releases then
@@ -53,3 +58,36 @@ class CacheBackend(Protocol):
 
     def num_free_blocks(self) -> int:
         """Blocks in the free queue (cached-evictable ones included)."""
+
+    # Lockstep replay re-issues a capture's calls; it also needs these two.
+
+    def sync_request(self, req: int, num_computed_tokens: int, num_tokens: int) -> None:
+        """Set a request's progress to captured values: computed tokens, and output tokens
+        appended until it holds ``num_tokens``."""
+
+    def release_blocks(self, block_ids: list[int]) -> None:
+        """Free blocks by id, as the engine did outside the cache manager's calls."""
+
+    def close(self) -> None:
+        """Release what the backend holds (the probes it armed)."""
+
+    def __enter__(self) -> CacheBackend: ...
+
+    def __exit__(self, *exc: object) -> None: ...
+
+
+BackendFactory = Callable[[EngineConfig, str, RecordSink], CacheBackend]
+
+# Backend name -> "module:class" that implements ``CacheBackend`` (imported on first use: the
+# vllm backend imports vLLM).
+BACKENDS: dict[str, str] = {
+    "vllm": "kvtrace.replay.vllm_backend:VllmBackend",
+}
+
+
+def open_backend(name: str, config: EngineConfig, variant: str,
+                 sink: RecordSink) -> CacheBackend:
+    """A new backend ``name`` on ``config`` under ``variant``, reporting to ``sink``."""
+    module_name, _, class_name = BACKENDS[name].partition(":")
+    factory: BackendFactory = getattr(importlib.import_module(module_name), class_name)
+    return factory(config, variant, sink)

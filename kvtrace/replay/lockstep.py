@@ -8,7 +8,7 @@ input that led to it. A trace that lost events is refused: its effects cannot be
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Iterable
 
 from kvtrace.errors import KvtraceError
 from kvtrace.events import (
@@ -23,17 +23,17 @@ from kvtrace.events import (
     SlotsAllocated,
     StepStarted,
 )
+from kvtrace.replay.backend import CacheBackend
 
 
-def replay_lockstep(records: Iterable[Record], backend: Any) -> int:
+def replay_lockstep(records: Iterable[Record], backend: CacheBackend) -> int:
     """Re-issue every input record of ``records`` on ``backend``; return how many were issued.
 
     The backend reports its own records through its sink. Output hash ids a request completed
     during decode (``HashesExtended``) are declared up front so the replay hands them out as
-    the request's tokens grow. Besides ``CacheBackend``, the backend needs
-    ``sync_request(req, num_computed_tokens, num_tokens)`` to take the captured progress,
-    ``release_blocks(block_ids)`` to free blocks as the engine did outside the cache's calls, and
-    ``allocate_slots`` to take vLLM's ``reserved_blocks`` and ``has_scheduled_reqs`` too.
+    the request's tokens grow. Each captured ``allocate_slots`` first takes the request's
+    captured progress (``CacheBackend.sync_request``) and passes vLLM's admission terms on;
+    blocks the engine freed outside the cache's calls are released by id.
     """
     records = list(records)
     output_hash_ids: dict[int, list[int]] = {}

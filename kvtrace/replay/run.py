@@ -19,13 +19,14 @@ import os
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
 from kvtrace import __version__
+from kvtrace.engine_config import Overrides, SchedulerSettings, derive
 from kvtrace.errors import ConfigError, KvtraceError
 from kvtrace.events import (
     BlockRemoved,
@@ -45,11 +46,13 @@ from kvtrace.events import (
     StoreKind,
     TraceHeader,
 )
-from kvtrace.replay.scheduler import Scheduler, SchedulerSettings, arrivals_of
+from kvtrace.replay.backend import BACKENDS, open_backend
+from kvtrace.replay.scheduler import Scheduler, arrivals_of
 from kvtrace.traceio import TraceReader, TraceWriter
 
-BACKENDS = ("vllm",)
-KEEP = object()  # "use the source's value" for an override
+if TYPE_CHECKING:
+    from kvtrace.replay.lockstep import Fidelity
+
 DEFAULT_VARIANTS = ("unfixed", "fixed")
 # The variant a live engine runs when its trace says nothing else: the installed vLLM.
 CAPTURED_VARIANT = "upstream"
@@ -61,11 +64,9 @@ class ReplayOptions:
     outdir: str
     variants: tuple[str, ...] = ()  # empty: DEFAULT_VARIANTS, or the engine's with --verify
     backend: str = "vllm"
-    num_gpu_blocks: int | None = None
-    retention_interval: Any = KEEP  # KEEP, None (dense) or an int
+    overrides: Overrides = Overrides()
     lockstep: bool = False
     verify: bool = False
-    scheduler_overrides: dict[str, int | None] = field(default_factory=dict)
 
 
 # --- summaries ----------------------------------------------------------------------------------
@@ -176,7 +177,7 @@ class ReplayResult:
     mode: str
     config: EngineConfig
     variants: list[VariantResult]
-    fidelity: Any = None  # lockstep.Fidelity when --verify ran
+    fidelity: Fidelity | None = None  # when --verify ran
     fidelity_variant: str = ""
 
     def summary_json(self) -> dict[str, Any]:
@@ -208,20 +209,6 @@ def _jsonable(value: Any) -> Any:
 # --- the run ------------------------------------------------------------------------------------
 
 
-def parse_retention(text: str) -> int | None:
-    """``none``/``dense`` (keep every state), ``0`` (latest-only) or a token interval."""
-    if text.lower() in ("none", "dense"):
-        return None
-    try:
-        value = int(text)
-    except ValueError:
-        raise ConfigError(f"--retention {text!r} is not none, 0 or a number of tokens",
-                          "Use --retention none (dense), 0 (latest-only) or N tokens.") from None
-    if value < 0:
-        raise ConfigError(f"--retention {value} is negative", "Use none, 0 or a positive N.")
-    return value
-
-
 def replay(options: ReplayOptions,
            progress: Callable[[str, int], Callable[[int], None]] | None = None) -> ReplayResult:
     """Run every variant of ``options``; ``progress(variant, num_requests)`` may return a
@@ -229,7 +216,10 @@ def replay(options: ReplayOptions,
     reader = TraceReader(options.source)
     records = list(reader)
     header = reader.header
-    config = config_for(header, options)
+    if options.verify and options.overrides.changes_cache:
+        raise ConfigError("--verify compares with the captured run, so the cache must be the "
+                          "captured one", "Drop --num-gpu-blocks / --retention with --verify.")
+    config, settings = derive(header.config, options.source, options.overrides)
     mode = "lockstep" if options.lockstep or options.verify else "reschedule"
     engine_variant = _engine_variant(header)
     variants = _variants_for(options, engine_variant)
@@ -238,7 +228,6 @@ def replay(options: ReplayOptions,
                           f"Known backends: {', '.join(BACKENDS)}.")
     if mode == "lockstep":
         _check_lockstep_source(options, records, reader)
-    settings = SchedulerSettings.from_config(config, **options.scheduler_overrides)
     arrivals = arrivals_of(records)
     if not arrivals:
         raise KvtraceError(f"{options.source} has no requests (no request_arrived records)",
@@ -267,8 +256,8 @@ def replay(options: ReplayOptions,
             on_step = progress(variant, len(arrivals)) if progress else None
             keep = mode == "lockstep" and options.verify and variant == engine_variant
             summary, replayed, steps, wall_s = _run_variant(
-                partial, replay_header, config, variant, mode, records, arrivals, settings,
-                on_step, keep)
+                partial, replay_header, options.backend, config, variant, mode, records,
+                arrivals, settings, on_step, keep)
             result.variants.append(VariantResult(variant, final, summary.to_dict(), wall_s, steps))
             if keep:
                 from kvtrace.replay.lockstep import verify
@@ -284,14 +273,12 @@ def replay(options: ReplayOptions,
     return result
 
 
-def _run_variant(path: str, header: TraceHeader, config: EngineConfig, variant: str, mode: str,
-                 records: list[Record], arrivals, settings: SchedulerSettings,
-                 on_step: Callable[[int], None] | None,
+def _run_variant(path: str, header: TraceHeader, backend_name: str, config: EngineConfig,
+                 variant: str, mode: str, records: list[Record], arrivals,
+                 settings: SchedulerSettings, on_step: Callable[[int], None] | None,
                  keep_records: bool) -> tuple[ReplaySummary, list[Record], int, float]:
     """Drive one backend; the wall time counts the replay, not building the backend (whose
     first construction imports vLLM)."""
-    from kvtrace.replay.vllm_backend import VllmBackend
-
     summary = ReplaySummary(config)
     kept: list[Record] = []
     # Not atomic: the caller publishes every variant's file together, or none.
@@ -305,7 +292,7 @@ def _run_variant(path: str, header: TraceHeader, config: EngineConfig, variant: 
                 kept.append(record)
 
         steps = 0
-        with VllmBackend(config, variant, sink) as backend:
+        with open_backend(backend_name, config, variant, sink) as backend:
             started = time.perf_counter()
             if mode == "lockstep":
                 from kvtrace.replay.lockstep import replay_lockstep
@@ -316,34 +303,6 @@ def _run_variant(path: str, header: TraceHeader, config: EngineConfig, variant: 
             wall_s = time.perf_counter() - started
         writer.close()
     return summary, kept, steps, wall_s
-
-
-def config_for(header: TraceHeader, options: ReplayOptions) -> EngineConfig:
-    """The cache a replay (or ``kvtrace engine``) builds: the trace's, with the options'
-    overrides, checked for what vLLM cannot build."""
-    config = header.config
-    if config is None:
-        raise ConfigError(f"{options.source} has no engine config in its header",
-                          "Replay a workload (kvtrace synth / import) or a captured trace.")
-    changes: dict[str, Any] = {}
-    if options.num_gpu_blocks is not None:
-        changes["num_gpu_blocks"] = options.num_gpu_blocks
-    if options.retention_interval is not KEEP:
-        changes["retention_interval"] = options.retention_interval
-    if changes and options.verify:
-        raise ConfigError("--verify compares with the captured run, so the cache must be the "
-                          "captured one", "Drop --num-gpu-blocks / --retention with --verify.")
-    config = msgspec.structs.replace(config, **changes)
-    for index, group in enumerate(config.kv_cache_groups):
-        if group.block_size <= 0 or group.block_size % config.hash_block_size:
-            raise ConfigError(
-                f"KV-cache group {index} ({group.kind}) has block size {group.block_size}, not "
-                f"a multiple of the hash unit {config.hash_block_size}",
-                "vLLM hashes blocks in hash units: every block size must be a multiple of it.")
-    if config.num_gpu_blocks < 2:
-        raise ConfigError(f"--num-gpu-blocks {config.num_gpu_blocks} leaves no usable block",
-                          "vLLM reserves one block as the null block; use at least 2.")
-    return config
 
 
 def _engine_variant(header: TraceHeader) -> str:

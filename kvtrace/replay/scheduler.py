@@ -45,47 +45,12 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
+from kvtrace.engine_config import SchedulerSettings, check_fits_model_len
 from kvtrace.errors import ConfigError
 from kvtrace.events import EngineConfig, HashesExtended, Record, RequestArrived
 from kvtrace.replay.backend import CacheBackend
-
-# vLLM 0.33 `vllm serve` defaults on an H100/H200-class GPU (EngineArgs, OPENAI_API_SERVER).
-DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
-DEFAULT_MAX_NUM_SEQS = 1024
-
-
-@dataclass(frozen=True)
-class SchedulerSettings:
-    """The scheduler limits of a replay. 0 in an ``EngineConfig`` means "vLLM's default"."""
-
-    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
-    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
-    long_prefill_token_threshold: int = 0
-    max_model_len: int = 0  # 0: unlimited
-    # vLLM 0.33's scheduler_reserve_full_isl (on by default; EngineConfig.reserve_full_sequence):
-    # admit a request only if its whole sequence so far (prompt, plus outputs when resumed) fits.
-    reserve_full_sequence: bool = True
-    step_overhead_ns: int = 2_000_000
-    ns_per_token: int = 10_000  # 100k scheduled tokens per second
-
-    @classmethod
-    def from_config(cls, config: EngineConfig, **overrides: int | None) -> SchedulerSettings:
-        """Settings from a trace's config, then non-None ``overrides`` on top."""
-        settings = cls(
-            max_num_batched_tokens=config.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS,
-            max_num_seqs=config.max_num_seqs or DEFAULT_MAX_NUM_SEQS,
-            long_prefill_token_threshold=config.long_prefill_token_threshold,
-            max_model_len=config.max_model_len,
-            reserve_full_sequence=config.reserve_full_sequence,
-        )
-        settings = replace(settings, **{k: v for k, v in overrides.items() if v is not None})
-        if settings.max_num_batched_tokens <= 0 or settings.max_num_seqs <= 0:
-            raise ConfigError("max_num_batched_tokens and max_num_seqs must be positive")
-        if settings.long_prefill_token_threshold < 0:
-            raise ConfigError("long_prefill_token_threshold must not be negative")
-        return settings
 
 
 def mamba_checkpoint_position(num_tokens: int, unit: int, drop_eagle_block: bool) -> int:
@@ -199,17 +164,6 @@ class Arrival:
     output_hash_ids: list[int] | None = None
 
 
-def check_fits_model_len(request: Arrival, settings: SchedulerSettings) -> None:
-    """vLLM rejects a prompt that leaves no room below ``max_model_len`` at its API."""
-    limit = settings.max_model_len
-    if limit and request.prompt_len >= limit:
-        raise ConfigError(
-            f"request {request.req} has a {request.prompt_len}-token prompt, not below "
-            f"max_model_len {limit}",
-            hint="Raise --max-model-len (vLLM rejects such a request at the API).",
-        )
-
-
 def arrivals_of(records: Iterable[Record]) -> list[Arrival]:
     """The requests of a workload or captured trace, in arrival order.
 
@@ -277,7 +231,7 @@ class Scheduler:
         step (progress reporting)."""
         pending = deque(sorted(requests, key=lambda r: r.arrival_ns))
         for request in pending:
-            check_fits_model_len(request, self.settings)
+            check_fits_model_len(self.settings, request.req, request.prompt_len)
         while pending or self.waiting or self.running:
             if not self.waiting and not self.running:
                 self.clock_ns = max(self.clock_ns, pending[0].arrival_ns)

@@ -11,10 +11,10 @@ Token ids are placeholders (0) and never leave this module.
 
 from __future__ import annotations
 
-from math import lcm
 from collections.abc import Callable
 from typing import Any
 
+from kvtrace.engine_config import check_pool_fits, validate
 from kvtrace.errors import ConfigError, KvtraceError
 from kvtrace.events import EngineConfig, FinishStatus, HashInterner
 from kvtrace.probes import CacheProbes
@@ -123,7 +123,7 @@ class VllmBackend:
         if req in self._requests:
             raise KvtraceError(f"request {req} was added twice",
                                "Request numbers must be unique within a trace.")
-        check_fits(self.config, req, prompt_len + max_tokens)
+        check_pool_fits(self.config, req, prompt_len + max_tokens)
         known_ids = [*hash_ids, *(output_hash_ids or ())]
         self._requests[req] = new_request(req, prompt_len, max_tokens, known_ids, unit,
                                           self.made_up_hash_id)
@@ -261,22 +261,6 @@ class _ByteInterner:
         return self._interner.intern(hash_bytes)[0], False
 
 
-def check_fits(config: EngineConfig, req: int, num_tokens: int) -> None:
-    """vLLM's own per-request need (``max_memory_usage_bytes``): a full-attention block per
-    block of tokens, 2 + checkpoint blocks for a Mamba "align" group; plus the null block."""
-    need = 1
-    for group in config.kv_cache_groups:
-        if group.kind == "mamba":
-            need += 2 + group.num_prefill_checkpoint_blocks
-        else:
-            need += -(-num_tokens // group.block_size)
-    if need > config.num_gpu_blocks:
-        raise ConfigError(
-            f"a pool of {config.num_gpu_blocks} blocks cannot hold request {req} "
-            f"({num_tokens} tokens need {need} blocks, null block included)",
-            "Raise num_gpu_blocks or shorten the request.")
-
-
 def new_request(req: int, prompt_len: int, max_tokens: int, hash_ids: list[int],
                 hash_block_size: int, made_up_hash_id: MadeUpHashIds) -> Any:
     """A vLLM ``Request`` for workload request ``req``: placeholder tokens, the workload's hash
@@ -292,44 +276,6 @@ def new_request(req: int, prompt_len: int, max_tokens: int, hash_ids: list[int],
                    block_hasher=_RequestHashes(hash_ids, hash_block_size, made_up_hash_id))
 
 
-def _validate(config: EngineConfig) -> None:
-    groups = config.kv_cache_groups
-    unit = config.hash_block_size
-    if not groups:
-        raise ConfigError("the engine config has no KV-cache groups")
-    if unit <= 0:
-        raise ConfigError(f"hash unit (hash_block_size) must be positive, not {unit}")
-    for index, group in enumerate(groups):
-        if group.kind not in ("full_attention", "mamba"):
-            raise ConfigError(
-                f"KV-cache group {index} is {group.kind!r}; the vLLM backend builds "
-                "full_attention and mamba groups only")
-        if group.block_size <= 0 or group.block_size % unit:
-            raise ConfigError(
-                f"KV-cache group {index} ({group.kind}) has block size {group.block_size}, "
-                f"not a multiple of the hash unit {unit}",
-                "vLLM hashes blocks in hash units: every block size must be a multiple of it.")
-        if group.kind == "mamba" and config.enable_caching and group.mamba_cache_mode not in (
-                "", "align"):
-            raise ConfigError(
-                f"Mamba group {index} uses mamba_cache_mode {group.mamba_cache_mode!r}; "
-                "prefix caching needs 'align'")
-    if sum(group.kind == "mamba" for group in groups) > 1:
-        raise ConfigError("more than one Mamba group; the vLLM backend builds at most one")
-    if config.use_eagle:
-        raise ConfigError("EAGLE is not supported by the vLLM replay backend",
-                          "Replay the trace with use_eagle off.")
-    if config.num_gpu_blocks < 2:
-        raise ConfigError(f"num_gpu_blocks is {config.num_gpu_blocks}; vLLM reserves one block "
-                          "as the null block, so the pool needs at least 2")
-    if config.retention_interval is not None and config.retention_interval % lcm(
-            *(g.block_size for g in groups)):
-        raise ConfigError(
-            f"retention interval {config.retention_interval} is not a multiple of the "
-            f"scheduler block size {config.scheduler_block_size}",
-            "vLLM accepts None (dense), 0 (latest-only) or a multiple of the scheduler block.")
-
-
 def kv_cache_config_of(config: EngineConfig) -> Any:
     """vLLM's ``KVCacheConfig`` for a trace's engine: one spec per KV-cache group."""
     from vllm.utils.hashing import sha256
@@ -338,7 +284,7 @@ def kv_cache_config_of(config: EngineConfig) -> Any:
     from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec,
                                             MambaSpec)
 
-    _validate(config)
+    validate(config)
     init_none_hash(sha256)  # vLLM asserts it is set; our hashes never use it
     # Page contents are never allocated (no tensors); the dtype only sizes pages.
     float32 = STR_DTYPE_TO_TORCH_DTYPE["float32"]

@@ -21,6 +21,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 from kvtrace import __version__
+from kvtrace.engine_config import SchedulerSettings, check_pool_fits, validate
 from kvtrace.errors import ConfigError, KvtraceError
 from kvtrace.events import (
     EngineConfig,
@@ -78,23 +79,30 @@ class EngineShape:
     pool_fraction: float | None = None  # None: the workload's own (Workload.pool_fraction)
 
     def __post_init__(self) -> None:
-        hint = "Block sizes must be positive multiples of --hash-unit."
-        if self.hash_unit < 1:
-            raise ConfigError(f"hash unit must be at least 1 token, not {self.hash_unit}", hint)
-        for name in ("attention_block_size", "mamba_block_size"):
-            size = getattr(self, name)
-            if size < 1 or size % self.hash_unit:
-                raise ConfigError(f"{name.replace('_', ' ')} {size} is not a multiple of the "
-                                  f"hash unit {self.hash_unit}", hint)
-        if self.checkpoint_alignment < 1:
-            raise ConfigError(f"checkpoint alignment must be positive, not {self.checkpoint_alignment}")
-        if self.retention_interval is not None and self.retention_interval < 0:
-            raise ConfigError(f"retention interval must be 0 or more, not {self.retention_interval}",
-                              "Use 0 (latest-only) or 'dense'.")
-        if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
-            raise ConfigError("the token budget and max running requests must be positive")
         if self.pool_fraction is not None and not 0 < self.pool_fraction <= 1:
-            raise ConfigError(f"pool fraction must be in (0, 1], not {self.pool_fraction}")
+            raise ConfigError(f"pool fraction must be in (0, 1], not {self.pool_fraction}",
+                              "Use a share of the workload's distinct attention blocks, e.g. 0.25.")
+        # The engine's own rules, checked before any work (the pool is checked once sized).
+        config = self.engine_config(num_gpu_blocks=max(self.num_gpu_blocks or 2, 2))
+        validate(config)
+        SchedulerSettings.from_config(config)
+
+    def engine_config(self, num_gpu_blocks: int, max_model_len: int = 0) -> EngineConfig:
+        """The engine this shape describes, with a pool of ``num_gpu_blocks``."""
+        return EngineConfig(
+            kv_cache_groups=[
+                KVCacheGroup(kind="full_attention", block_size=self.attention_block_size),
+                KVCacheGroup(kind="mamba", block_size=self.mamba_block_size,
+                             mamba_cache_mode="align", num_prefill_checkpoint_blocks=1,
+                             prefill_checkpoint_alignment=self.checkpoint_alignment),
+            ],
+            hash_block_size=self.hash_unit,
+            num_gpu_blocks=num_gpu_blocks,
+            retention_interval=self.retention_interval,
+            max_model_len=max_model_len,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            max_num_seqs=self.max_num_seqs,
+        )
 
 
 # --- workloads ------------------------------------------------------------------------------------
@@ -108,6 +116,11 @@ class WorkloadRequest:
     max_tokens: int
     output_hash_ids: list[int]  # the units decode completes, when known (else empty)
     request_id: str
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt and output: the sequence the request reaches."""
+        return self.prompt_len + self.max_tokens
 
 
 @dataclass
@@ -132,8 +145,7 @@ def workload_records(workload: Workload) -> Iterator[Record]:
 
 def minimum_pool_blocks(request: WorkloadRequest, shape: EngineShape) -> int:
     """Blocks one request needs alone: its attention blocks at full length plus Mamba pages."""
-    total = request.prompt_len + request.max_tokens
-    return -(-total // shape.attention_block_size) + MAMBA_PAGES_PER_REQUEST
+    return -(-request.num_tokens // shape.attention_block_size) + MAMBA_PAGES_PER_REQUEST
 
 
 def distinct_attention_blocks(workload: Workload, shape: EngineShape) -> int:
@@ -145,21 +157,18 @@ def distinct_attention_blocks(workload: Workload, shape: EngineShape) -> int:
     for request in workload.requests:
         units = request.hash_ids + request.output_hash_ids
         shared.update(units[units_per_block - 1::units_per_block])
-        filled = (request.prompt_len + request.max_tokens) // shape.attention_block_size
+        filled = request.num_tokens // shape.attention_block_size
         unique += filled - len(units) // units_per_block
     return len(shared) + unique
 
 
 def pool_size(workload: Workload, shape: EngineShape) -> tuple[int, str]:
-    """The pool size and how it was chosen (kept in the header's params)."""
-    largest = max(minimum_pool_blocks(r, shape) for r in workload.requests)
+    """The pool size and how it was chosen (kept in the header's params): the one given, else
+    a share of the workload's distinct attention blocks, never less than twice the largest
+    request (with room for its Mamba pages)."""
     if shape.num_gpu_blocks is not None:
-        if shape.num_gpu_blocks < largest:
-            raise ConfigError(
-                f"--num-gpu-blocks {shape.num_gpu_blocks} cannot hold the largest request "
-                f"({largest} blocks)", f"Use at least {largest}, or leave it out to size the pool "
-                "from the workload.")
         return shape.num_gpu_blocks, "given"
+    largest = max(minimum_pool_blocks(r, shape) for r in workload.requests)
     distinct = distinct_attention_blocks(workload, shape)
     fraction = workload.pool_fraction if shape.pool_fraction is None else shape.pool_fraction
     by_fraction = math.ceil(fraction * distinct)
@@ -168,24 +177,12 @@ def pool_size(workload: Workload, shape: EngineShape) -> tuple[int, str]:
     return 2 * largest, f"2 x the largest request ({largest} blocks)"
 
 
-def engine_config(workload: Workload, shape: EngineShape, num_gpu_blocks: int) -> EngineConfig:
-    longest = max(r.prompt_len + r.max_tokens for r in workload.requests)
-    groups = [
-        KVCacheGroup(kind="full_attention", block_size=shape.attention_block_size),
-        KVCacheGroup(kind="mamba", block_size=shape.mamba_block_size, mamba_cache_mode="align",
-                     num_prefill_checkpoint_blocks=1,
-                     prefill_checkpoint_alignment=shape.checkpoint_alignment),
-    ]
+def engine_config_for(workload: Workload, shape: EngineShape, num_gpu_blocks: int) -> EngineConfig:
+    """The engine a workload trace names: ``shape`` with ``num_gpu_blocks``, and a model length
+    that holds its longest request (rounded up to the scheduler block)."""
+    longest = max(r.num_tokens for r in workload.requests)
     scheduler_block = math.lcm(shape.attention_block_size, shape.mamba_block_size)
-    return EngineConfig(
-        kv_cache_groups=groups,
-        hash_block_size=shape.hash_unit,
-        num_gpu_blocks=num_gpu_blocks,
-        retention_interval=shape.retention_interval,
-        max_model_len=-(-longest // scheduler_block) * scheduler_block,
-        max_num_batched_tokens=shape.max_num_batched_tokens,
-        max_num_seqs=shape.max_num_seqs,
-    )
+    return shape.engine_config(num_gpu_blocks, -(-longest // scheduler_block) * scheduler_block)
 
 
 def write_workload(path: str | os.PathLike, workload: Workload, shape: EngineShape,
@@ -197,7 +194,10 @@ def write_workload(path: str | os.PathLike, workload: Workload, shape: EngineSha
         raise ConfigError(f"the workload was hashed at {workload.hash_unit} tokens, the engine "
                           f"uses {shape.hash_unit}")
     num_gpu_blocks, rule = pool_size(workload, shape)
-    config = engine_config(workload, shape, num_gpu_blocks)
+    config = engine_config_for(workload, shape, num_gpu_blocks)
+    validate(config)
+    req, longest = max(enumerate(workload.requests), key=lambda item: item[1].num_tokens)
+    check_pool_fits(config, req, longest.num_tokens)
     header = TraceHeader(
         kvtrace_version=__version__,
         created_ns=time.time_ns(),

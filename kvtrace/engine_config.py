@@ -1,0 +1,202 @@
+"""The engine a trace runs on: derived from a source plus overrides, and checked, in one place.
+
+Every stage that builds a cache from an ``EngineConfig`` (``kvtrace replay``, ``kvtrace engine``,
+the workload writers) goes through ``derive`` / ``validate`` here, so a configuration vLLM
+cannot build is refused with the same message whichever command met it first. Each rule has
+one message (``RULES`` lists them) and a hint that says what to change.
+
+``SchedulerSettings`` are the scheduler limits of an engine (what vLLM's ``SchedulerConfig``
+holds, read from the trace's config, then overridden), plus the virtual clock that orders
+arrivals against steps in the replay's scheduler model and ``kvtrace engine``.
+
+Imports: stdlib, msgspec, events and errors only (every stage imports this module).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from math import lcm
+
+import msgspec
+
+from kvtrace.errors import ConfigError
+from kvtrace.events import EngineConfig
+
+# vLLM 0.33 `vllm serve` defaults on an H100/H200-class GPU (EngineArgs, OPENAI_API_SERVER).
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
+DEFAULT_MAX_NUM_SEQS = 1024
+# Group kinds the replay builds (vLLM's ``kv_cache_spec_kind`` names).
+SUPPORTED_GROUP_KINDS = ("full_attention", "mamba")
+# "Keep the source's value" for an override (None is a value: dense retention).
+KEEP = object()
+
+
+@dataclass(frozen=True)
+class SchedulerSettings:
+    """The scheduler limits of a run. 0 in an ``EngineConfig`` means "vLLM's default"."""
+
+    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
+    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
+    long_prefill_token_threshold: int = 0
+    max_model_len: int = 0  # 0: unlimited
+    # vLLM 0.33's scheduler_reserve_full_isl (on by default; EngineConfig.reserve_full_sequence):
+    # admit a request only if its whole sequence so far (prompt, plus outputs when resumed) fits.
+    reserve_full_sequence: bool = True
+    step_overhead_ns: int = 2_000_000
+    ns_per_token: int = 10_000  # 100k scheduled tokens per second
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, **overrides: int | None) -> SchedulerSettings:
+        """Settings from a trace's config, then non-None ``overrides`` on top, checked."""
+        settings = cls(
+            max_num_batched_tokens=config.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS,
+            max_num_seqs=config.max_num_seqs or DEFAULT_MAX_NUM_SEQS,
+            long_prefill_token_threshold=config.long_prefill_token_threshold,
+            max_model_len=config.max_model_len,
+            reserve_full_sequence=config.reserve_full_sequence,
+        )
+        settings = replace(settings, **{k: v for k, v in overrides.items() if v is not None})
+        if settings.max_num_batched_tokens <= 0 or settings.max_num_seqs <= 0:
+            raise ConfigError(
+                f"max_num_batched_tokens ({settings.max_num_batched_tokens}) and max_num_seqs "
+                f"({settings.max_num_seqs}) must be positive",
+                "Give --max-num-batched-tokens / --max-num-seqs positive values.")
+        if settings.long_prefill_token_threshold < 0:
+            raise ConfigError(
+                f"long_prefill_token_threshold {settings.long_prefill_token_threshold} is negative",
+                "Use 0 (off) or a positive number of tokens.")
+        return settings
+
+
+@dataclass(frozen=True)
+class Overrides:
+    """What a command changes of a source's engine: the pool, the retention, the scheduler
+    limits (None / ``KEEP``: the source's value)."""
+
+    num_gpu_blocks: int | None = None
+    retention_interval: object = KEEP  # KEEP, None (dense) or an int
+    max_num_batched_tokens: int | None = None
+    max_num_seqs: int | None = None
+    long_prefill_token_threshold: int | None = None
+
+    @property
+    def changes_cache(self) -> bool:
+        return self.num_gpu_blocks is not None or self.retention_interval is not KEEP
+
+    def scheduler(self) -> dict[str, int | None]:
+        return {"max_num_batched_tokens": self.max_num_batched_tokens,
+                "max_num_seqs": self.max_num_seqs,
+                "long_prefill_token_threshold": self.long_prefill_token_threshold}
+
+
+def derive(config: EngineConfig | None, source: str,
+           overrides: Overrides = Overrides()) -> tuple[EngineConfig, SchedulerSettings]:
+    """The engine a run builds for ``source``: its config with ``overrides`` applied, checked
+    (``validate``), and its scheduler settings."""
+    if config is None:
+        raise ConfigError(f"{source} has no engine config in its header",
+                          "Replay a workload (kvtrace synth / import) or a captured trace.")
+    changes: dict[str, object] = {}
+    if overrides.num_gpu_blocks is not None:
+        changes["num_gpu_blocks"] = overrides.num_gpu_blocks
+    if overrides.retention_interval is not KEEP:
+        changes["retention_interval"] = overrides.retention_interval
+    config = msgspec.structs.replace(config, **changes)
+    validate(config)
+    return config, SchedulerSettings.from_config(config, **overrides.scheduler())
+
+
+def validate(config: EngineConfig) -> None:
+    """Refuse an engine vLLM 0.33 would not build, or that kvtrace's replay cannot: one
+    ``ConfigError`` per rule, naming the value and what to change."""
+    groups = config.kv_cache_groups
+    unit = config.hash_block_size
+    if not groups:
+        raise ConfigError("the engine config has no KV-cache groups",
+                          "A hybrid engine has a full-attention group and a Mamba group.")
+    if unit <= 0:
+        raise ConfigError(f"the hash unit (hash_block_size) must be positive, not {unit}",
+                          "Use the engine's hash block size (e.g. 16 or 32 tokens).")
+    for index, group in enumerate(groups):
+        if group.kind not in SUPPORTED_GROUP_KINDS:
+            raise ConfigError(
+                f"KV-cache group {index} is {group.kind!r}; kvtrace replays "
+                f"{' and '.join(SUPPORTED_GROUP_KINDS)} groups only",
+                "Sliding-window and cross-attention groups are not supported yet.")
+        if group.block_size <= 0 or group.block_size % unit:
+            raise ConfigError(
+                f"KV-cache group {index} ({group.kind}) has block size {group.block_size}, "
+                f"not a multiple of the hash unit {unit}",
+                "vLLM hashes blocks in hash units: every block size must be a multiple of it.")
+        if group.kind == "mamba" and config.enable_caching and group.mamba_cache_mode not in (
+                "", "align"):
+            raise ConfigError(
+                f"Mamba group {index} uses mamba_cache_mode {group.mamba_cache_mode!r}; "
+                "prefix caching needs 'align'", "Replay an engine in 'align' mode.")
+    if sum(group.kind == "mamba" for group in groups) > 1:
+        raise ConfigError("more than one Mamba group; the replay builds at most one",
+                          "Replay an engine with one Mamba/KDA group.")
+    if config.use_eagle:
+        raise ConfigError("EAGLE is not supported by the replay",
+                          "Replay the trace with use_eagle off.")
+    if config.num_gpu_blocks < 2:
+        raise ConfigError(f"num_gpu_blocks is {config.num_gpu_blocks}, which leaves no usable "
+                          "block", "vLLM reserves one block as the null block; use at least 2.")
+    block = lcm(*(g.block_size for g in groups))
+    retention = config.retention_interval
+    if retention is not None and (retention < 0 or retention % block):
+        raise ConfigError(
+            f"retention interval {retention} is not 0 or a multiple of the scheduler block "
+            f"size {block}",
+            "vLLM accepts none (dense), 0 (latest-only) or a multiple of the scheduler block.")
+
+
+def blocks_needed(config: EngineConfig, num_tokens: int) -> int:
+    """vLLM's own per-request need (``max_memory_usage_bytes``) in blocks: a full-attention
+    block per block of tokens, 2 + checkpoint blocks per Mamba "align" group; plus the null
+    block."""
+    need = 1
+    for group in config.kv_cache_groups:
+        if group.kind == "mamba":
+            need += 2 + group.num_prefill_checkpoint_blocks
+        else:
+            need += -(-num_tokens // group.block_size)
+    return need
+
+
+def check_fits_model_len(settings: SchedulerSettings, req: int, prompt_len: int) -> None:
+    """vLLM rejects a prompt that leaves no room below ``max_model_len`` at its API."""
+    limit = settings.max_model_len
+    if limit and prompt_len >= limit:
+        raise ConfigError(
+            f"request {req} has a {prompt_len}-token prompt, not below max_model_len {limit}",
+            "Raise --max-model-len (vLLM rejects such a request at the API).")
+
+
+def check_pool_fits(config: EngineConfig, req: int, num_tokens: int) -> None:
+    """Refuse a request whose whole sequence needs more blocks than the pool has: vLLM's
+    scheduler would wait for it forever."""
+    need = blocks_needed(config, num_tokens)
+    if need > config.num_gpu_blocks:
+        raise ConfigError(
+            f"a pool of {config.num_gpu_blocks} blocks cannot hold request {req} "
+            f"({num_tokens} tokens need {need} blocks, null block included)",
+            f"Raise --num-gpu-blocks to at least {need}, or shorten the request.")
+
+
+def describe_retention(retention: int | None) -> str:
+    return "none" if retention is None else str(retention)
+
+
+def parse_retention(text: str) -> int | None:
+    """``none``/``dense`` (keep every state), ``0`` (latest-only) or a token interval."""
+    if text.lower() in ("none", "dense"):
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        raise ConfigError(f"--retention {text!r} is not none, 0 or a number of tokens",
+                          "Use --retention none (dense), 0 (latest-only) or N tokens.") from None
+    if value < 0:
+        raise ConfigError(f"--retention {value} is negative", "Use none, 0 or a positive N.")
+    return value
