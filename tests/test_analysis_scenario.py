@@ -218,3 +218,91 @@ def test_eviction_causes_and_occupancy(scenario_db):
     assert unfixed_step4 == {"run": 1, "variant": "unfixed", "step_start": 4, "pool_blocks": 6,
                              "running": 0, "hot_prefix": 1, "transient_checkpoint": 2,
                              "other_cached": 0, "free": 3}
+
+
+def duplicate_copies() -> list:
+    """One prefix S on two blocks (two requests computed it in the same step), both copies
+    pushed out while a transient checkpoint sat cached, then one lookup that missed S."""
+    return [
+        StepStarted(0, 0),                                         # seq 0
+        RequestArrived(0, 16, [S], 1),
+        ComputedBlocksFound(0, 0, 0),
+        allocated(0, 16),
+        BlockAllocated(1, 0),
+        BlockAllocated(2, 0),
+        CheckpointRecorded(0, 1, 16, 1, TRANSIENT),
+        BlockStored(1, S, 0, 16, FULL, 0),                         # seq 7: copy 1
+        BlockStored(2, 900, 1, 16, CKPT, 0),                       # seq 8: transient T
+        RequestArrived(1, 16, [S], 1),
+        ComputedBlocksFound(1, 0, 0),
+        allocated(1, 16),
+        BlockAllocated(3, 1),
+        BlockStored(3, S, 0, 16, FULL, 1),                         # seq 13: copy 2
+        StepStarted(1, 1),
+        RequestFinished(0, 0),
+        BlockFreed(2, 0, True),                                    # T cached, free
+        BlockFreed(1, 0, True),
+        RequestFinished(1, 0),
+        BlockFreed(3, 0, True),
+        RequestArrived(2, 16, [S], 1),
+        ComputedBlocksFound(2, 16, 0),
+        BlockTouched(1, 2),                                        # seq 22: copy 1 hit
+        allocated(2, 16, hit=16),
+        RequestArrived(3, 16, [S], 1),
+        ComputedBlocksFound(3, 16, 0),
+        BlockTouched(3, 3),                                        # seq 26: copy 2 hit
+        allocated(3, 16, hit=16),
+        StepStarted(2, 2),
+        RequestFinished(2, 0),
+        BlockFreed(1, 0, True),
+        RequestFinished(3, 0),
+        BlockFreed(3, 0, True),
+        StepStarted(3, 3),                                         # seq 33, step 4
+        RequestArrived(4, 64, [500, 501, 502, 503], 1),
+        ComputedBlocksFound(4, 0, 0),
+        allocated(4, 64),
+        BlockRemoved(1, S, 0, 16, LRU),                            # seq 37: copy 1 pushed out
+        BlockAllocated(1, 4),
+        BlockRemoved(3, S, 0, 16, LRU),                            # seq 39: copy 2 pushed out
+        BlockAllocated(3, 4),
+        StepStarted(4, 4),                                         # step 5
+        RequestArrived(5, 16, [S], 1),
+        ComputedBlocksFound(5, 0, 0),                              # seq 43: needs S, misses
+        allocated(5, 16),
+        BlockAllocated(4, 5),
+        BlockStored(4, S, 0, 16, FULL, 5),                         # seq 46: S again
+    ]
+
+
+def test_a_prefix_pushed_out_twice_is_ranked_once(tmp_path):
+    """checkpoint_pushouts has a row per eviction (the one missed lookup falls in both
+    windows); pushed_out_prefixes counts the prefix once and that lookup once."""
+    write_trace(tmp_path / "dup.kvtrace", header("unfixed"), duplicate_copies())
+    load_traces([tmp_path / "dup.kvtrace"], tmp_path / "dup.duckdb")
+    connection = open_database(tmp_path / "dup.duckdb")
+    try:
+        per_eviction = rows_as_dicts(run_query(connection, "checkpoint_pushouts",
+                                               {"min_hits": "1"}))
+        per_prefix = rows_as_dicts(run_query(connection, "pushed_out_prefixes",
+                                             {"min_hits": "1"}))
+        assert not run_query(connection, "pushed_out_prefixes", {"min_hits": "2"}).rows
+    finally:
+        connection.close()
+    assert [(r["block_id"], r["evicted_seq"], r["hits_before_eviction"],
+             r["transient_checkpoints_cached"], r["later_missed_lookups"], r["regret_tokens"])
+            for r in sorted(per_eviction, key=lambda r: r["evicted_seq"])] == [
+        (1, 37, 1, 1, 1, 16), (3, 39, 1, 1, 1, 16)]
+    assert per_prefix == [{
+        "run": 0, "variant": "unfixed", "hash_id": S, "depth_tokens": 16, "group_ids": [0],
+        "evictions": 2, "first_evicted_step": 4, "hits_before_evictions": 2,
+        "later_missed_lookups": 1, "regret_tokens": 16,
+    }]
+
+
+def test_pushed_out_prefixes_agrees_with_checkpoint_pushouts(scenario_db):
+    per_prefix = rows_as_dicts(run_query(scenario_db, "pushed_out_prefixes"))
+    assert per_prefix == [{
+        "run": 1, "variant": "unfixed", "hash_id": S, "depth_tokens": 16, "group_ids": [0],
+        "evictions": 1, "first_evicted_step": 5, "hits_before_evictions": 2,
+        "later_missed_lookups": 1, "regret_tokens": 16,
+    }]

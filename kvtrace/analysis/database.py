@@ -14,7 +14,8 @@ Layout (schema version ``DB_SCHEMA_VERSION``):
 * ``runs``: one row per loaded trace with its provenance and engine configuration.
 * ``kvtrace_meta``: key/value pairs, among them ``db_schema_version``.
 * ``cache_entries``, derived once after loading (``DERIVED_TABLES``), and views shared by the
-  shipped queries (``VIEWS``).
+  shipped queries (``VIEWS``); table macros with parameters (``MACROS``) are defined on every
+  connection (temporary, so a read-only or older database gets them too).
 """
 
 from __future__ import annotations
@@ -195,6 +196,65 @@ VIEWS = {
 }
 
 
+# Table macros shared by several shipped queries: definitions that take the queries' parameters.
+MACROS = {
+    # Every hot prefix entry evicted by LRU reuse while at least ``min_transient`` transient
+    # checkpoints sat cached in the free queue (had they not been cached, they would have been
+    # reused first), once with each later lookup that needed it and hit less, or once with NULL
+    # lookup columns when none did. Definitions: kvtrace/sql/checkpoint_pushouts.sql.
+    "checkpoint_pushout_lookups(min_hits, min_transient)": """
+        WITH hot_evictions AS (
+            SELECT e.*, h.hits
+            FROM cache_entries e
+            JOIN entry_hits h ON h.run = e.run AND h.stored_seq = e.stored_seq
+            WHERE e.removed_reason = 'LRU_REUSE' AND h.hits >= min_hits),
+        transient_flags AS (
+            SELECT run, seq, block_id, (NOT in_use AND transient)::INTEGER AS evictable_transient
+            FROM block_states),
+        transient_deltas AS (
+            SELECT run, seq, evictable_transient - coalesce(lag(evictable_transient)
+                       OVER (PARTITION BY run, block_id ORDER BY seq), 0) AS delta
+            FROM transient_flags),
+        transient_series AS (
+            SELECT run, seq, sum(delta) OVER (PARTITION BY run ORDER BY seq
+                                              ROWS UNBOUNDED PRECEDING) AS cached_transient
+            FROM transient_deltas
+            WHERE delta <> 0),
+        pushouts AS (
+            SELECT * FROM (
+                SELECT v.*, coalesce(s.cached_transient, 0) AS cached_transient,
+                       coalesce(n.seq, 9223372036854775807) AS restored_seq
+                FROM hot_evictions v
+                ASOF LEFT JOIN transient_series s ON v.run = s.run AND s.seq < v.removed_seq
+                ASOF LEFT JOIN block_stored n
+                    ON v.run = n.run AND v.hash_id = n.hash_id AND v.group_id = n.group_id
+                       AND n.seq > v.removed_seq)
+            WHERE cached_transient >= min_transient),
+        missed AS (
+            SELECT p.run, p.removed_seq, l.seq AS lookup_seq, l.req AS lookup_req,
+                   l.num_hit_tokens
+            FROM pushouts p
+            JOIN runs r ON r.run = p.run
+            JOIN request_hashes owner
+                ON owner.run = p.run AND owner.req = p.req
+                   AND owner.unit = p.num_tokens // r.hash_block_size - 1
+            JOIN request_hashes other
+                ON other.run = p.run AND other.unit = owner.unit AND other.hash_id = owner.hash_id
+            JOIN lookups l
+                ON l.run = p.run AND l.req = other.req AND l.admitted
+                   AND l.seq > p.removed_seq AND l.seq < p.restored_seq
+            WHERE l.num_hit_tokens < p.num_tokens)
+        SELECT p.*, m.lookup_seq, m.lookup_req, m.num_hit_tokens
+        FROM pushouts p
+        LEFT JOIN missed m ON m.run = p.run AND m.removed_seq = p.removed_seq""",
+}
+
+
+def create_macros(connection) -> None:
+    for signature, body in MACROS.items():
+        connection.execute(f"CREATE OR REPLACE TEMP MACRO {signature} AS TABLE {body}")
+
+
 def create_views(connection) -> None:
     for name, body in VIEWS.items():
         connection.execute(f"CREATE OR REPLACE VIEW {name} AS {body}")
@@ -236,6 +296,7 @@ def open_database(path: str | os.PathLike, *, read_only: bool = True):
             hint="Upgrade kvtrace (pip install -U kvtrace), or re-create the database with this "
             "kvtrace: `kvtrace load TRACE ... -o DB.duckdb`.",
         )
+    create_macros(connection)
     return connection
 
 

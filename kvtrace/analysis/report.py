@@ -37,7 +37,7 @@ def collect(connection, *, bucket_steps: int = 10, min_hits: int = 2) -> ReportD
     return ReportData(
         hit_rates=_overall_hit_rates(timeline),
         timeline=timeline,
-        pushouts=run_query(connection, "checkpoint_pushouts", {"min_hits": str(min_hits)}),
+        pushouts=run_query(connection, "pushed_out_prefixes", {"min_hits": str(min_hits)}),
         lost_hits=run_query(connection, "lost_hits_by_prefix"),
         causes=run_query(connection, "eviction_causes"),
         occupancy=run_query(connection, "cache_occupancy",
@@ -83,7 +83,8 @@ def _sections(data: ReportData) -> list[tuple[str, Result, str]]:
          "First admission of each request (as kvtrace replay counts); hit_rate = hit tokens / "
          "prompt tokens."),
         ("Top pushed-out prefixes", data.pushouts,
-         "Hot prefixes evicted by LRU reuse while transient checkpoints sat cached behind them."),
+         "Hot prefixes evicted by LRU reuse while transient checkpoints sat cached behind them, "
+         "one row per prefix (`kvtrace sql --query checkpoint_pushouts`: one per eviction)."),
         ("Hits lost by the unfixed variant", data.lost_hits,
          "Per prefix: lookups that hit in `fixed` and hit less in `unfixed` (same source)."),
         ("Eviction causes", data.causes, "Hash removals by reason and kind of entry."),
@@ -197,12 +198,12 @@ def _plot_pushouts(pushouts: Result) -> str | None:
         return None
     rows = [dict(zip(pushouts.columns, r)) for r in pushouts.rows[:TOP_ROWS]]
     pyplot, figure, axes = _figure()
-    labels = [f"run {r['run']} hash {r['hash_id']}/g{r['group_id']} @step {r['evicted_step']}"
-              for r in rows]
+    labels = [f"run {r['run']} ({r['variant']}) hash {r['hash_id']}, {r['depth_tokens']} tok: "
+              f"{r['evictions']} eviction{'s' if r['evictions'] != 1 else ''}" for r in rows]
     axes.barh(range(len(rows)), [r["regret_tokens"] for r in rows], color="#c0504d")
     axes.set_yticks(range(len(rows)), labels, fontsize="small")
     axes.invert_yaxis()
-    axes.set_xlabel("regret (prefill tokens recomputed by later lookups)")
+    axes.set_xlabel("regret (prefill tokens recomputed by later lookups, each counted once)")
     return _png(pyplot, figure)
 
 
