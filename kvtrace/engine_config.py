@@ -133,9 +133,14 @@ def validate(config: EngineConfig) -> None:
             raise ConfigError(
                 f"Mamba group {index} uses mamba_cache_mode {group.mamba_cache_mode!r}; "
                 "prefix caching needs 'align'", "Replay an engine in 'align' mode.")
-    if sum(group.kind == "mamba" for group in groups) > 1:
-        raise ConfigError("more than one Mamba group; the replay builds at most one",
-                          "Replay an engine with one Mamba/KDA group.")
+    mamba = [group for group in groups if group.kind == "mamba"]
+    shapes = {(g.block_size, g.num_prefill_checkpoint_blocks, g.prefill_checkpoint_alignment)
+              for g in mamba}
+    if len(shapes) > 1:
+        raise ConfigError(
+            f"the {len(mamba)} Mamba groups differ in block size or checkpoint settings "
+            f"({sorted(shapes, key=str)}); vLLM builds every Mamba group from one cache config",
+            "Give every Mamba group the same block size, checkpoint blocks and alignment.")
     if config.use_eagle:
         raise ConfigError("EAGLE is not supported by the replay",
                           "Replay the trace with use_eagle off.")

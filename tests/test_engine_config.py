@@ -38,7 +38,9 @@ BROKEN = {
                       "block size 24, not a multiple of the hash unit 16"),
     "mamba mode": (with_groups(ATTENTION, msgspec.structs.replace(MAMBA, mamba_cache_mode="all")),
                    "prefix caching needs 'align'"),
-    "two mamba groups": (with_groups(ATTENTION, MAMBA, MAMBA), "more than one Mamba group"),
+    "mamba groups differ": (
+        with_groups(ATTENTION, MAMBA, msgspec.structs.replace(MAMBA, block_size=64)),
+        "the 2 Mamba groups differ in block size or checkpoint settings"),
     "eagle": (msgspec.structs.replace(GOOD, use_eagle=True), "EAGLE is not supported"),
     "pool": (msgspec.structs.replace(GOOD, num_gpu_blocks=1), "leaves no usable block"),
     "retention": (msgspec.structs.replace(GOOD, retention_interval=48),
@@ -58,6 +60,7 @@ def test_each_rule_refuses_with_its_own_message(rule):
 
 def test_good_config_passes_and_derive_applies_overrides():
     validate(GOOD)
+    validate(with_groups(ATTENTION, MAMBA, MAMBA, MAMBA))  # several Mamba groups, as vLLM builds
     config, settings = derive(GOOD, "w.kvtrace", Overrides(
         num_gpu_blocks=500, retention_interval=None, max_num_seqs=7))
     assert (config.num_gpu_blocks, config.retention_interval) == (500, None)
