@@ -28,7 +28,8 @@ void dealloc_with(PyObject *self, inquiry clear);
 
 /* X(Type, FIELDS): each kvtrace.events record type the native core builds; FIELDS(V) names,
  * with V(field), the values it supplies. Where each value goes in the type's constructor is
- * read from the type (its __struct_fields__) by configure(), never written here. */
+ * read from the type (its fields, in __struct_fields__ order) by configure(), never written
+ * here: kvtrace/events.py is the one source of field order. */
 #define RECORD_TYPES(X)                                                                        \
     X(StepStarted, STEP_STARTED)                                                               \
     X(SlotsAllocated, SLOTS_ALLOCATED)                                                         \
@@ -55,17 +56,18 @@ void dealloc_with(PyObject *self, inquiry clear);
 /* The most positional arguments a record's constructor gets from the native core. */
 #define MAX_RECORD_ARGS 16
 
-/* One record type and where the native core's values go in its positional arguments. */
+/* One record type, laid out by configure(): argument i of its constructor is the native core's
+ * value value_of[i] or, where that is -1, default_of[i] (the default of a field it does not
+ * supply, before one it does). The fields after the last argument take their own defaults. */
 typedef struct {
-    const char *name;                /* the kvtrace.events class */
-    const char *const *fields;       /* the values the native core supplies, in its own order */
+    const char *name;          /* the kvtrace.events class */
+    const char *const *fields; /* the values the native core supplies, in its own order */
     int num_values;
-    PyObject *type;                  /* set by configure(); NULL before */
+    PyObject *type;            /* NULL until configure() */
     int num_args;
-    int in_order;                    /* argument i is value i: the values are passed as they are */
-    signed char value_of[MAX_RECORD_ARGS]; /* argument i is value value_of[i], or -1: ... */
-    PyObject *default_of[MAX_RECORD_ARGS]; /* ... the field's default (a field it does not
-                                            * supply, before one it does) */
+    int in_order;              /* argument i is value i: the values go as they are */
+    signed char value_of[MAX_RECORD_ARGS];
+    PyObject *default_of[MAX_RECORD_ARGS];
 } RecordType;
 
 #define RECORD_ID(type, fields) type##_RECORD,

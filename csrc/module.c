@@ -47,6 +47,27 @@ value_named(const RecordType *record, PyObject *name)
     return -1;
 }
 
+/* A Struct's fields (msgspec.structs.fields(type), in __struct_fields__ order) and how many of
+ * the first can be passed by position; -1 with a TypeError if `type` is not a msgspec Struct. */
+static int
+struct_fields_of(const RecordType *record, PyObject *type, PyObject *struct_fields,
+                 PyObject **fields, Py_ssize_t *num_positional)
+{
+    PyObject *match_args = NULL;
+    if ((*fields = PyObject_CallOneArg(struct_fields, type)) == NULL
+        || (match_args = PyObject_GetAttrString(type, "__match_args__")) == NULL
+        || !PyTuple_Check(*fields) || !PyTuple_Check(match_args)) {
+        PyErr_Clear();
+        PyErr_Format(PyExc_TypeError, "%s is not a msgspec Struct", record->name);
+        Py_CLEAR(*fields);
+        Py_XDECREF(match_args);
+        return -1;
+    }
+    *num_positional = PyTuple_GET_SIZE(match_args); /* keyword-only fields come last */
+    Py_DECREF(match_args);
+    return 0;
+}
+
 /* Fill `record`'s layout from `type` (a msgspec Struct) by field name: each value goes to its
  * field's position; a field before the last one supplied that the native core does not supply
  * gets its default; every field after it must have one. -1 with a ValueError or TypeError
@@ -54,35 +75,33 @@ value_named(const RecordType *record, PyObject *name)
 static int
 lay_out(RecordType *record, PyObject *type, PyObject *struct_fields, PyObject *nodefault)
 {
-    PyObject *fields = NULL, *match_args = NULL;
+    PyObject *fields = NULL;
+    Py_ssize_t num_positional;
     if (!PyType_Check(type) || strcmp(((PyTypeObject *)type)->tp_name, record->name) != 0) {
         PyErr_Format(PyExc_TypeError, "%R is not the record type %s", type, record->name);
-        goto failed;
+        return -1;
     }
-    if ((fields = PyObject_CallOneArg(struct_fields, type)) == NULL
-        || (match_args = PyObject_GetAttrString(type, "__match_args__")) == NULL
-        || !PyTuple_Check(fields) || !PyTuple_Check(match_args)) {
-        PyErr_Clear();
-        PyErr_Format(PyExc_TypeError, "%s is not a msgspec Struct", record->name);
-        goto failed;
+    if (struct_fields_of(record, type, struct_fields, &fields, &num_positional) < 0) {
+        return -1;
     }
     Py_ssize_t num_fields = PyTuple_GET_SIZE(fields);
-    Py_ssize_t num_positional = PyTuple_GET_SIZE(match_args); /* keyword-only fields come last */
-    int position_of[MAX_RECORD_ARGS];
-    record->num_args = 0;
+    Py_ssize_t position_of[MAX_RECORD_ARGS];
     for (int value = 0; value < record->num_values; value++) {
         position_of[value] = -1;
-        for (Py_ssize_t i = 0; i < num_fields && position_of[value] < 0; i++) {
-            PyObject *name = PyObject_GetAttrString(PyTuple_GET_ITEM(fields, i), "name");
-            if (name == NULL) {
-                goto failed;
-            }
-            if (PyUnicode_Check(name)
-                && PyUnicode_CompareWithASCIIString(name, record->fields[value]) == 0) {
-                position_of[value] = (int)Py_MIN(i, MAX_RECORD_ARGS);
-            }
-            Py_DECREF(name);
+    }
+    for (Py_ssize_t i = 0; i < num_fields; i++) {
+        PyObject *name = PyObject_GetAttrString(PyTuple_GET_ITEM(fields, i), "name");
+        if (name == NULL) {
+            goto failed;
         }
+        int value = value_named(record, name);
+        Py_DECREF(name);
+        if (value >= 0) {
+            position_of[value] = i;
+        }
+    }
+    record->num_args = 0;
+    for (int value = 0; value < record->num_values; value++) {
         if (position_of[value] < 0) {
             PyErr_Format(PyExc_ValueError, "%s has no field %s, which the native core supplies",
                          record->name, record->fields[value]);
@@ -94,7 +113,7 @@ lay_out(RecordType *record, PyObject *type, PyObject *struct_fields, PyObject *n
                          MAX_RECORD_ARGS);
             goto failed;
         }
-        record->num_args = Py_MAX(record->num_args, position_of[value] + 1);
+        record->num_args = Py_MAX(record->num_args, (int)position_of[value] + 1);
     }
     record->in_order = record->num_args == record->num_values;
     for (int i = 0; i < record->num_args; i++) {
@@ -106,23 +125,24 @@ lay_out(RecordType *record, PyObject *type, PyObject *struct_fields, PyObject *n
     }
     /* The fields it does not supply: those it passes need a plain default, the rest any. */
     for (Py_ssize_t i = 0; i < num_fields; i++) {
+        int passed = i < record->num_args;
+        if (passed && record->value_of[i] >= 0) {
+            continue;
+        }
         PyObject *field = PyTuple_GET_ITEM(fields, i);
         PyObject *name = PyObject_GetAttrString(field, "name");
         PyObject *required = name == NULL ? NULL : PyObject_GetAttrString(field, "required");
         PyObject *fallback = required == NULL ? NULL : PyObject_GetAttrString(field, "default");
-        int supplied = fallback == NULL ? -1 : value_named(record, name) >= 0;
-        int is_required = supplied < 0 ? -1 : PyObject_IsTrue(required);
-        if (is_required >= 0 && !supplied && is_required) {
+        int is_required = fallback == NULL ? -1 : PyObject_IsTrue(required);
+        if (is_required > 0) {
             PyErr_Format(PyExc_ValueError, "%s.%U is required and the native core does not "
                          "supply it", record->name, name);
-        } else if (is_required >= 0 && !supplied && i < record->num_args) {
-            if (fallback == nodefault) { /* a default_factory: a new value per record */
-                PyErr_Format(PyExc_ValueError, "%s.%U comes before a field the native core "
-                             "supplies and has a default_factory; only a plain default can be "
-                             "passed by position", record->name, name);
-            } else {
-                record->default_of[i] = Py_NewRef(fallback);
-            }
+        } else if (is_required == 0 && passed && fallback == nodefault) {
+            PyErr_Format(PyExc_ValueError, "%s.%U comes before a field the native core "
+                         "supplies and has a default_factory; only a plain default can be "
+                         "passed by position", record->name, name);
+        } else if (is_required == 0 && passed) {
+            record->default_of[i] = Py_NewRef(fallback);
         }
         Py_XDECREF(name);
         Py_XDECREF(required);
@@ -133,11 +153,9 @@ lay_out(RecordType *record, PyObject *type, PyObject *struct_fields, PyObject *n
     }
     record->type = Py_NewRef(type);
     Py_DECREF(fields);
-    Py_DECREF(match_args);
     return 0;
 failed:
-    Py_XDECREF(fields);
-    Py_XDECREF(match_args);
+    Py_DECREF(fields);
     clear_layout(record);
     return -1;
 }
