@@ -1,8 +1,11 @@
-"""kvtrace's optional native core (``kvtrace/_native.c``) against its Python twins.
+"""kvtrace's optional native core (``kvtrace._native``, built from ``csrc/``) against its
+Python twins.
 
 Each native part must do exactly what the Python code it stands in for does: the same records
 from the same vLLM engine run, the same hand-over when the buffer overflows, the same frames on
-disk. The rest of the suite runs with the native core on (the default where it is built).
+disk. The records it builds follow the field order of their types in ``kvtrace.events``, read
+when it is configured, or it refuses them and is off. The rest of the suite runs with the native
+core on (the default where it is built).
 """
 
 from __future__ import annotations
@@ -14,11 +17,12 @@ import sys
 import time
 import zlib
 
+import msgspec
 import pytest
-from msgspec.structs import replace
+from msgspec.structs import fields, replace
 from vllm_support import prefill_chunks, seed_config, vllm_backend_class  # noqa: F401
 
-from kvtrace import native
+from kvtrace import events, native
 from kvtrace.events import (
     BlockStored,
     EventsDropped,
@@ -56,9 +60,51 @@ def patched_kinds() -> set[str]:
     return kinds
 
 
+# The record types the native core builds, in the order configure() takes them.
+NATIVE_RECORD_TYPES = ("StepStarted", "SlotsAllocated", "BlockStored", "BlockRemoved",
+                       "HashInterned", "BlockAllocated", "BlockTouched", "BlockFreed",
+                       "BlocksReleased")
+
+
+def configure_core(**record_types) -> None:
+    """Configure the built core as the probes do, with the record types named here instead."""
+    from kvtrace.probes import cache_probes
+
+    native.built.configure(*(record_types.get(name, getattr(events, name))
+                             for name in NATIVE_RECORD_TYPES),
+                           cache_probes._NO_REQ, cache_probes._STALE_CHECKPOINT,
+                           cache_probes._LRU_REUSE)
+
+
+@pytest.fixture
+def reconfigure():
+    """``configure_core``; the real record types are back after the test."""
+    yield configure_core
+    configure_core()
+
+
+def reordered(record_type, padding=msgspec.field(default=7)) -> type:
+    """``record_type`` (same name) with its fields in another order: the required ones reversed,
+    then a new field ``padding``, then the ones with a default reversed (msgspec puts required
+    fields first)."""
+    required = [(f.name, f.type) for f in fields(record_type) if f.required]
+    optional = [(f.name, f.type, f.default) for f in fields(record_type) if not f.required]
+    return msgspec.defstruct(record_type.__name__,
+                             required[::-1] + [("padding", int, padding)] + optional[::-1],
+                             array_like=True, frozen=True)
+
+
+def as_event(record):
+    """``record`` as the ``kvtrace.events`` type of its name, its values taken by field name."""
+    event_type = getattr(events, type(record).__name__)
+    if type(record) is event_type:
+        return record
+    return event_type(**{name: getattr(record, name) for name in event_type.__struct_fields__})
+
+
 def engine_records(workload, variant: str, monkeypatch, core) -> tuple[list, set[str]]:
-    """One run of vLLM's own scheduler under a process-wide probe set; its records (wall-clock
-    stamps cleared) and what the hot methods were replaced by."""
+    """One run of vLLM's own scheduler under a process-wide probe set; its records and what the
+    hot methods were replaced by."""
     from kvtrace.probes import CacheProbes
     from kvtrace.engine.core import VllmScheduler
 
@@ -73,38 +119,121 @@ def engine_records(workload, variant: str, monkeypatch, core) -> tuple[list, set
     finally:
         probes.disarm()
     assert probes.num_failures == 0
+    return records, kinds
+
+
+def comparable(records: list) -> list:
+    """Records as ``kvtrace.events`` types, wall-clock stamps cleared."""
     cleared = {StepStarted: {"ts_ns": 0}, RequestArrived: {"arrival_ns": 0}}
-    return [replace(r, **cleared[type(r)]) if type(r) in cleared else r for r in records], kinds
+    return [replace(r, **cleared[type(r)]) if type(r) in cleared else r
+            for r in map(as_event, records)]
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("variant", ["unfixed", "fixed"])
-def test_native_wrappers_record_exactly_what_the_python_wrappers_record(tmp_path, monkeypatch,
-                                                                        variant):
-    """A tight agent workload (evictions, preemptions, checkpoints published and suppressed)."""
+def assert_same_records(python: list, fast: list) -> None:
+    first = next((i for i, (a, b) in enumerate(zip(python, fast)) if a != b), None)
+    assert first is None, f"record {first}: Python {python[first]!r}, native {fast[first]!r}"
+    assert len(python) == len(fast)
+
+
+def tight_agent_workload(tmp_path, variant: str, num_requests: int, num_gpu_blocks: int):
+    """Synthetic agent traffic in a small pool: evictions, preemptions, checkpoints published
+    and suppressed."""
     from kvtrace.engine_config import SchedulerSettings
     from kvtrace.engine.core import EngineOptions, load_workload
     from kvtrace.workloads.workload import EngineShape, write_workload
     from kvtrace.workloads.synth import synthesize
 
     path = tmp_path / "workload.kvtrace"
-    shape = EngineShape(num_gpu_blocks=260)
-    write_workload(path, synthesize("agent", 40, 0, shape.hash_unit), shape)
+    shape = EngineShape(num_gpu_blocks=num_gpu_blocks)
+    write_workload(path, synthesize("agent", num_requests, 0, shape.hash_unit), shape)
     workload = load_workload(EngineOptions(str(path), variant=variant, speed=0))
     config = replace(workload.config, reserve_full_sequence=False)  # admit by chunk: preempt
-    workload = dataclasses.replace(workload, config=config,
-                                   settings=SchedulerSettings.from_config(config))
+    return dataclasses.replace(workload, config=config,
+                               settings=SchedulerSettings.from_config(config))
 
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", ["unfixed", "fixed"])
+def test_native_wrappers_record_exactly_what_the_python_wrappers_record(tmp_path, monkeypatch,
+                                                                        variant):
+    """The record types of kvtrace.events, on a larger workload, both variants."""
+    workload = tight_agent_workload(tmp_path, variant, 40, 260)
     python, python_kinds = engine_records(workload, variant, monkeypatch, None)
     fast, fast_kinds = engine_records(workload, variant, monkeypatch, native.built)
 
     assert python_kinds == {"function"} and fast_kinds == {"FastWrapper"}
-    first = next((i for i, (a, b) in enumerate(zip(python, fast)) if a != b), None)
-    assert first is None, f"record {first}: Python {python[first]!r}, native {fast[first]!r}"
-    assert len(python) == len(fast)
+    python, fast = comparable(python), comparable(fast)
+    assert_same_records(python, fast)
     kinds = {type(r).__name__ for r in python}
     assert {"BlockStored", "BlockRemoved", "CheckpointRecorded", "RequestPreempted",
             "HashesExtended", "HashInterned"} <= kinds
+
+
+def test_native_records_take_their_field_order_from_their_types(tmp_path, monkeypatch,
+                                                               reconfigure):
+    """Every record type the native core builds, reordered and given a new field in the middle
+    (SlotsAllocated: before fields it supplies, so it passes the default): the core builds the
+    new types by field name, and each record it built equals the Python wrapper's."""
+    drifted = {name: reordered(getattr(events, name)) for name in NATIVE_RECORD_TYPES}
+    workload = tight_agent_workload(tmp_path, "unfixed", 6, 170)
+    python, _ = engine_records(workload, "unfixed", monkeypatch, None)
+    reconfigure(**drifted)
+    fast, fast_kinds = engine_records(workload, "unfixed", monkeypatch, native.built)
+
+    assert fast_kinds == {"FastWrapper"}
+    built_natively = [r for r in fast if type(r) in drifted.values()]
+    assert {type(r).__name__ for r in built_natively} == set(NATIVE_RECORD_TYPES)
+    assert {r.padding for r in built_natively} == {7}
+    assert_same_records(comparable(python), comparable(fast))
+
+
+BAD_RECORD_TYPES = {
+    "renamed": ("BlockStored", msgspec.defstruct(
+        "BlockStored", [("block_id", int), ("hash_id", int), ("group", int), ("num_tokens", int),
+                        ("store_kind", int), ("req", int)]), ValueError,
+        "BlockStored has no field kind"),
+    "a required field more": ("StepStarted", msgspec.defstruct(
+        "StepStarted", [("step", int), ("ts_ns", int), ("rank", int)]), ValueError,
+        "StepStarted.rank is required and the native core does not supply it"),
+    "a default made per record": ("SlotsAllocated", reordered(
+        events.SlotsAllocated, msgspec.field(default_factory=int)), ValueError,
+        "SlotsAllocated.padding .* default_factory"),
+    "keyword-only": ("HashInterned", msgspec.defstruct(
+        "HashInterned", [("hash_id", int), ("hash_bytes", bytes)], kw_only=True), ValueError,
+        "HashInterned.hash_id is keyword-only"),
+    "another record type": ("BlockAllocated", events.BlockTouched, TypeError,
+                            "is not the record type BlockAllocated"),
+    "not a Struct": ("BlockFreed", type("BlockFreed", (), {}), TypeError,
+                     "BlockFreed is not a msgspec Struct"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_RECORD_TYPES)
+def test_native_core_refuses_record_types_it_cannot_build_by_name(case, reconfigure):
+    """And a refusal changes nothing: the record types it had are the ones it builds."""
+    name, record_type, error, message = BAD_RECORD_TYPES[case]
+    with pytest.raises(error, match=message):  # with a type it could build, not taken either
+        reconfigure(**{"HashInterned": reordered(events.HashInterned), name: record_type})
+    from kvtrace.probes import CacheProbes
+
+    probes = CacheProbes(print, HashInterner(), emit_hash_bytes=True)
+    assert native.built.intern_hashes(probes, [b"a", b"b"], 0, 2, 16) == [0, 1]
+    assert probes._records == [events.HashInterned(0, b"a"), events.HashInterned(1, b"b")]
+    assert probes._depth == {0: 16, 1: 32}
+
+
+def test_a_refused_configuration_turns_the_native_core_off(monkeypatch):
+    """What the probes call: never raises (it runs inside vLLM), and says why the core is off."""
+    from kvtrace.probes import cache_probes
+
+    monkeypatch.setattr(native, "core", native.built)
+    monkeypatch.setattr(native, "problem", None)
+    renamed = BAD_RECORD_TYPES["renamed"][1]
+    native.configure(*(renamed if name == "BlockStored" else getattr(events, name)
+                       for name in NATIVE_RECORD_TYPES),
+                     cache_probes._NO_REQ, cache_probes._STALE_CHECKPOINT, cache_probes._LRU_REUSE)
+    assert native.core is None
+    assert native.problem.startswith("kvtrace's native core is off: BlockStored has no field kind")
 
 
 def test_native_wrappers_never_raise_into_vllm_and_count_the_failure(vllm_backend_class):
@@ -230,18 +359,41 @@ def test_kvtrace_native_0_turns_the_native_core_off():
     assert out.split() == ["True", "True"]
 
 
-def test_without_the_built_core_the_python_twins_capture(tmp_path):
-    """As on a machine that could not compile it: the import fails, captures still work."""
+UNUSABLE_CORES = {
+    # As on a machine that could not compile it: the import fails.
+    "not built": ("""
+sys.modules["kvtrace._native"] = None
+""", "object", None),
+    # A schema the core cannot build by field name (a field renamed): configure() refuses it.
+    "refused schema": ("""
+import msgspec
+from kvtrace import events
+events.BlockStored = msgspec.defstruct(
+    "BlockStored", [("block_id", int), ("hash_id", int), ("group", int), ("num_tokens", int),
+                    ("store_kind", int), ("req", int)],
+    bases=(events.Record,), tag="block_stored")
+""", "ProbeState", "kvtrace's native core is off: BlockStored has no field kind, which the native "
+    "core supplies. The probes run as pure Python (slower); kvtrace/events.py and "
+    "csrc/kvtrace_native.h must name the same record fields."),
+}
+
+
+@pytest.mark.parametrize("case", [
+    "not built", pytest.param("refused schema", marks=pytest.mark.slow)])
+def test_without_a_usable_core_the_python_twins_capture(tmp_path, case):
+    """The process goes on with the Python twins, and captures still work."""
+    setup, probes_base, problem = UNUSABLE_CORES[case]
     code = f"""
 import sys
-sys.modules["kvtrace._native"] = None  # import fails as if it were never built
+{setup}
 from kvtrace import native
 from kvtrace.capture import hook
 from kvtrace.probes import CacheProbes
 from kvtrace.replay.vllm_backend import VllmBackend
 sys.path.insert(0, {os.path.dirname(__file__)!r})
 from vllm_support import prefill_chunks, seed_config
-assert native.core is None and CacheProbes.__mro__[1] is object
+assert native.core is None and CacheProbes.__mro__[1].__name__ == {probes_base!r}
+assert native.problem == {problem!r}, native.problem
 with VllmBackend(seed_config(0), "fixed", None) as backend:
     hook.arm(hook.CaptureOptions(path={str(tmp_path / 'cap.kvtrace')!r}, gpu_interval_ms=0))
     backend.add_request(1, 240, list(range(15)), 8)

@@ -579,10 +579,9 @@ def _probes_changed() -> None:
         native.built.probes_changed()
 
 
-if native.built is not None:
-    native.built.configure(StepStarted, SlotsAllocated, BlockStored, BlockRemoved, HashInterned,
-                           BlockAllocated, BlockTouched, BlockFreed, BlocksReleased, _NO_REQ,
-                           _STALE_CHECKPOINT, _LRU_REUSE)
+native.configure(StepStarted, SlotsAllocated, BlockStored, BlockRemoved, HashInterned,
+                 BlockAllocated, BlockTouched, BlockFreed, BlocksReleased, _NO_REQ,
+                 _STALE_CHECKPOINT, _LRU_REUSE)
 
 
 class CacheProbes(object if native.built is None else native.built.ProbeState):

@@ -1,38 +1,25 @@
-/* kvtrace's optional native core: the hot paths of a live capture, in C.
+/* The probes' fast paths: ProbeState, FastWrapper and intern_hashes.
  *
- * Built at install when a C compiler is there (setup.py, optional); kvtrace/native.py says
- * whether it is, and every part has a Python twin that is the reference and the fallback:
- *
- * - FastWrapper / ProbeState: the probes' ten hottest wrappers (kvtrace/probes/cache_probes.py).
- *   The probes wrap ~10 vLLM cache methods per engine step; as Python functions each wrapper
- *   costs a frame, its own argument binding and several attribute lookups. Here
- *   KVCacheManager.new_step_starts / allocate_slots, BlockPool._insert_block_hash /
- *   _remove_cached_block_hashes / get_new_blocks / touch / free_blocks and
- *   MambaManager.get_num_blocks_to_allocate / allocate_new_blocks / cache_blocks handle their
- *   common case: forward the caller's arguments untouched to the original and build the records
- *   the Python wrapper would. Every other case (a new request, a checkpoint publication, a
- *   replay probe set that flushes per call, anything unexpected before the original runs) goes,
- *   arguments untouched, to the Python wrapper, which does the whole call. ProbeState is
- *   CacheProbes' base class: the fields both sides use. intern_hashes is CacheProbes._hash_ids.
- * - StepBuffer: a capture's per-step hand-over of records to the writer, encoded in batches
- *   (kvtrace/capture/hook.py).
- * - write_rows_frame: a frame of pre-encoded rows joined, checksummed and written with the
- *   interpreter lock released, so the writer thread barely competes with vLLM's scheduler
- *   thread (kvtrace/traceio.py).
+ * FastWrapper / ProbeState: the probes' ten hottest wrappers (kvtrace/probes/cache_probes.py).
+ * The probes wrap ~10 vLLM cache methods per engine step; as Python functions each wrapper
+ * costs a frame, its own argument binding and several attribute lookups. Here
+ * KVCacheManager.new_step_starts / allocate_slots, BlockPool._insert_block_hash /
+ * _remove_cached_block_hashes / get_new_blocks / touch / free_blocks and
+ * MambaManager.get_num_blocks_to_allocate / allocate_new_blocks / cache_blocks handle their
+ * common case: forward the caller's arguments untouched to the original and build the records
+ * the Python wrapper would. Every other case (a new request, a checkpoint publication, a
+ * replay probe set that flushes per call, anything unexpected before the original runs) goes,
+ * arguments untouched, to the Python wrapper, which does the whole call. ProbeState is
+ * CacheProbes' base class: the fields both sides use. intern_hashes is CacheProbes._hash_ids.
  *
  * Rules kept from the Python side: nothing of ours raises into vLLM (our failures are cleared and
  * counted in num_failures), and the original's result or exception is returned or raised
- * unchanged. tests/test_native.py checks each part against its twin.
+ * unchanged.
  */
-#define PY_SSIZE_T_CLEAN
-#include <Python.h>
-#include <structmember.h>
-#include <errno.h>
-#include <stdint.h>
-#include <stdlib.h>
+#include "kvtrace_native.h"
+
 #include <string.h>
 #include <time.h>
-#include <unistd.h>
 
 #if PY_VERSION_HEX >= 0x030D0000
 #define LOOKUP_ATTR PyObject_GetOptionalAttr
@@ -83,17 +70,6 @@ state_clear(ProbeState *self)
     return 0;
 }
 
-/* tp_dealloc of this module's types: heap types with references that `clear` drops. */
-static void
-dealloc_with(PyObject *self, inquiry clear)
-{
-    PyTypeObject *type = Py_TYPE(self);
-    PyObject_GC_UnTrack(self);
-    clear(self);
-    type->tp_free(self);
-    Py_DECREF(type);
-}
-
 static void
 state_dealloc(PyObject *self)
 {
@@ -133,11 +109,9 @@ static PyType_Spec state_spec = {
     Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC, state_slots,
 };
 
-/* --- module state: set once by configure() ---------------------------------------------------- */
+/* --- the probes' state: their constants set by configure() ----------------------------------- */
 
 static PyTypeObject *ProbeStateType;
-static PyObject *StepStarted, *SlotsAllocated, *BlockStored, *BlockRemoved, *HashInterned,
-    *BlockAllocated, *BlockTouched, *BlockFreed, *BlocksReleased;
 static PyObject *NoReq, *StaleCheckpoint, *LruReuse, *One;
 static PyObject *s_block_pool, *s_probe_attr, *s_checkpoints, *s_pending_offloads, *s_request_id,
     *s_block_hashes, *s_num_computed_tokens, *s_all_token_ids, *s_block_hash, *s_block_id, *s_flush,
@@ -268,12 +242,6 @@ append_record(ProbeState *probe, PyObject *record)
     return 0;
 }
 
-static PyObject *
-new_record(PyObject *type, PyObject *const *fields, Py_ssize_t num_fields)
-{
-    return PyObject_Vectorcall(type, fields, num_fields, NULL);
-}
-
 /* (hash id, group) of a BlockHashWithGroupId (hash bytes + 4-byte big-endian group), interning
  * the hash bytes as events.HashInterner does; a new id is announced by a HashInterned record
  * when the probe emits hash bytes. Returns a new reference to the id, or NULL with an error. */
@@ -306,8 +274,8 @@ intern_key(ProbeState *probe, PyObject *key, unsigned long *group)
         return NULL;
     }
     if (probe->emit_hash_bytes == Py_True) {
-        PyObject *fields[] = {hash_id, hash_bytes};
-        append_record(probe, new_record(HashInterned, fields, 2));
+        append_record(probe, NEW_RECORD(HashInterned, .hash_id = hash_id,
+                                        .hash_bytes = hash_bytes));
     }
     Py_DECREF(hash_bytes);
     return hash_id;
@@ -478,8 +446,7 @@ new_step_starts(FastWrapper *w, PyObject *const *args, size_t nargsf, PyObject *
     } else {
         Py_INCREF(step);
         set_field(&probe->step, step);
-        PyObject *fields[] = {step, ts_ns};
-        append_record(probe, new_record(StepStarted, fields, 2));
+        append_record(probe, NEW_RECORD(StepStarted, .step = step, .ts_ns = ts_ns));
     }
     Py_XDECREF(step);
     Py_XDECREF(ts_ns);
@@ -511,7 +478,7 @@ allocate_slots(FastWrapper *w, PyObject *const *args, size_t nargsf, PyObject *k
     Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
     enum { REQUEST = 1, NUM_NEW_TOKENS, NUM_NEW_COMPUTED_TOKENS, NUM_LOOKAHEAD_TOKENS = 5,
            NUM_EXTERNAL_COMPUTED_TOKENS, FULL_SEQUENCE_MUST_FIT = 9, RESERVED_BLOCKS,
-           HAS_SCHEDULED_REQS, NUM_FIELDS = 11 };
+           HAS_SCHEDULED_REQS };
     static const Py_ssize_t recorded_args[] = {
         NUM_NEW_TOKENS, NUM_NEW_COMPUTED_TOKENS, NUM_LOOKAHEAD_TOKENS,
         NUM_EXTERNAL_COMPUTED_TOKENS, FULL_SEQUENCE_MUST_FIT, RESERVED_BLOCKS, HAS_SCHEDULED_REQS};
@@ -572,10 +539,12 @@ allocate_slots(FastWrapper *w, PyObject *const *args, size_t nargsf, PyObject *k
     PyObject *exc_type, *exc_value, *exc_tb;
     PyErr_Fetch(&exc_type, &exc_value, &exc_tb);
     PyObject *allocated = (result != NULL && result != Py_None) ? Py_True : Py_False;
-    PyObject *fields[NUM_FIELDS] = {
-        req, values[0], num_computed, values[1], values[2], values[3], num_tokens, allocated,
-        values[4], values[5], values[6]};
-    PyObject *record = new_record(SlotsAllocated, fields, NUM_FIELDS);
+    PyObject *record = NEW_RECORD(
+        SlotsAllocated, .req = req, .num_new_tokens = values[0],
+        .num_computed_tokens = num_computed, .num_new_computed_tokens = values[1],
+        .num_lookahead_tokens = values[2], .num_external_computed_tokens = values[3],
+        .num_tokens = num_tokens, .success = allocated, .full_sequence_must_fit = values[4],
+        .reserved_blocks = values[5], .has_scheduled_reqs = values[6]);
     if (record == NULL || PyList_Insert(records, first_effect, record) < 0) {
         count_failure(probe);
     }
@@ -687,8 +656,9 @@ insert_block_hash(FastWrapper *w, PyObject *const *args, size_t nargsf, PyObject
         count_failure(probe);
         goto done;
     }
-    PyObject *fields[] = {block_id, hash_id, group, depth, probe->store_kind, probe->req};
-    append_record(probe, new_record(BlockStored, fields, 6));
+    append_record(probe, NEW_RECORD(BlockStored, .block_id = block_id, .hash_id = hash_id,
+                                    .group = group, .num_tokens = depth,
+                                    .kind = probe->store_kind, .req = probe->req));
 done:
     Py_XDECREF(block_id);
     Py_XDECREF(hash_id);
@@ -741,8 +711,10 @@ remove_cached_block_hashes(FastWrapper *w, PyObject *const *args, size_t nargsf,
             Py_XDECREF(group);
             break;
         }
-        PyObject *fields[] = {block_id, hash_id, group, depth, probe->remove_reason};
-        int appended = append_record(probe, new_record(BlockRemoved, fields, 5));
+        int appended = append_record(
+            probe, NEW_RECORD(BlockRemoved, .block_id = block_id, .hash_id = hash_id,
+                              .group = group, .num_tokens = depth,
+                              .reason = probe->remove_reason));
         Py_DECREF(hash_id);
         Py_DECREF(group);
         if (appended < 0) {
@@ -966,13 +938,13 @@ add_block_records(ProbeState *probe, PyObject *blocks, enum BlockRecord kind)
             if (kind == FREED) {
                 if ((ref_cnt = PyObject_GetAttr(block, s_ref_cnt)) != NULL
                     && (block_hash = PyObject_GetAttr(block, s_block_hash)) != NULL) {
-                    PyObject *fields[] = {block_id, ref_cnt,
-                                          block_hash != Py_None ? Py_True : Py_False};
-                    record = new_record(BlockFreed, fields, 3);
+                    record = NEW_RECORD(BlockFreed, .block_id = block_id, .ref_cnt = ref_cnt,
+                                        .hashed = block_hash != Py_None ? Py_True : Py_False);
                 }
+            } else if (kind == ALLOCATED) {
+                record = NEW_RECORD(BlockAllocated, .block_id = block_id, .req = probe->req);
             } else {
-                PyObject *fields[] = {block_id, probe->req};
-                record = new_record(kind == ALLOCATED ? BlockAllocated : BlockTouched, fields, 2);
+                record = NEW_RECORD(BlockTouched, .block_id = block_id, .req = probe->req);
             }
         }
         int failed = skip < 0
@@ -1074,7 +1046,7 @@ free_blocks(FastWrapper *w, PyObject *const *args, size_t nargsf, PyObject *kwna
             Py_XDECREF(block_id);
         }
         if (block_ids != NULL) {
-            released = new_record(BlocksReleased, &block_ids, 1);
+            released = NEW_RECORD(BlocksReleased, .block_ids = block_ids);
             append_record(probe, released);
         } else {
             count_failure(probe);
@@ -1123,7 +1095,7 @@ wrapper_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
     if (kind == NUM_KINDS) {
         return PyErr_Format(PyExc_ValueError, "no native fast path for %s", method_name);
     }
-    if (StepStarted == NULL) {
+    if (NoReq == NULL) {
         PyErr_SetString(PyExc_RuntimeError, "kvtrace._native: configure() first");
         return NULL;
     }
@@ -1222,372 +1194,9 @@ static PyType_Spec wrapper_spec = {
     wrapper_slots,
 };
 
-/* --- StepBuffer: the capture's hand-over of one engine step's records ------------------------- */
+/* --- intern_hashes, and what the module tells the probes ------------------------------------- */
 
-/* Called by the probes once per engine step with that step's records. They join `pending`;
- * every BATCH_RECORDS records, or once the oldest has waited MAX_DELAY_NS, the pending records
- * are encoded at once (msgspec, via `encode`: one call for many steps costs far less than one
- * per step) and (number of records, bytes) goes to `chunks`, which the writer thread drains.
- * Counters are in records. When the records do not fit in `capacity`, or drops wait to be
- * marked, `overflow(records)` (Python) decides what to keep. kvtrace/capture/hook.py has its
- * twin, which has the constants. */
-typedef struct {
-    PyObject_HEAD
-    PyObject *chunks;
-    PyObject *pending;
-    PyObject *encode;
-    PyObject *overflow;
-    Py_ssize_t capacity, num_buffered, num_drained, num_enqueued, unmarked_drops;
-    Py_ssize_t batch_records;
-    long long max_delay_ns, pending_since_ns;
-    vectorcallfunc vectorcall;
-} StepBuffer;
-
-static long long
-monotonic_ns(void)
-{
-    struct timespec now;
-    clock_gettime(CLOCK_MONOTONIC, &now);
-    return (long long)now.tv_sec * 1000000000LL + now.tv_nsec;
-}
-
-/* Encode the pending records into one chunk. */
-static int
-step_buffer_encode_pending(StepBuffer *self)
-{
-    Py_ssize_t num_records = PyList_GET_SIZE(self->pending);
-    if (num_records == 0) {
-        return 0;
-    }
-    PyObject *encoded = PyObject_CallOneArg(self->encode, self->pending);
-    if (encoded == NULL) {
-        return -1;
-    }
-    PyObject *fresh = PyList_New(0);
-    PyObject *size = PyLong_FromSsize_t(num_records);
-    PyObject *chunk = size == NULL || fresh == NULL ? NULL : PyTuple_Pack(2, size, encoded);
-    Py_XDECREF(size);
-    Py_DECREF(encoded);
-    if (chunk == NULL || PyList_Append(self->chunks, chunk) < 0) {
-        Py_XDECREF(chunk);
-        Py_XDECREF(fresh);
-        return -1;
-    }
-    Py_DECREF(chunk);
-    Py_SETREF(self->pending, fresh);
-    return 0;
-}
-
-static PyObject *
-step_buffer_call(StepBuffer *self, PyObject *const *args, size_t nargsf, PyObject *kwnames)
-{
-    if (PyVectorcall_NARGS(nargsf) != 1 || kwnames != NULL || !PyList_Check(args[0])) {
-        PyErr_SetString(PyExc_TypeError, "StepBuffer takes one list of records");
-        return NULL;
-    }
-    PyObject *records = args[0];
-    Py_ssize_t num_records = PyList_GET_SIZE(records);
-    if (self->unmarked_drops
-        || self->num_buffered - self->num_drained + num_records > self->capacity) {
-        return PyObject_CallOneArg(self->overflow, records);
-    }
-    long long now = monotonic_ns();
-    if (PyList_GET_SIZE(self->pending) == 0) {
-        self->pending_since_ns = now;
-    }
-    if (PyList_SetSlice(self->pending, PY_SSIZE_T_MAX, PY_SSIZE_T_MAX, records) < 0) {
-        return NULL;
-    }
-    self->num_buffered += num_records;
-    self->num_enqueued += num_records;
-    if ((PyList_GET_SIZE(self->pending) >= self->batch_records
-         || now - self->pending_since_ns >= self->max_delay_ns)
-        && step_buffer_encode_pending(self) < 0) {
-        return NULL;
-    }
-    Py_RETURN_NONE;
-}
-
-static PyObject *
-step_buffer_flush(StepBuffer *self, PyObject *unused)
-{
-    if (step_buffer_encode_pending(self) < 0) {
-        return NULL;
-    }
-    Py_RETURN_NONE;
-}
-
-static PyObject *
-step_buffer_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
-{
-    PyObject *encode, *overflow;
-    Py_ssize_t capacity, batch_records;
-    double max_delay_s;
-    static char *keywords[] = {"encode", "capacity", "overflow", "batch_records", "max_delay_s",
-                               NULL};
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OnOnd:StepBuffer", keywords, &encode,
-                                     &capacity, &overflow, &batch_records, &max_delay_s)) {
-        return NULL;
-    }
-    StepBuffer *self = (StepBuffer *)type->tp_alloc(type, 0);
-    if (self == NULL || (self->chunks = PyList_New(0)) == NULL
-        || (self->pending = PyList_New(0)) == NULL) {
-        Py_XDECREF(self);
-        return NULL;
-    }
-    self->encode = Py_NewRef(encode);
-    self->overflow = Py_NewRef(overflow);
-    self->capacity = capacity;
-    self->batch_records = batch_records;
-    self->max_delay_ns = (long long)(max_delay_s * 1e9);
-    self->vectorcall = (vectorcallfunc)step_buffer_call;
-    return (PyObject *)self;
-}
-
-static int
-step_buffer_traverse(StepBuffer *self, visitproc visit, void *arg)
-{
-    Py_VISIT(self->chunks);
-    Py_VISIT(self->pending);
-    Py_VISIT(self->encode);
-    Py_VISIT(self->overflow);
-    Py_VISIT(Py_TYPE(self));
-    return 0;
-}
-
-static int
-step_buffer_clear(StepBuffer *self)
-{
-    Py_CLEAR(self->chunks);
-    Py_CLEAR(self->pending);
-    Py_CLEAR(self->encode);
-    Py_CLEAR(self->overflow);
-    return 0;
-}
-
-static void
-step_buffer_dealloc(PyObject *self)
-{
-    dealloc_with(self, (inquiry)step_buffer_clear);
-}
-
-static PyMemberDef step_buffer_members[] = {
-    {"__vectorcalloffset__", T_PYSSIZET, offsetof(StepBuffer, vectorcall), READONLY, NULL},
-    {"chunks", T_OBJECT, offsetof(StepBuffer, chunks), READONLY, NULL},
-    {"capacity", T_PYSSIZET, offsetof(StepBuffer, capacity), 0, NULL},
-    {"num_buffered", T_PYSSIZET, offsetof(StepBuffer, num_buffered), 0, NULL},
-    {"num_drained", T_PYSSIZET, offsetof(StepBuffer, num_drained), 0, NULL},
-    {"num_enqueued", T_PYSSIZET, offsetof(StepBuffer, num_enqueued), 0, NULL},
-    {"unmarked_drops", T_PYSSIZET, offsetof(StepBuffer, unmarked_drops), 0, NULL},
-    {NULL},
-};
-
-static PyMethodDef step_buffer_methods[] = {
-    {"flush", (PyCFunction)step_buffer_flush, METH_NOARGS, "Encode the pending records now."},
-    {NULL},
-};
-
-static PyType_Slot step_buffer_slots[] = {
-    {Py_tp_doc, "StepBuffer(encode, capacity, overflow, batch_records, max_delay_s): a "
-                "capture's per-step hand-over."},
-    {Py_tp_methods, step_buffer_methods},
-    {Py_tp_new, step_buffer_new},
-    {Py_tp_call, PyVectorcall_Call},
-    {Py_tp_members, step_buffer_members},
-    {Py_tp_traverse, step_buffer_traverse},
-    {Py_tp_clear, step_buffer_clear},
-    {Py_tp_dealloc, step_buffer_dealloc},
-    {0, NULL},
-};
-
-static PyType_Spec step_buffer_spec = {
-    "kvtrace._native.StepBuffer", sizeof(StepBuffer), 0,
-    Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL, step_buffer_slots,
-};
-
-/* --- write_rows_frame: one trace frame, written without the interpreter lock ------------------ */
-
-static uint32_t crc_table[256];
-
-static void
-init_crc_table(void)
-{
-    for (uint32_t n = 0; n < 256; n++) {
-        uint32_t c = n;
-        for (int k = 0; k < 8; k++) {
-            c = (c & 1) ? 0xEDB88320u ^ (c >> 1) : c >> 1;
-        }
-        crc_table[n] = c;
-    }
-}
-
-/* CRC-32 as zlib.crc32 computes it (reflected, polynomial 0xEDB88320). */
-static uint32_t
-crc32_of(const unsigned char *data, size_t size)
-{
-    uint32_t c = 0xFFFFFFFFu;
-    for (size_t i = 0; i < size; i++) {
-        c = crc_table[(c ^ data[i]) & 0xFF] ^ (c >> 8);
-    }
-    return c ^ 0xFFFFFFFFu;
-}
-
-static void
-put_u32_le(unsigned char *out, uint32_t value)
-{
-    out[0] = value & 0xFF;
-    out[1] = (value >> 8) & 0xFF;
-    out[2] = (value >> 16) & 0xFF;
-    out[3] = (value >> 24) & 0xFF;
-}
-
-/* Length of the msgpack array header `chunk` starts with, and the number of items it announces;
- * -1 if it is not an array header. */
-static Py_ssize_t
-array_header(const unsigned char *chunk, Py_ssize_t size, Py_ssize_t *num_items)
-{
-    if (size >= 1 && (chunk[0] & 0xF0) == 0x90) {
-        *num_items = chunk[0] & 0x0F;
-        return 1;
-    }
-    if (size >= 3 && chunk[0] == 0xDC) {
-        *num_items = ((Py_ssize_t)chunk[1] << 8) | chunk[2];
-        return 3;
-    }
-    if (size >= 5 && chunk[0] == 0xDD) {
-        *num_items = ((Py_ssize_t)chunk[1] << 24) | ((Py_ssize_t)chunk[2] << 16)
-                     | ((Py_ssize_t)chunk[3] << 8) | chunk[4];
-        return 5;
-    }
-    return -1;
-}
-
-/* write_rows_frame(fd, chunks) -> number of records: one R frame of pre-encoded rows, as
- * TraceWriter writes it. Each chunk is (number of records, encode_rows(records)); the frame's
- * payload is b"R", one msgpack array32 header for all the records, and each chunk without its
- * own array header; the frame is u32 payload length, u32 crc32(payload), payload. Joining,
- * checksumming and writing happen with the interpreter lock released. */
-static PyObject *
-write_rows_frame(PyObject *module, PyObject *args)
-{
-    int fd;
-    PyObject *chunks;
-    if (!PyArg_ParseTuple(args, "iO!:write_rows_frame", &fd, &PyList_Type, &chunks)) {
-        return NULL;
-    }
-    Py_ssize_t num_chunks = PyList_GET_SIZE(chunks);
-    PyObject **held = PyMem_Malloc(sizeof(PyObject *) * (num_chunks + 1));
-    Py_ssize_t *skip = PyMem_Malloc(sizeof(Py_ssize_t) * (num_chunks + 1));
-    if (held == NULL || skip == NULL) {
-        PyMem_Free(held);
-        PyMem_Free(skip);
-        return PyErr_NoMemory();
-    }
-    Py_ssize_t num_held = 0, num_records = 0;
-    size_t payload_size = 1 + 5;
-    for (; num_held < num_chunks; num_held++) {
-        PyObject *chunk = PyList_GET_ITEM(chunks, num_held), *body;
-        Py_ssize_t size, announced;
-        if (!PyTuple_CheckExact(chunk) || PyTuple_GET_SIZE(chunk) != 2
-            || !PyBytes_Check(body = PyTuple_GET_ITEM(chunk, 1))
-            || (size = PyLong_AsSsize_t(PyTuple_GET_ITEM(chunk, 0))) < 0
-            || (skip[num_held] = array_header((const unsigned char *)PyBytes_AS_STRING(body),
-                                              PyBytes_GET_SIZE(body), &announced)) < 0
-            || announced != size) {
-            if (!PyErr_Occurred()) {
-                PyErr_SetString(PyExc_ValueError, "write_rows_frame: each chunk must be "
-                                "(number of records, encode_rows(records))");
-            }
-            break;
-        }
-        held[num_held] = Py_NewRef(body); /* bytes are immutable: readable without the lock */
-        payload_size += PyBytes_GET_SIZE(body) - skip[num_held];
-        num_records += size;
-    }
-    int error = 0;
-    if (num_held == num_chunks && (payload_size > 0xFFFFFFFFu || num_records > 0xFFFFFFFFL)) {
-        PyErr_SetString(PyExc_OverflowError, "write_rows_frame: frame larger than 4 GiB");
-    }
-    if (!PyErr_Occurred()) {
-        Py_BEGIN_ALLOW_THREADS
-        unsigned char *frame = malloc(8 + payload_size);
-        if (frame == NULL) {
-            error = ENOMEM;
-        } else {
-            unsigned char *out = frame + 8;
-            *out++ = 'R';
-            *out++ = 0xDD;
-            for (int shift = 24; shift >= 0; shift -= 8) {
-                *out++ = (num_records >> shift) & 0xFF;
-            }
-            for (Py_ssize_t i = 0; i < num_held; i++) {
-                Py_ssize_t body_size = PyBytes_GET_SIZE(held[i]) - skip[i];
-                memcpy(out, PyBytes_AS_STRING(held[i]) + skip[i], body_size);
-                out += body_size;
-            }
-            put_u32_le(frame, (uint32_t)payload_size);
-            put_u32_le(frame + 4, crc32_of(frame + 8, payload_size));
-            size_t written = 0;
-            while (written < 8 + payload_size) {
-                ssize_t n = write(fd, frame + written, 8 + payload_size - written);
-                if (n < 0) {
-                    if (errno == EINTR) {
-                        continue;
-                    }
-                    error = errno;
-                    break;
-                }
-                written += (size_t)n;
-            }
-            free(frame);
-        }
-        Py_END_ALLOW_THREADS
-    }
-    for (Py_ssize_t i = 0; i < num_held; i++) {
-        Py_DECREF(held[i]);
-    }
-    PyMem_Free(held);
-    PyMem_Free(skip);
-    if (PyErr_Occurred()) {
-        return NULL;
-    }
-    if (error) {
-        errno = error;
-        return PyErr_SetFromErrno(PyExc_OSError);
-    }
-    return PyLong_FromSsize_t(num_records);
-}
-
-/* --- module ----------------------------------------------------------------------------------- */
-
-static PyObject *
-configure(PyObject *module, PyObject *args)
-{
-    PyObject *step_started, *slots_allocated, *block_stored, *block_removed, *hash_interned,
-        *block_allocated, *block_touched, *block_freed, *blocks_released, *no_req,
-        *stale_checkpoint, *lru_reuse;
-    if (!PyArg_ParseTuple(args, "OOOOOOOOOOOO:configure", &step_started, &slots_allocated,
-                          &block_stored, &block_removed, &hash_interned, &block_allocated,
-                          &block_touched, &block_freed, &blocks_released, &no_req,
-                          &stale_checkpoint, &lru_reuse)) {
-        return NULL;
-    }
-    Py_XSETREF(BlockAllocated, Py_NewRef(block_allocated));
-    Py_XSETREF(BlockTouched, Py_NewRef(block_touched));
-    Py_XSETREF(BlockFreed, Py_NewRef(block_freed));
-    Py_XSETREF(BlocksReleased, Py_NewRef(blocks_released));
-    Py_XSETREF(LruReuse, Py_NewRef(lru_reuse));
-    Py_XSETREF(StepStarted, Py_NewRef(step_started));
-    Py_XSETREF(SlotsAllocated, Py_NewRef(slots_allocated));
-    Py_XSETREF(BlockStored, Py_NewRef(block_stored));
-    Py_XSETREF(BlockRemoved, Py_NewRef(block_removed));
-    Py_XSETREF(HashInterned, Py_NewRef(hash_interned));
-    Py_XSETREF(NoReq, Py_NewRef(no_req));
-    Py_XSETREF(StaleCheckpoint, Py_NewRef(stale_checkpoint));
-    Py_RETURN_NONE;
-}
-
-static PyObject *
+PyObject *
 probes_changed(PyObject *module, PyObject *unused)
 {
     probes_generation++;
@@ -1597,7 +1206,7 @@ probes_changed(PyObject *module, PyObject *unused)
 /* intern_hashes(probe, hashes, start, stop, hash_block_size) -> ids: CacheProbes._hash_ids for a
  * plain HashInterner. Interns hashes[start:stop] (a new id announced by a HashInterned record
  * when the probe emits hash bytes) and records the prefix length each id covers. */
-static PyObject *
+PyObject *
 intern_hashes(PyObject *module, PyObject *args)
 {
     ProbeState *probe;
@@ -1628,8 +1237,8 @@ intern_hashes(PyObject *module, PyObject *args)
             break;
         } else if (probe->emit_hash_bytes == Py_True) {
             PyObject *copy = PyBytes_FromObject(hash_bytes); /* bytes(hash_bytes) */
-            PyObject *fields[] = {hash_id, copy};
-            PyObject *record = copy == NULL ? NULL : new_record(HashInterned, fields, 2);
+            PyObject *record = copy == NULL ? NULL : NEW_RECORD(HashInterned, .hash_id = hash_id,
+                                                                .hash_bytes = copy);
             Py_XDECREF(copy);
             if (record == NULL || PyList_Append(probe->records, record) < 0) {
                 Py_XDECREF(record);
@@ -1652,51 +1261,25 @@ intern_hashes(PyObject *module, PyObject *args)
     return ids;
 }
 
-static PyMethodDef module_methods[] = {
-    {"intern_hashes", intern_hashes, METH_VARARGS,
-     "intern_hashes(probe, hashes, start, stop, hash_block_size) -> ids: CacheProbes._hash_ids "
-     "for a plain HashInterner."},
-    {"write_rows_frame", write_rows_frame, METH_VARARGS,
-     "write_rows_frame(fd, chunks) -> number of records: one R frame of pre-encoded rows, "
-     "written with the interpreter lock released."},
-    {"probes_changed", probes_changed, METH_NOARGS,
-     "A probe set was armed or disarmed: forget which probe set observes which cache."},
-    {"configure", configure, METH_VARARGS,
-     "configure(StepStarted, SlotsAllocated, BlockStored, BlockRemoved, HashInterned, "
-     "BlockAllocated, BlockTouched, BlockFreed, BlocksReleased, NO_REQ, STALE_CHECKPOINT, "
-     "LRU_REUSE): the record types and constants the fast paths use."},
-    {NULL},
-};
+void
+probes_configure(PyObject *no_req, PyObject *stale_checkpoint, PyObject *lru_reuse)
+{
+    Py_XSETREF(NoReq, Py_NewRef(no_req));
+    Py_XSETREF(StaleCheckpoint, Py_NewRef(stale_checkpoint));
+    Py_XSETREF(LruReuse, Py_NewRef(lru_reuse));
+}
 
-static struct PyModuleDef module_def = {
-    PyModuleDef_HEAD_INIT, "kvtrace._native",
-    "Native fast paths of kvtrace's cache probes (see cache_probes.py).", -1, module_methods,
-};
-
-PyMODINIT_FUNC
-PyInit__native(void)
+int
+probes_add_types(PyObject *module)
 {
     if (intern_names() < 0) {
-        return NULL;
+        return -1;
     }
-    PyObject *module = PyModule_Create(&module_def);
-    if (module == NULL) {
-        return NULL;
-    }
-    init_crc_table();
     ProbeStateType = (PyTypeObject *)PyType_FromSpec(&state_spec);
     PyObject *wrapper_type = PyType_FromSpec(&wrapper_spec);
-    PyObject *step_buffer_type = PyType_FromSpec(&step_buffer_spec);
-    if (ProbeStateType == NULL || wrapper_type == NULL || step_buffer_type == NULL
-        || PyModule_AddObjectRef(module, "ProbeState", (PyObject *)ProbeStateType) < 0
-        || PyModule_AddObjectRef(module, "FastWrapper", wrapper_type) < 0
-        || PyModule_AddObjectRef(module, "StepBuffer", step_buffer_type) < 0) {
-        Py_XDECREF(wrapper_type);
-        Py_XDECREF(step_buffer_type);
-        Py_DECREF(module);
-        return NULL;
-    }
-    Py_DECREF(wrapper_type);
-    Py_DECREF(step_buffer_type);
-    return module;
+    int added = ProbeStateType == NULL || wrapper_type == NULL
+                || PyModule_AddObjectRef(module, "ProbeState", (PyObject *)ProbeStateType) < 0
+                || PyModule_AddObjectRef(module, "FastWrapper", wrapper_type) < 0 ? -1 : 0;
+    Py_XDECREF(wrapper_type);
+    return added;
 }
