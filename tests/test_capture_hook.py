@@ -141,7 +141,7 @@ def test_failing_writer_leaves_engine_results_identical(vllm_backend_class, capt
     status = hook.active_session().status()
     assert results == uncaptured
     assert "No space left on device" in status["error"] and not status["armed"]
-    from kvtrace.probes.cache_probes import _Patches
+    from kvtrace.probes.wrappers import _Patches
 
     assert not _Patches.originals, "a failed writer must disarm the probes"
 
