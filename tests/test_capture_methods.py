@@ -14,6 +14,7 @@ import types
 import pytest
 
 from kvtrace.capture import attach, control
+from kvtrace.capture.messages import PingRequest
 from kvtrace.capture.telemetry import GpuSampler, visible_gpu_indices
 from kvtrace.errors import KvtraceError
 from kvtrace.events import GpuSampled
@@ -60,8 +61,8 @@ def test_remote_exec_bootstrap_starts_the_control_server(remote_exec_target, mon
     target = attach.describe(remote_exec_target.pid)
     assert attach.ensure_hook(target, "remote-exec", lambda message: None) == "remote-exec"
     assert calls == [(target.pid, str(control.runtime_dir() / f"inject-{target.pid}.py"))]
-    reply = control.request(target.pid, {"cmd": "ping"})
-    assert reply["pid"] == target.pid and reply["capturing"] is False
+    reply = control.request(target.pid, PingRequest())
+    assert reply.pid == target.pid and reply.capturing is False
 
 
 @pytest.mark.skipif(sys.version_info < (3, 14) or not hasattr(sys, "remote_exec"),

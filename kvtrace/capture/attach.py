@@ -34,6 +34,15 @@ from pathlib import Path
 from typing import Callable
 
 from kvtrace.capture import control
+from kvtrace.capture.messages import (
+    ArmRequest,
+    CaptureOptions,
+    CaptureStatus,
+    DisarmRequest,
+    PingRequest,
+    StatusRequest,
+    options_from,
+)
 from kvtrace.errors import KvtraceError
 
 ENGINE_CORE_TITLE = "::EngineCore"
@@ -128,9 +137,11 @@ def find_engine_cores(pid: int) -> list[Target]:
 
 
 def _control_up(target: Target) -> bool:
+    """Whether kvtrace's control server answers in ``target``; an answer that is an error
+    (another kvtrace version, a refusal) is raised, not taken for "not there"."""
     try:
-        control.request(target.pid, {"cmd": "ping"}, uid=target.uid, timeout_s=5)
-    except KvtraceError:
+        control.request(target.pid, PingRequest(), uid=target.uid, timeout_s=5)
+    except control.ControlChannelError:
         return False
     return True
 
@@ -337,17 +348,18 @@ def ensure_hook(target: Target, method: str, log: Callable[[str], None]) -> str:
                       "Run with -v to see gdb's output.")
 
 
-def arm(target: Target, options: dict) -> dict:
-    """Start capturing in ``target``; the reply's status."""
-    return control.request(target.pid, {"cmd": "arm", "options": options}, uid=target.uid)["status"]
+def arm(target: Target, options: CaptureOptions | dict) -> CaptureStatus:
+    """Start capturing in ``target`` (options: a Struct or a dict of its fields, checked here
+    and again by the engine); its status."""
+    return control.request(target.pid, ArmRequest(options_from(options)), uid=target.uid)
 
 
-def status(target: Target) -> dict:
-    return control.request(target.pid, {"cmd": "status"}, uid=target.uid)["status"]
+def status(target: Target) -> CaptureStatus:
+    return control.request(target.pid, StatusRequest(), uid=target.uid)
 
 
-def disarm(target: Target) -> dict:
-    return control.request(target.pid, {"cmd": "disarm"}, uid=target.uid)["status"]
+def disarm(target: Target) -> CaptureStatus:
+    return control.request(target.pid, DisarmRequest(), uid=target.uid)
 
 
 def is_alive(pid: int) -> bool:

@@ -2,20 +2,18 @@
 
 Inside the engine, ``start_control_server()`` listens on a Unix socket
 ``/tmp/kvtrace-<uid>/engine-<pid>.sock`` (the directory 0700, the socket 0600) on a daemon
-thread, and answers one JSON request per connection: ``ping`` (versions, title), ``arm``
-(start capturing with the given options), ``status``, ``disarm``. Peers must run as the engine's
-user or as root (checked with SO_PEERCRED). It also binds SIGUSR1 (arm to a default path) and
-SIGUSR2 (disarm) where nothing else uses them. Starting it twice is a no-op, so the plugin and an
-injected bootstrap can both call it.
+thread, and answers one request per connection (``messages.py``: ping, arm, status, disarm).
+Peers must run as the engine's user or as root (checked with SO_PEERCRED). It also binds SIGUSR1
+(arm to a default path) and SIGUSR2 (disarm) where nothing else uses them. Starting it twice is
+a no-op, so the plugin and an injected bootstrap can both call it.
 
-On the operator side, ``request(pid, payload)`` sends one request and returns the reply,
-turning an error reply back into a ``KvtraceError``.
+On the operator side, ``request(pid, message)`` sends one request and returns the reply of the
+type that request gets; an error reply is raised as the ``KvtraceError`` the engine raised.
 """
 
 from __future__ import annotations
 
 import atexit
-import json
 import os
 import signal
 import socket
@@ -26,6 +24,24 @@ import time
 from pathlib import Path
 
 from kvtrace import __version__
+from kvtrace.capture.messages import (
+    REPLY_TYPES,
+    ArmRequest,
+    CaptureOptions,
+    ControlMessageError,
+    DisarmRequest,
+    ErrorReply,
+    PingRequest,
+    Pong,
+    Reply,
+    Request,
+    StatusRequest,
+    decode_reply,
+    decode_request,
+    encode,
+    error_reply,
+    raise_error,
+)
 from kvtrace.errors import KvtraceError
 
 ACCEPT_POLL_S = 0.5
@@ -38,7 +54,8 @@ class ControlChannelError(KvtraceError):
 
 def runtime_dir(uid: int | None = None) -> Path:
     """Where an engine running as ``uid`` keeps its control socket."""
-    return Path(os.environ.get("KVTRACE_RUNTIME_DIR", "/tmp")) / f"kvtrace-{os.getuid() if uid is None else uid}"
+    uid = os.getuid() if uid is None else uid
+    return Path(os.environ.get("KVTRACE_RUNTIME_DIR", "/tmp")) / f"kvtrace-{uid}"
 
 
 def socket_path(pid: int, uid: int | None = None) -> Path:
@@ -69,35 +86,38 @@ def _read_line(connection: socket.socket) -> bytes:
             break
         data += chunk
         if len(data) > MAX_REQUEST_BYTES:
-            raise ValueError("request too long")
+            raise ControlMessageError(f"control message longer than {MAX_REQUEST_BYTES} bytes")
     return data
 
 
-def _error_reply(error: BaseException) -> dict:
-    hint = getattr(error, "hint", "Run the engine with kvtrace's plugin, or see its log.")
-    return {"ok": False, "error": str(error), "hint": hint, "kind": type(error).__name__}
-
-
-def handle_request(request: dict) -> dict:
+def handle_request(request: Request) -> Reply:
     """Answer one control request; never raises."""
     from kvtrace.capture import hook
 
     try:
-        command = request.get("cmd")
-        if command == "ping":
-            return {"ok": True, "pid": os.getpid(), "kvtrace_version": __version__,
-                    "vllm_version": hook.vllm_version(), "process_title": hook.process_title(),
-                    "capturing": hook.active_session() is not None}
-        if command == "arm":
-            return {"ok": True, "status": hook.arm(hook.CaptureOptions.from_dict(request["options"]))}
-        if command == "status":
-            session = hook.active_session()
-            return {"ok": True, "status": session.status() if session else {"armed": False}}
-        if command == "disarm":
-            return {"ok": True, "status": hook.disarm()}
-        return {"ok": False, "error": f"unknown command {command!r}", "hint": "", "kind": "KvtraceError"}
+        match request:
+            case PingRequest():
+                return Pong(os.getpid(), __version__, hook.vllm_version(), hook.process_title(),
+                            hook.active_session() is not None)
+            case ArmRequest(options=options):
+                return hook.arm(options)
+            case StatusRequest():
+                return hook.status()
+            case DisarmRequest():
+                return hook.disarm()
+        raise ControlMessageError(f"no handler for {type(request).__name__}")
     except BaseException as error:  # noqa: BLE001 - the engine must never see it
-        return _error_reply(error)
+        return error_reply(error)
+
+
+def answer(line: bytes) -> Reply:
+    """The reply to one request as it came off the socket; a malformed one gets an error
+    reply naming what is wrong, and changes nothing."""
+    try:
+        request = decode_request(line)
+    except ControlMessageError as error:
+        return error_reply(error)
+    return handle_request(request)
 
 
 class ControlServer:
@@ -132,12 +152,15 @@ class ControlServer:
                 try:
                     connection.settimeout(10)
                     if _peer_uid(connection) not in (os.getuid(), 0):
-                        reply = {"ok": False, "error": "permission denied: peer runs as another user",
-                                 "hint": "Run kvtrace as the engine's user or as root.",
-                                 "kind": "KvtraceError"}
+                        reply = ErrorReply(KvtraceError.__name__,
+                                           "permission denied: peer runs as another user",
+                                           "Run kvtrace as the engine's user or as root.")
                     else:
-                        reply = handle_request(json.loads(_read_line(connection)))
-                    connection.sendall(json.dumps(reply).encode() + b"\n")
+                        try:
+                            reply = answer(_read_line(connection))
+                        except ControlMessageError as error:
+                            reply = error_reply(error)
+                    connection.sendall(encode(reply))
                 except Exception:  # noqa: BLE001 - a bad client must not stop the server
                     continue
 
@@ -178,26 +201,32 @@ def _install_signal_handlers() -> None:
     """SIGUSR1 arms to a default path, SIGUSR2 disarms; only where vLLM left them unused."""
     if threading.current_thread() is not threading.main_thread():
         return
-    actions = {signal.SIGUSR1: lambda: handle_request(
-        {"cmd": "arm", "options": {"path": default_trace_path()}}),
-        signal.SIGUSR2: lambda: handle_request({"cmd": "disarm"})}
+    actions = {
+        signal.SIGUSR1: lambda: handle_request(
+            ArmRequest(CaptureOptions(path=default_trace_path()))),
+        signal.SIGUSR2: lambda: handle_request(DisarmRequest()),
+    }
     for signum, action in actions.items():
         if signal.getsignal(signum) is signal.SIG_DFL:
             # The handler runs between bytecodes of the main thread: hand the work to a thread.
-            signal.signal(signum, lambda *_, act=action: threading.Thread(target=act, daemon=True).start())
+            signal.signal(signum, lambda *_, act=action: threading.Thread(target=act,
+                                                                          daemon=True).start())
 
 
 # --- operator side -------------------------------------------------------------------------------
 
 
-def request(pid: int, payload: dict, uid: int | None = None, timeout_s: float = 30.0) -> dict:
-    """Send one request to the engine ``pid``'s control server; return its reply."""
+def request(pid: int, message: Request, uid: int | None = None,
+            timeout_s: float = 30.0) -> Reply:
+    """Send one request to the engine ``pid``'s control server; return its reply, of the type
+    ``messages.REPLY_TYPES`` gives that request. An error reply is raised as the engine's
+    ``KvtraceError`` subclass; a malformed reply as ``ControlMessageError``."""
     path = socket_path(pid, uid)
     client = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     client.settimeout(timeout_s)
     try:
         client.connect(str(path))
-        client.sendall(json.dumps(payload).encode() + b"\n")
+        client.sendall(encode(message))
         line = _read_line(client)
     except FileNotFoundError:
         raise ControlChannelError(f"no kvtrace control socket for pid {pid} ({path})") from None
@@ -207,7 +236,11 @@ def request(pid: int, payload: dict, uid: int | None = None, timeout_s: float = 
         client.close()
     if not line:
         raise ControlChannelError(f"pid {pid} closed the control connection without a reply")
-    reply = json.loads(line)
-    if not reply.get("ok"):
-        raise KvtraceError(reply.get("error", "unknown error"), reply.get("hint") or None)
+    reply = decode_reply(line)
+    if isinstance(reply, ErrorReply):
+        raise_error(reply)
+    expected = REPLY_TYPES[type(message)]
+    if not isinstance(reply, expected):
+        raise ControlMessageError(f"pid {pid} answered a {type(message).__name__} with a "
+                                  f"{type(reply).__name__}, not a {expected.__name__}")
     return reply

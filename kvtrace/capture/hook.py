@@ -15,9 +15,11 @@ closes the trace with its drop count.
 
 Nothing here may raise into vLLM: the probes swallow their own failures; a writer that fails
 (disk full, a broken sink) disarms the probes from its own thread and records the error for
-``status()``.
+``status()``. Arming is all or nothing: a start that fails part way undoes what it did (no
+probe left patched, no writer thread, no trace file), so the process can arm again.
 
-Imports: stdlib, msgspec, kvtrace.events/traceio/probes; vLLM only inside functions.
+Imports: stdlib, msgspec, kvtrace.events/traceio/probes and the control messages; vLLM only
+inside functions.
 """
 
 from __future__ import annotations
@@ -28,10 +30,15 @@ import socket
 import sys
 import threading
 import time
-from dataclasses import dataclass
 from typing import Any, Callable
 
 from kvtrace import __version__, native
+from kvtrace.capture.messages import (
+    AlreadyCapturingError,
+    CaptureOptions,
+    CaptureStatus,
+    checked_options,
+)
 from kvtrace.errors import KvtraceError
 from kvtrace.events import (
     EngineConfig,
@@ -43,30 +50,10 @@ from kvtrace.events import (
 )
 from kvtrace.traceio import TraceWriter, encode_rows
 
-DEFAULT_BUFFER_CAPACITY = 1 << 18
 WRITER_POLL_S = 0.02
 # Records are encoded in batches of steps: this many records, or the oldest this old.
 ENCODE_BATCH_RECORDS = 256
 ENCODE_MAX_DELAY_S = 0.05
-
-
-class AlreadyCapturingError(KvtraceError):
-    default_hint = "Stop the running capture first: kvtrace capture --stop PID."
-
-
-@dataclass
-class CaptureOptions:
-    """What the operator asked for; travels over the control channel as a dict."""
-
-    path: str
-    hash_bytes: bool = True
-    buffer_capacity: int = DEFAULT_BUFFER_CAPACITY
-    gpu_interval_ms: int = 1000
-
-    @classmethod
-    def from_dict(cls, data: dict) -> CaptureOptions:
-        known = {k: v for k, v in data.items() if k in cls.__dataclass_fields__}
-        return cls(**known)
 
 
 def process_title() -> str:
@@ -276,7 +263,9 @@ class CaptureSession:
     # --- lifecycle ------------------------------------------------------------------------------
 
     def start(self) -> None:
-        """Check, patch, and start writing; raise ``KvtraceError`` with nothing changed on failure."""
+        """Check, patch, and start writing. All or nothing: on a failure, what was done is
+        undone (probes disarmed, threads stopped, the trace file removed) and the error raised;
+        a ``KvtraceError`` says what to do."""
         from kvtrace.probes import CacheProbes, probe_targets
 
         probe_targets()  # signature check before anything else happens
@@ -303,18 +292,30 @@ class CaptureSession:
         except OSError as error:
             raise KvtraceError(f"cannot write the trace {self.options.path}: {error.strerror}",
                                "Pick an -o path the engine process can write to.") from None
-        self._probes = CacheProbes(self._enqueue, HashInterner(), created_ns=self.started_ns,
-                                   emit_hash_bytes=self.options.hash_bytes,
-                                   sink_many=self._steps)
         try:
+            self._probes = CacheProbes(self._enqueue, HashInterner(), created_ns=self.started_ns,
+                                       emit_hash_bytes=self.options.hash_bytes,
+                                       sink_many=self._steps)
             self._probes.arm()
+            self._writer_thread = threading.Thread(target=self._write_loop,
+                                                   name="kvtrace-writer", daemon=True)
+            self._writer_thread.start()
+            self._telemetry = _start_telemetry(self)
         except BaseException:
-            self._writer.abandon()
+            self._undo_start()
             raise
-        self._writer_thread = threading.Thread(target=self._write_loop, name="kvtrace-writer",
-                                               daemon=True)
-        self._writer_thread.start()
-        self._telemetry = _start_telemetry(self)
+
+    def _undo_start(self) -> None:
+        """Take back a start that failed part way: nothing patched, running or written."""
+        self._stopped = True
+        self._disarm_probes()
+        if self._telemetry is not None:
+            self._telemetry.stop()
+        self._stop.set()
+        if self._writer_thread is not None:
+            self._writer_thread.join()
+        self._writer.abandon()
+        _remove_trace(self.options.path)
 
     def _write_loop(self) -> None:
         writer = self._writer
@@ -362,7 +363,7 @@ class CaptureSession:
         if self._probes is not None:
             self._probes.disarm()
 
-    def stop(self, timeout_s: float = 30.0) -> dict:
+    def stop(self, timeout_s: float = 30.0) -> CaptureStatus:
         """Disarm, drain, close the trace; return the final status."""
         if not self._stopped:
             self._stopped = True
@@ -374,22 +375,22 @@ class CaptureSession:
                 self._writer_thread.join(timeout_s)
         return self.status()
 
-    def status(self) -> dict:
+    def status(self) -> CaptureStatus:
         writer = self._writer
-        return {
-            "path": self.options.path,
-            "pid": os.getpid(),
-            "armed": not self._stopped and self.error is None,
-            "records": self._steps.num_enqueued,
-            "written": writer.num_records if writer else 0,
-            "dropped": self.num_dropped,
-            "buffered": self._steps.num_buffered - self._steps.num_drained,
-            "probe_failures": self._probes.num_failures if self._probes else 0,
-            "bytes": _file_size(self.options.path),
-            "gpu": self._telemetry.description if self._telemetry else "",
-            "error": self.error,
-            "started_ns": self.started_ns,
-        }
+        return CaptureStatus(
+            pid=os.getpid(),
+            armed=not self._stopped and self.error is None,
+            path=self.options.path,
+            records=self._steps.num_enqueued,
+            written=writer.num_records if writer else 0,
+            dropped=self.num_dropped,
+            buffered=self._steps.num_buffered - self._steps.num_drained,
+            probe_failures=self._probes.num_failures if self._probes else 0,
+            bytes=_file_size(self.options.path),
+            gpu=self._telemetry.description if self._telemetry else "",
+            error=self.error,
+            started_ns=self.started_ns,
+        )
 
 
 def _file_size(path: str) -> int:
@@ -397,6 +398,13 @@ def _file_size(path: str) -> int:
         return os.path.getsize(path)
     except OSError:
         return 0
+
+
+def _remove_trace(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
 
 
 def _start_telemetry(session: CaptureSession) -> Any:
@@ -417,11 +425,13 @@ def active_session() -> CaptureSession | None:
     return _active
 
 
-def arm(options: CaptureOptions) -> dict:
-    """Start this process's capture; refuse a second one."""
+def arm(options: CaptureOptions) -> CaptureStatus:
+    """Start this process's capture; refuse a second one, and options of the wrong type or
+    range (``ControlMessageError`` naming the field). A refused or failed arm changes nothing."""
     global _active
+    options = checked_options(options)
     with _lock:
-        if _active is not None and _active.status()["armed"]:
+        if _active is not None and _active.status().armed:
             raise AlreadyCapturingError(
                 f"pid {os.getpid()} is already capturing to {_active.options.path}")
         session = CaptureSession(options)
@@ -430,13 +440,19 @@ def arm(options: CaptureOptions) -> dict:
         return session.status()
 
 
-def disarm() -> dict:
+def status() -> CaptureStatus:
+    """This process's capture's progress (``path`` None: none runs)."""
+    session = _active
+    return session.status() if session else CaptureStatus(pid=os.getpid(), armed=False)
+
+
+def disarm() -> CaptureStatus:
     """Stop this process's capture (a no-op report if none runs)."""
     global _active
     with _lock:
         session = _active
         if session is None:
-            return {"armed": False, "pid": os.getpid()}
-        status = session.stop()
+            return CaptureStatus(pid=os.getpid(), armed=False)
+        final = session.stop()
         _active = None
-        return status
+        return final
