@@ -81,3 +81,12 @@ class TraceTruncatedError(TraceFormatError):
         "The records before the cut were recovered and shown; the writer was killed or the "
         "capture is still running."
     )
+
+
+class UnsafePathError(KvtraceError):
+    """A file, directory or socket that another local user could control, refused unused."""
+
+    default_hint = (
+        "Another local user may have made it to intercept kvtrace: check what it is and remove "
+        "it, or choose a place only root and the engine's user can write."
+    )

@@ -16,7 +16,7 @@ import pytest
 from kvtrace.capture import attach, control
 from kvtrace.capture.messages import PingRequest
 from kvtrace.capture.telemetry import GpuSampler, visible_gpu_indices
-from kvtrace.errors import KvtraceError
+from kvtrace.errors import UnsafePathError
 from kvtrace.events import GpuSampled
 
 # A stand-in for what PEP 768 does inside the target: run a script file at a safe point in the
@@ -159,5 +159,6 @@ def test_control_socket_is_private(tmp_path, monkeypatch):
     shared = control.runtime_dir()
     shared.mkdir(mode=0o777)
     os.chmod(shared, 0o777)
-    with pytest.raises(KvtraceError, match="not a private directory"):
-        control.ensure_private_dir(shared)
+    with pytest.raises(UnsafePathError, match=f"{shared} is open to other users .mode 0777."):
+        control.ControlServer(control.socket_path(os.getpid())).start()
+    assert os.listdir(shared) == []

@@ -35,6 +35,7 @@ from kvtrace.capture.messages import (
     options_from,
     raise_error,
 )
+from kvtrace.capture.safe_paths import open_private_dir
 from kvtrace.errors import KvtraceError, TraceFormatError, error_class
 
 
@@ -47,7 +48,7 @@ def patched_functions():
 @pytest.fixture
 def engine(tmp_path, monkeypatch):
     """A control server in this process, as the plugin starts one in an engine core."""
-    monkeypatch.setenv("KVTRACE_RUNTIME_DIR", str(tmp_path / "run"))
+    monkeypatch.setenv("KVTRACE_RUNTIME_DIR", str(tmp_path))
     server = control.ControlServer(control.socket_path(os.getpid()))
     server.start()
     yield server
@@ -92,7 +93,8 @@ def test_the_wire_format_is_tagged_json():
     (arm_line(path="/t", gpu_interval_ms="abc"),
      "Expected `int`, got `str` - at `$.options.gpu_interval_ms`"),
     (arm_line(path="/t", hash_bytes=1), "Expected `bool`, got `int` - at `$.options.hash_bytes`"),
-    (arm_line(path="/t", buffer_capacity=0), "Expected `int` >= 1 - at `$.options.buffer_capacity`"),
+    (arm_line(path="/t", buffer_capacity=0),
+     "Expected `int` >= 1 - at `$.options.buffer_capacity`"),
     (arm_line(path="/t", bufer_capacity=4096),
      "Object contains unknown field `bufer_capacity` - at `$.options`"),
     (arm_line(hash_bytes=True), "Object missing required field `path` - at `$.options`"),
@@ -202,7 +204,7 @@ def serve_once(path, reply: bytes) -> threading.Thread:
 def test_the_operator_side_refuses_a_malformed_reply(tmp_path, monkeypatch, reply, names):
     monkeypatch.setenv("KVTRACE_RUNTIME_DIR", str(tmp_path))
     path = control.socket_path(os.getpid())
-    control.ensure_private_dir(path.parent)
+    os.close(open_private_dir(path.parent, os.getuid(), create=True))
     thread = serve_once(path, reply)
     with pytest.raises(ControlMessageError, match=re.escape(names)):
         control.request(os.getpid(), StatusRequest())

@@ -39,6 +39,7 @@ from kvtrace.capture.messages import (
     CaptureStatus,
     checked_options,
 )
+from kvtrace.capture.safe_paths import NewTraceFile
 from kvtrace.errors import KvtraceError
 from kvtrace.events import (
     EngineConfig,
@@ -226,6 +227,7 @@ class CaptureSession:
         self._steps = step_buffer(encode_rows, options.buffer_capacity, self._overflow,
                                   ENCODE_BATCH_RECORDS, ENCODE_MAX_DELAY_S)
         self._stop = threading.Event()
+        self._trace_file: NewTraceFile | None = None
         self._writer: TraceWriter | None = None
         self._writer_thread: threading.Thread | None = None
         self._probes: Any = None
@@ -287,9 +289,12 @@ class CaptureSession:
                     "num_kv_cache_managers": str(len(managers)),
                     "variant": engine_variant(managers[0][0]) if managers else "upstream"},
         )
+        trace_file = self._trace_file = NewTraceFile(self.options.path)
         try:
-            self._writer = TraceWriter(self.options.path, header, rows=True)
+            self._writer = TraceWriter(trace_file.reopen_path, header, rows=True)
         except OSError as error:
+            trace_file.remove()
+            trace_file.close()
             raise KvtraceError(f"cannot write the trace {self.options.path}: {error.strerror}",
                                "Pick an -o path the engine process can write to.") from None
         try:
@@ -315,7 +320,8 @@ class CaptureSession:
         if self._writer_thread is not None:
             self._writer_thread.join()
         self._writer.abandon()
-        _remove_trace(self.options.path)
+        self._trace_file.remove()
+        self._trace_file.close()
 
     def _write_loop(self) -> None:
         writer = self._writer
@@ -373,6 +379,8 @@ class CaptureSession:
             self._stop.set()
             if self._writer_thread is not None:
                 self._writer_thread.join(timeout_s)
+            if self._trace_file is not None:
+                self._trace_file.close()
         return self.status()
 
     def status(self) -> CaptureStatus:
@@ -386,25 +394,11 @@ class CaptureSession:
             dropped=self.num_dropped,
             buffered=self._steps.num_buffered - self._steps.num_drained,
             probe_failures=self._probes.num_failures if self._probes else 0,
-            bytes=_file_size(self.options.path),
+            bytes=self._trace_file.size() if self._trace_file else 0,
             gpu=self._telemetry.description if self._telemetry else "",
             error=self.error,
             started_ns=self.started_ns,
         )
-
-
-def _file_size(path: str) -> int:
-    try:
-        return os.path.getsize(path)
-    except OSError:
-        return 0
-
-
-def _remove_trace(path: str) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
 
 
 def _start_telemetry(session: CaptureSession) -> Any:
