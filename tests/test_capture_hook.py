@@ -3,6 +3,7 @@ to 100%, it restores what it patched, and it never harms the engine (stalled or 
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -216,7 +217,7 @@ def test_a_start_that_fails_part_way_is_undone(vllm_backend_class, capture, monk
         capture()
     assert patched_functions() == before and not _Patches.originals and not _Patches.armed
     assert [t for t in threading.enumerate() if t.name == "kvtrace-writer"] == []
-    assert not (tmp_path / "cap.kvtrace").exists() and hook.active_session() is None
+    assert os.listdir(tmp_path) == [] and hook.active_session() is None  # no file, no draft
     monkeypatch.undo()
     run_engine(vllm_backend_class, start_capture=capture)
     final = hook.disarm()

@@ -30,6 +30,7 @@ from kvtrace.capture import attach, control, hook
 from kvtrace.capture.messages import CaptureOptions, ErrorReply, decode_reply
 from kvtrace.capture.safe_paths import NewTraceFile
 from kvtrace.errors import KvtraceError, UnsafePathError
+from kvtrace.traceio import TraceReader
 
 ATTACKER_UID = 4242
 ATTACKER = ["setpriv", f"--reuid={ATTACKER_UID}", f"--regid={ATTACKER_UID}", "--clear-groups"]
@@ -310,13 +311,17 @@ def test_e1_an_ill_typed_arm_leaves_the_engine_able_to_arm(workload, tmp_path):
 # --- the trace at -o, written by the engine --------------------------------------------------
 
 def test_a_link_planted_at_the_trace_path_is_not_followed(shared, vllm_backend_class):
+    """The attacker's link at the -o path is replaced by the trace, not written through."""
     secret = "root's secret\n"
     victim = root_file(shared / "victim", secret)
-    as_attacker("ln", "-s", str(victim), str(shared / "trace.kvtrace"))
-    with pytest.raises(KvtraceError, match="trace.kvtrace already exists"):
-        hook.arm(CaptureOptions(path=str(shared / "trace.kvtrace"), gpu_interval_ms=0))
+    trace = shared / "trace.kvtrace"
+    as_attacker("ln", "-s", str(victim), str(trace))
+    hook.arm(CaptureOptions(path=str(trace), gpu_interval_ms=0))
+    final = hook.disarm()
     assert_untouched(victim, secret)
-    assert hook.active_session() is None
+    info = trace.lstat()
+    assert stat.S_ISREG(info.st_mode) and (info.st_uid, stat.S_IMODE(info.st_mode)) == (0, 0o600)
+    assert TraceReader(str(trace)).header.source == "capture" and final.error is None
 
 
 @pytest.mark.parametrize("owner, mode, problem", [
@@ -332,13 +337,26 @@ def test_a_trace_dir_others_can_write_is_refused(shared, owner, mode, problem):
     assert os.listdir(directory) == []
 
 
-def test_a_new_trace_is_private_and_never_replaces_a_file(shared):
-    trace = NewTraceFile(str(shared / "t.kvtrace"))
-    trace.close()
-    info = (shared / "t.kvtrace").lstat()
+def test_a_trace_takes_its_name_only_when_published(shared):
+    """A draft nobody can guess or pre-empt; the old file at the path stays as it was until
+    the trace is published (a failed start discards the draft), then is replaced."""
+    old = shared / "t.kvtrace"
+    old.write_text("last week's trace")
+    draft = NewTraceFile(str(old))
+    (draft_name,) = [name for name in os.listdir(shared) if name.endswith(".partial")]
+    info = (shared / draft_name).lstat()
     assert (info.st_uid, stat.S_IMODE(info.st_mode)) == (0, 0o600)
-    with pytest.raises(KvtraceError, match="already exists"):
-        NewTraceFile(str(shared / "t.kvtrace"))
+    draft.discard()
+    draft.close()
+    assert os.listdir(shared) == ["t.kvtrace"] and old.read_text() == "last week's trace"
+    trace = NewTraceFile(str(old))
+    trace.publish()
+    trace.close()
+    assert os.listdir(shared) == ["t.kvtrace"] and old.read_text() == ""
+    (shared / "d.kvtrace").mkdir()
+    directory = NewTraceFile(str(shared / "d.kvtrace"))
+    with pytest.raises(KvtraceError, match="cannot write the trace .*d.kvtrace: Is a directory"):
+        directory.publish()
     with pytest.raises(KvtraceError, match="is not absolute"):
         NewTraceFile("t.kvtrace")
 

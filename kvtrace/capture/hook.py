@@ -293,7 +293,7 @@ class CaptureSession:
         try:
             self._writer = TraceWriter(trace_file.reopen_path, header, rows=True)
         except OSError as error:
-            trace_file.remove()
+            trace_file.discard()
             trace_file.close()
             raise KvtraceError(f"cannot write the trace {self.options.path}: {error.strerror}",
                                "Pick an -o path the engine process can write to.") from None
@@ -306,6 +306,7 @@ class CaptureSession:
                                                    name="kvtrace-writer", daemon=True)
             self._writer_thread.start()
             self._telemetry = _start_telemetry(self)
+            trace_file.publish()
         except BaseException:
             self._undo_start()
             raise
@@ -320,7 +321,7 @@ class CaptureSession:
         if self._writer_thread is not None:
             self._writer_thread.join()
         self._writer.abandon()
-        self._trace_file.remove()
+        self._trace_file.discard()
         self._trace_file.close()
 
     def _write_loop(self) -> None:

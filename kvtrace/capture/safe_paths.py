@@ -11,8 +11,9 @@ The rules, as trusted tools of this kind (ssh, systemd) apply them:
   it is checked on the open descriptor (``open_private_dir``), and its files are then reached
   only relative to that descriptor;
 * files are created with ``O_CREAT | O_EXCL | O_NOFOLLOW`` (never through a link, never over
-  what is there) and read with ``O_NOFOLLOW | O_NONBLOCK`` after checking, on the descriptor,
-  that they are regular files of the expected owner.
+  what is there; a trace then takes its name by an atomic rename) and read with
+  ``O_NOFOLLOW | O_NONBLOCK`` after checking, on the descriptor, that they are regular files of
+  the expected owner.
 
 A check that fails raises ``UnsafePathError`` naming the path and what is wrong with it, before
 anything was written, changed or run. Runs inside vLLM: stdlib and kvtrace's errors only.
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import errno
 import os
+import secrets
 import stat
 from pathlib import Path
 
@@ -165,12 +167,15 @@ def read_owned_file(name: str, dir_fd: int, path: Path, uid: int, max_bytes: int
 
 
 class NewTraceFile:
-    """The trace a capture writes at ``path``, created by the engine process as a new file
-    (mode 0600) in a directory trusted for its user: no link is followed, nothing existing is
-    overwritten, and nobody else can swap the file afterwards.
+    """The trace a capture writes at ``path``, made by the engine process (mode 0600) in a
+    directory trusted for its user, without following a link anywhere.
 
-    ``reopen_path`` opens this very file again (``/proc/self/fd``) for the trace writer;
-    ``remove()`` takes it back after a failed start, only if the name still means this file."""
+    It is created under a fresh, unguessable name (``O_CREAT|O_EXCL|O_NOFOLLOW``) and
+    ``publish()`` renames it to ``path`` at once: what had that name is replaced, a link itself
+    and never what it points to (a directory is refused), and in a sticky directory another
+    user's file cannot be replaced by anyone but root. Until then ``discard()`` removes it and
+    leaves whatever ``path`` was untouched, so a failed start changes nothing.
+    ``reopen_path`` opens this very file again (``/proc/self/fd``) for the trace writer."""
 
     def __init__(self, path: str) -> None:
         if not os.path.isabs(path):
@@ -183,20 +188,32 @@ class NewTraceFile:
         except FileNotFoundError:
             raise KvtraceError(f"cannot write the trace {path}: {directory} does not exist",
                                "Pick an -o path in a directory that exists.") from None
+        self._draft = f".{self._name}.{secrets.token_hex(8)}.partial"
         try:
-            self._fd = create_file(self._name, self._dir_fd)
+            self._fd = create_file(self._draft, self._dir_fd)
         except OSError as error:
             os.close(self._dir_fd)
-            if error.errno == errno.EEXIST:
-                raise KvtraceError(f"{path} already exists", "kvtrace never writes over a "
-                                   "file (or through a link); pick a new -o path.") from None
-            raise KvtraceError(f"cannot write the trace {path}: {error.strerror}",
-                               "Pick an -o path the engine process can write to.") from None
+            raise _cannot_write(path, error) from None
+        self._published = False
         self._size = 0
 
     @property
     def reopen_path(self) -> str:
         return f"/proc/self/fd/{self._fd}"
+
+    def publish(self) -> None:
+        """Give the file its name."""
+        try:
+            os.rename(self._draft, self._name, src_dir_fd=self._dir_fd,
+                      dst_dir_fd=self._dir_fd)
+        except OSError as error:
+            raise _cannot_write(self.path, error) from None
+        self._published = True
+
+    def discard(self) -> None:
+        """Remove the file, if it was never published."""
+        if not self._published:
+            remove_if_there(self._draft, self._dir_fd)
 
     def size(self) -> int:
         """Bytes written so far; the last size known once closed (a status asked for while
@@ -207,15 +224,6 @@ class NewTraceFile:
             pass
         return self._size
 
-    def remove(self) -> None:
-        info = os.fstat(self._fd)
-        try:
-            there = os.stat(self._name, dir_fd=self._dir_fd, follow_symlinks=False)
-        except FileNotFoundError:
-            return
-        if (there.st_dev, there.st_ino) == (info.st_dev, info.st_ino):
-            os.unlink(self._name, dir_fd=self._dir_fd)
-
     def close(self) -> None:
         """Let go of the file (its size stays known)."""
         if self._fd >= 0:
@@ -223,3 +231,8 @@ class NewTraceFile:
             os.close(self._fd)
             os.close(self._dir_fd)
             self._fd = self._dir_fd = -1
+
+
+def _cannot_write(path: str, error: OSError) -> KvtraceError:
+    return KvtraceError(f"cannot write the trace {path}: {error.strerror}",
+                        "Pick an -o path the engine process can write to.")
