@@ -5,7 +5,7 @@
  * Python twin that is the reference and the fallback:
  *
  * - probes.c: ProbeState, FastWrapper and intern_hashes, the probes' fast paths
- *   (kvtrace/probes/cache_probes.py).
+ *   (kvtrace/probes/wrappers.py).
  * - step_buffer.c: StepBuffer, a capture's per-step hand-over (kvtrace/capture/hook.py).
  * - frames.c: write_rows_frame, a record frame written without the interpreter lock
  *   (kvtrace/traceio.py).

@@ -229,7 +229,7 @@ static PyMethodDef module_methods[] = {
 
 static struct PyModuleDef module_def = {
     PyModuleDef_HEAD_INIT, "kvtrace._native",
-    "Native fast paths of kvtrace's cache probes (see cache_probes.py).", -1, module_methods,
+    "Native fast paths of kvtrace's cache probes (see kvtrace/probes/wrappers.py).", -1, module_methods,
 };
 
 PyMODINIT_FUNC

@@ -1,6 +1,6 @@
 /* The probes' fast paths: ProbeState, FastWrapper and intern_hashes.
  *
- * FastWrapper / ProbeState: the probes' ten hottest wrappers (kvtrace/probes/cache_probes.py).
+ * FastWrapper / ProbeState: the probes' ten hottest wrappers (kvtrace/probes/wrappers.py).
  * The probes wrap ~10 vLLM cache methods per engine step; as Python functions each wrapper
  * costs a frame, its own argument binding and several attribute lookups. Here
  * KVCacheManager.new_step_starts / allocate_slots, BlockPool._insert_block_hash /
@@ -1175,7 +1175,7 @@ static PyGetSetDef wrapper_getset[] = {
 };
 
 static PyType_Slot wrapper_slots[] = {
-    {Py_tp_doc, "A probe wrapper whose common case runs in C (see cache_probes.py)."},
+    {Py_tp_doc, "A probe wrapper whose common case runs in C (see kvtrace/probes/wrappers.py)."},
     {Py_tp_new, wrapper_new},
     {Py_tp_call, PyVectorcall_Call},
     {Py_tp_descr_get, wrapper_get},

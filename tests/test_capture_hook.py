@@ -3,6 +3,8 @@ to 100%, it restores what it patched, and it never harms the engine (stalled or 
 
 from __future__ import annotations
 
+import os
+import threading
 import time
 
 import msgspec
@@ -10,6 +12,7 @@ import pytest
 from vllm_support import prefill_chunks, run_mixed_workload, seed_config, vllm_backend_class  # noqa: F401
 
 from kvtrace.capture import hook
+from kvtrace.capture.messages import ControlMessageError
 from kvtrace.events import EventsDropped, SlotsAllocated
 from kvtrace.replay.run import ReplayOptions, replay
 from kvtrace.traceio import TraceReader, TraceWriter, read_records
@@ -71,7 +74,7 @@ def patched_functions():
 def test_capture_replays_in_lockstep_to_100_percent(vllm_backend_class, capture, tmp_path):
     run_engine(vllm_backend_class, "fixed", start_capture=capture)
     final = hook.disarm()
-    assert final["dropped"] == 0 and final["error"] is None and final["written"] > 100
+    assert final.dropped == 0 and final.error is None and final.written > 100
     reader, records = read_records(tmp_path / "cap.kvtrace")
     assert reader.header.source == "capture" and reader.header.params["variant"] == "fixed"
     # Read off the live manager (the backend builds max_model_len 0 as 2**24, vLLM needs one).
@@ -117,14 +120,14 @@ def test_stalled_writer_drops_and_counts_never_blocks(vllm_backend_class, captur
     captured_s = time.perf_counter() - started
     final = hook.disarm()
     assert results == uncaptured
-    assert final["dropped"] > 0
+    assert final.dropped > 0
     # A stalled writer costs the engine nothing it would notice: far below one 0.5 s stall.
     assert captured_s < baseline_s + 0.4, (captured_s, baseline_s)
     reader, records = read_records(tmp_path / "cap.kvtrace")
     markers = [r.count for r in records if isinstance(r, EventsDropped)]
     # Every drop is marked where it happened, and the closing frame counts them all.
-    assert markers and sum(markers) == final["dropped"] == reader.closing.num_dropped
-    assert len(records) == final["written"]
+    assert markers and sum(markers) == final.dropped == reader.closing.num_dropped
+    assert len(records) == final.written
 
 
 def test_failing_writer_leaves_engine_results_identical(vllm_backend_class, capture, monkeypatch):
@@ -136,12 +139,12 @@ def test_failing_writer_leaves_engine_results_identical(vllm_backend_class, capt
     monkeypatch.setattr(TraceWriter, "write_encoded_rows", broken)
     results = run_engine(vllm_backend_class, start_capture=capture)
     deadline = time.monotonic() + 5
-    while hook.active_session().status()["armed"] and time.monotonic() < deadline:
+    while hook.active_session().status().armed and time.monotonic() < deadline:
         time.sleep(0.01)
     status = hook.active_session().status()
     assert results == uncaptured
-    assert "No space left on device" in status["error"] and not status["armed"]
-    from kvtrace.probes.cache_probes import _Patches
+    assert "No space left on device" in status.error and not status.armed
+    from kvtrace.probes.wrappers import _Patches
 
     assert not _Patches.originals, "a failed writer must disarm the probes"
 
@@ -165,7 +168,7 @@ def test_records_are_written_while_capturing(vllm_backend_class, capture, tmp_pa
     """The trace grows during a capture (readable as truncated), not only at the end."""
     run_engine(vllm_backend_class, start_capture=capture)
     deadline = time.monotonic() + 5
-    while hook.active_session().status()["written"] == 0 and time.monotonic() < deadline:
+    while hook.active_session().status().written == 0 and time.monotonic() < deadline:
         time.sleep(0.02)
     reader = TraceReader(str(tmp_path / "cap.kvtrace"))
     partial = list(reader)
@@ -186,3 +189,37 @@ def test_each_captured_request_gets_its_own_number(vllm_backend_class, capture, 
     hook.disarm()
     _, records = read_records(tmp_path / "cap.kvtrace")
     assert [r.req for r in records if isinstance(r, RequestArrived)] == [0, 1, 2]
+
+
+def test_ill_typed_options_are_refused_before_anything_happens(vllm_backend_class, tmp_path):
+    """Issue "Hardening" E1 in process: ``gpu_interval_ms="abc"`` once left the probes patched
+    and a writer running with no session, so that every later arm failed."""
+    before = patched_functions()
+    with pytest.raises(ControlMessageError, match=r"got `str` - at `\$.gpu_interval_ms`"):
+        hook.arm(hook.CaptureOptions(path=str(tmp_path / "cap.kvtrace"), gpu_interval_ms="abc"))
+    assert patched_functions() == before and hook.active_session() is None
+    assert not (tmp_path / "cap.kvtrace").exists()
+
+
+def test_a_start_that_fails_part_way_is_undone(vllm_backend_class, capture, monkeypatch,
+                                               tmp_path):
+    """A failure after the probes are patched and the writer runs (here: the GPU sampler's
+    start) leaves nothing patched, no writer thread, no trace file; the next arm captures."""
+    from kvtrace.probes.wrappers import _Patches
+
+    before = patched_functions()
+
+    def broken(session):
+        raise RuntimeError("telemetry broke")
+
+    monkeypatch.setattr(hook, "_start_telemetry", broken)
+    with pytest.raises(RuntimeError, match="telemetry broke"):
+        capture()
+    assert patched_functions() == before and not _Patches.originals and not _Patches.armed
+    assert [t for t in threading.enumerate() if t.name == "kvtrace-writer"] == []
+    assert os.listdir(tmp_path) == [] and hook.active_session() is None  # no file, no draft
+    monkeypatch.undo()
+    run_engine(vllm_backend_class, start_capture=capture)
+    final = hook.disarm()
+    assert final.error is None and final.written > 100
+    assert patched_functions() == before

@@ -285,21 +285,22 @@ def test_sigusr1_arms_and_sigusr2_disarms_the_plugin(workload):
         assert engine.process.poll() is None, "the signals must not stop the engine"
     finally:
         engine.stop()
-    trace = Path(status["path"])
+    trace = Path(status.path)
     assert trace.parent == control.runtime_dir() and trace.name.startswith(f"capture-{engine.pid}-")
     reader = TraceReader(str(trace))
     assert sum(len(batch) for batch in reader.batches()) > 1000 and not reader.truncated
     trace.unlink()
 
 
-def wait_for_status(pid: int, armed: bool, timeout: float = 30) -> dict:
+def wait_for_status(pid: int, armed: bool, timeout: float = 30):
     from kvtrace.capture import control
+    from kvtrace.capture.messages import StatusRequest
 
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        status = control.request(pid, {"cmd": "status"})["status"]
+        status = control.request(pid, StatusRequest())
         # Disarmed means the session is gone: "armed" turns false as soon as it starts stopping.
-        if armed and status.get("armed") or not armed and "path" not in status:
+        if armed and status.armed or not armed and status.path is None:
             return status
         time.sleep(0.05)
     raise AssertionError(f"pid {pid} never became {'armed' if armed else 'disarmed'}: {status}")

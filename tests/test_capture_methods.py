@@ -14,8 +14,9 @@ import types
 import pytest
 
 from kvtrace.capture import attach, control
+from kvtrace.capture.messages import PingRequest
 from kvtrace.capture.telemetry import GpuSampler, visible_gpu_indices
-from kvtrace.errors import KvtraceError
+from kvtrace.errors import UnsafePathError
 from kvtrace.events import GpuSampled
 
 # A stand-in for what PEP 768 does inside the target: run a script file at a safe point in the
@@ -60,8 +61,8 @@ def test_remote_exec_bootstrap_starts_the_control_server(remote_exec_target, mon
     target = attach.describe(remote_exec_target.pid)
     assert attach.ensure_hook(target, "remote-exec", lambda message: None) == "remote-exec"
     assert calls == [(target.pid, str(control.runtime_dir() / f"inject-{target.pid}.py"))]
-    reply = control.request(target.pid, {"cmd": "ping"})
-    assert reply["pid"] == target.pid and reply["capturing"] is False
+    reply = control.request(target.pid, PingRequest())
+    assert reply.pid == target.pid and reply.capturing is False
 
 
 @pytest.mark.skipif(sys.version_info < (3, 14) or not hasattr(sys, "remote_exec"),
@@ -158,5 +159,6 @@ def test_control_socket_is_private(tmp_path, monkeypatch):
     shared = control.runtime_dir()
     shared.mkdir(mode=0o777)
     os.chmod(shared, 0o777)
-    with pytest.raises(KvtraceError, match="not a private directory"):
-        control.ensure_private_dir(shared)
+    with pytest.raises(UnsafePathError, match=f"{shared} is open to other users .mode 0777."):
+        control.ControlServer(control.socket_path(os.getpid())).start()
+    assert os.listdir(shared) == []

@@ -68,12 +68,12 @@ NATIVE_RECORD_TYPES = ("StepStarted", "SlotsAllocated", "BlockStored", "BlockRem
 
 def configure_core(**record_types) -> None:
     """Configure the built core as the probes do, with the record types named here instead."""
-    from kvtrace.probes import cache_probes
+    from kvtrace.probes import wrappers
 
     native.built.configure(*(record_types.get(name, getattr(events, name))
                              for name in NATIVE_RECORD_TYPES),
-                           cache_probes._NO_REQ, cache_probes._STALE_CHECKPOINT,
-                           cache_probes._LRU_REUSE)
+                           wrappers._NO_REQ, wrappers._STALE_CHECKPOINT,
+                           wrappers._LRU_REUSE)
 
 
 @pytest.fixture
@@ -224,14 +224,14 @@ def test_native_core_refuses_record_types_it_cannot_build_by_name(case, reconfig
 
 def test_a_refused_configuration_turns_the_native_core_off(monkeypatch):
     """What the probes call: never raises (it runs inside vLLM), and says why the core is off."""
-    from kvtrace.probes import cache_probes
+    from kvtrace.probes import wrappers
 
     monkeypatch.setattr(native, "core", native.built)
     monkeypatch.setattr(native, "problem", None)
     renamed = BAD_RECORD_TYPES["renamed"][1]
     native.configure(*(renamed if name == "BlockStored" else getattr(events, name)
                        for name in NATIVE_RECORD_TYPES),
-                     cache_probes._NO_REQ, cache_probes._STALE_CHECKPOINT, cache_probes._LRU_REUSE)
+                     wrappers._NO_REQ, wrappers._STALE_CHECKPOINT, wrappers._LRU_REUSE)
     assert native.core is None
     assert native.problem.startswith("kvtrace's native core is off: BlockStored has no field kind")
 

@@ -19,7 +19,8 @@ from kvtrace.events import (
     SlotsAllocated,
 )
 from kvtrace.probes import CacheProbes, ProbeSignatureError, probe_targets
-from kvtrace.probes.cache_probes import EXPECTED_SIGNATURES
+from kvtrace.probes import wrappers
+from kvtrace.probes.signatures import EXPECTED_SIGNATURES
 from vllm_support import (  # noqa: F401 (vllm_backend_class is a fixture)
     SEED_HASH_IDS, prefill_chunks, run_mixed_workload, seed_config, vllm_backend_class)
 
@@ -174,3 +175,22 @@ def test_made_up_hash_ids_never_equal_a_later_requests_real_ones(vllm_backend_cl
         backend.add_request(1, 32, [2, 3], 4)
         assert backend.get_computed_blocks(1) == (0, 0)
         assert backend.cached_block_id(made_up, 0) is not None  # the made-up unit is cached
+
+
+def test_the_wrappers_use_exactly_the_probe_state_they_document():
+    """``wrappers.WrappedProbeState`` is the wrapper <-> probe state protocol: every attribute
+    and method a wrapper touches on its probe set is listed there, nothing listed goes unused,
+    and a real ``CacheProbes`` has all of it."""
+    import ast
+    import inspect
+
+    tree = ast.parse(inspect.getsource(wrappers))
+    used = {node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute)
+            and isinstance(node.value, ast.Name) and node.value.id == "probe"}
+    protocol = wrappers.WrappedProbeState
+    declared = set(protocol.__annotations__) | {
+        name for name, member in vars(protocol).items()
+        if inspect.isfunction(member) and not name.startswith("__")}
+    assert used == declared
+    probes = CacheProbes(print, HashInterner())
+    assert [name for name in sorted(declared) if not hasattr(probes, name)] == []

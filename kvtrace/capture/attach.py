@@ -18,6 +18,12 @@ Ways in, best first (``--method auto`` tries them in this order):
 Every way in ends the same: the bootstrap starts the control server (``kvtrace.capture.control``)
 and the CLI arms the capture over its socket. The bootstrap reports its own failure (e.g. kvtrace
 not importable in the target's Python) through a side-channel file next to the socket.
+
+The bootstrap and its report live in the target user's private runtime directory, which is
+checked first (``safe_paths``): one another user made or opened is refused, never written to,
+and never a reason to fall back from the plugin to gdb. Both files are reached only through
+that directory's descriptor, without following links; as root, the bootstrap is handed to the
+target's user on its descriptor.
 """
 
 from __future__ import annotations
@@ -34,6 +40,21 @@ from pathlib import Path
 from typing import Callable
 
 from kvtrace.capture import control
+from kvtrace.capture.messages import (
+    ArmRequest,
+    CaptureOptions,
+    CaptureStatus,
+    DisarmRequest,
+    PingRequest,
+    StatusRequest,
+    options_from,
+)
+from kvtrace.capture.safe_paths import (
+    open_private_dir,
+    read_owned_file,
+    remove_if_there,
+    replace_file,
+)
 from kvtrace.errors import KvtraceError
 
 ENGINE_CORE_TITLE = "::EngineCore"
@@ -43,6 +64,7 @@ GDB_TIMEOUT_S = 120.0
 # Syscalls an idle main thread waits in (x86-64 numbers): read, poll, select, nanosleep,
 # recvfrom, futex, epoll_wait, clock_nanosleep, pselect6, ppoll, epoll_pwait, epoll_pwait2.
 BLOCKING_SYSCALLS = {0, 7, 23, 35, 45, 202, 232, 230, 270, 271, 281, 441}
+MAX_BOOTSTRAP_REPORT_BYTES = 1 << 16
 
 
 class AttachError(KvtraceError):
@@ -128,36 +150,56 @@ def find_engine_cores(pid: int) -> list[Target]:
 
 
 def _control_up(target: Target) -> bool:
+    """Whether kvtrace's control server answers in ``target``; an answer that is an error
+    (another kvtrace version, a refusal) is raised, not taken for "not there"."""
     try:
-        control.request(target.pid, {"cmd": "ping"}, uid=target.uid, timeout_s=5)
-    except KvtraceError:
+        control.request(target.pid, PingRequest(), uid=target.uid, timeout_s=5)
+    except control.ControlChannelError:
         return False
     return True
 
 
-def _bootstrap_files(target: Target) -> tuple[Path, Path]:
-    """Write the bootstrap the target will run; return (script, side-channel error file)."""
-    directory = control.runtime_dir(target.uid)
-    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-    if os.getuid() == 0 and target.uid != 0:
-        os.chown(directory, target.uid, -1)
-    script = directory / f"inject-{target.pid}.py"
-    error_file = directory / f"inject-{target.pid}.err"
-    error_file.unlink(missing_ok=True)
-    script.write_text(BOOTSTRAP.format(error_file=str(error_file)))
-    if os.getuid() == 0 and target.uid != 0:
-        os.chown(script, target.uid, -1)
-    return script, error_file
+class Bootstrap:
+    """The script the target runs to start kvtrace, and the file it reports a failure in, in
+    the target user's private runtime directory (made, or checked, on creation)."""
+
+    def __init__(self, target: Target) -> None:
+        self.target = target
+        directory = control.runtime_dir(target.uid)
+        self.script = directory / f"inject-{target.pid}.py"
+        self.report = directory / f"inject-{target.pid}.err"
+        self._dir_fd = open_private_dir(directory, target.uid, create=True)
+
+    def write(self) -> None:
+        """Write the script afresh (whatever had its name is removed, not followed)."""
+        remove_if_there(self.report.name, self._dir_fd)
+        with os.fdopen(replace_file(self.script.name, self._dir_fd), "w") as script:
+            if os.geteuid() == 0 and self.target.uid != 0:
+                os.fchown(script.fileno(), self.target.uid, -1)
+            script.write(BOOTSTRAP.format(error_file=str(self.report)))
+
+    def failure(self) -> dict | None:
+        """What the bootstrap reported, if it failed and finished writing the report."""
+        data = read_owned_file(self.report.name, self._dir_fd, self.report, self.target.uid,
+                               MAX_BOOTSTRAP_REPORT_BYTES)
+        try:
+            return None if data is None else json.loads(data)
+        except ValueError:
+            return None
+
+    def close(self) -> None:
+        os.close(self._dir_fd)
 
 
 BOOTSTRAP = '''\
 def _kvtrace_bootstrap():
-    import json, sys, traceback
+    import json, os, sys, traceback
     try:
         from kvtrace.capture.control import start_control_server
         start_control_server()
     except BaseException as error:
-        with open({error_file!r}, "w") as report:
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+        with os.fdopen(os.open({error_file!r}, flags, 0o600), "w") as report:
             json.dump({{"kind": type(error).__name__, "error": str(error),
                        "executable": sys.executable, "traceback": traceback.format_exc()}}, report)
 _kvtrace_bootstrap()
@@ -165,12 +207,13 @@ del _kvtrace_bootstrap
 '''
 
 
-def _wait_for_bootstrap(target: Target, error_file: Path, timeout_s: float) -> bool:
+def _wait_for_bootstrap(target: Target, bootstrap: Bootstrap, timeout_s: float) -> bool:
     """True once the control server answers; raise what the bootstrap reported if it failed."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if error_file.exists():
-            _raise_bootstrap_error(target, error_file)
+        report = bootstrap.failure()
+        if report is not None:
+            _raise_bootstrap_error(target, report)
         if _control_up(target):
             return True
         try:
@@ -182,11 +225,7 @@ def _wait_for_bootstrap(target: Target, error_file: Path, timeout_s: float) -> b
     return False
 
 
-def _raise_bootstrap_error(target: Target, error_file: Path) -> None:
-    try:
-        report = json.loads(error_file.read_text())
-    except (OSError, ValueError):
-        return
+def _raise_bootstrap_error(target: Target, report: dict) -> None:
     if report.get("kind") == "ModuleNotFoundError" and "kvtrace" in report.get("error", ""):
         try:
             executable = os.readlink(f"/proc/{target.pid}/exe")
@@ -303,7 +342,9 @@ def _inject_direct(target: Target, script: Path, log: Callable[[str], None]) -> 
 
 
 def ensure_hook(target: Target, method: str, log: Callable[[str], None]) -> str:
-    """Make sure kvtrace's control server runs in ``target``; return the way it got there."""
+    """Make sure kvtrace's control server runs in ``target``; return the way it got there.
+    A runtime directory or socket that fails its checks is an error here, not a reason to try
+    the next way in."""
     if _control_up(target):
         return "plugin" if method in ("auto", "plugin") else "already present"
     if method == "plugin":
@@ -313,41 +354,52 @@ def ensure_hook(target: Target, method: str, log: Callable[[str], None]) -> str:
             "start-up), or attach with --method gdb.")
     if method == "auto":
         method = "remote-exec" if hasattr(sys, "remote_exec") else "gdb"
-    script, error_file = _bootstrap_files(target)
+    bootstrap = Bootstrap(target)
+    try:
+        bootstrap.write()
+        return _inject(target, method, bootstrap, log)
+    finally:
+        bootstrap.close()
+
+
+def _inject(target: Target, method: str, bootstrap: Bootstrap,
+            log: Callable[[str], None]) -> str:
+    script = bootstrap.script
     if method == "remote-exec":
         _inject_remote_exec(target, script)
-        if _wait_for_bootstrap(target, error_file, BOOTSTRAP_WAIT_S):
+        if _wait_for_bootstrap(target, bootstrap, BOOTSTRAP_WAIT_S):
             return method
         raise AttachError(f"pid {target.pid} did not run the injected bootstrap",
                           "sys.remote_exec runs only when the target's main thread runs Python; "
                           "retry while the engine is serving, or use the plugin.")
     _inject_pending_call(target, script, log)
-    if _wait_for_bootstrap(target, error_file, PENDING_CALL_GRACE_S):
+    if _wait_for_bootstrap(target, bootstrap, PENDING_CALL_GRACE_S):
         return "gdb"
     if not main_thread_parked(target.pid):
-        if _wait_for_bootstrap(target, error_file, BOOTSTRAP_WAIT_S):
+        if _wait_for_bootstrap(target, bootstrap, BOOTSTRAP_WAIT_S):
             return "gdb"
         raise AttachError(f"pid {target.pid} did not reach a safe point to run kvtrace",
                           "Its main thread is busy in native code; retry in a moment.")
     log(f"pid {target.pid}'s main thread is idle in a syscall; running the bootstrap directly")
     _inject_direct(target, script, log)
-    if _wait_for_bootstrap(target, error_file, BOOTSTRAP_WAIT_S):
+    if _wait_for_bootstrap(target, bootstrap, BOOTSTRAP_WAIT_S):
         return "gdb"
     raise AttachError(f"pid {target.pid} did not start kvtrace after injection",
                       "Run with -v to see gdb's output.")
 
 
-def arm(target: Target, options: dict) -> dict:
-    """Start capturing in ``target``; the reply's status."""
-    return control.request(target.pid, {"cmd": "arm", "options": options}, uid=target.uid)["status"]
+def arm(target: Target, options: CaptureOptions | dict) -> CaptureStatus:
+    """Start capturing in ``target`` (options: a Struct or a dict of its fields, checked here
+    and again by the engine); its status."""
+    return control.request(target.pid, ArmRequest(options_from(options)), uid=target.uid)
 
 
-def status(target: Target) -> dict:
-    return control.request(target.pid, {"cmd": "status"}, uid=target.uid)["status"]
+def status(target: Target) -> CaptureStatus:
+    return control.request(target.pid, StatusRequest(), uid=target.uid)
 
 
-def disarm(target: Target) -> dict:
-    return control.request(target.pid, {"cmd": "disarm"}, uid=target.uid)["status"]
+def disarm(target: Target) -> CaptureStatus:
+    return control.request(target.pid, DisarmRequest(), uid=target.uid)
 
 
 def is_alive(pid: int) -> bool:

@@ -15,9 +15,11 @@ closes the trace with its drop count.
 
 Nothing here may raise into vLLM: the probes swallow their own failures; a writer that fails
 (disk full, a broken sink) disarms the probes from its own thread and records the error for
-``status()``.
+``status()``. Arming is all or nothing: a start that fails part way undoes what it did (no
+probe left patched, no writer thread, no trace file), so the process can arm again.
 
-Imports: stdlib, msgspec, kvtrace.events/traceio/probes; vLLM only inside functions.
+Imports: stdlib, msgspec, kvtrace.events/traceio/probes and the control messages; vLLM only
+inside functions.
 """
 
 from __future__ import annotations
@@ -28,10 +30,16 @@ import socket
 import sys
 import threading
 import time
-from dataclasses import dataclass
 from typing import Any, Callable
 
 from kvtrace import __version__, native
+from kvtrace.capture.messages import (
+    AlreadyCapturingError,
+    CaptureOptions,
+    CaptureStatus,
+    checked_options,
+)
+from kvtrace.capture.safe_paths import NewTraceFile
 from kvtrace.errors import KvtraceError
 from kvtrace.events import (
     EngineConfig,
@@ -43,30 +51,10 @@ from kvtrace.events import (
 )
 from kvtrace.traceio import TraceWriter, encode_rows
 
-DEFAULT_BUFFER_CAPACITY = 1 << 18
 WRITER_POLL_S = 0.02
 # Records are encoded in batches of steps: this many records, or the oldest this old.
 ENCODE_BATCH_RECORDS = 256
 ENCODE_MAX_DELAY_S = 0.05
-
-
-class AlreadyCapturingError(KvtraceError):
-    default_hint = "Stop the running capture first: kvtrace capture --stop PID."
-
-
-@dataclass
-class CaptureOptions:
-    """What the operator asked for; travels over the control channel as a dict."""
-
-    path: str
-    hash_bytes: bool = True
-    buffer_capacity: int = DEFAULT_BUFFER_CAPACITY
-    gpu_interval_ms: int = 1000
-
-    @classmethod
-    def from_dict(cls, data: dict) -> CaptureOptions:
-        known = {k: v for k, v in data.items() if k in cls.__dataclass_fields__}
-        return cls(**known)
 
 
 def process_title() -> str:
@@ -189,7 +177,7 @@ class StepBuffer:
     writer thread drains. Counts are in records; what would exceed ``capacity``, or arrives
     while drops wait for their marker, goes to ``overflow(records)``. Producers count what they
     put in, the writer what it took out: the difference is what the buffer holds, without a
-    lock. The native core has the same type (``kvtrace/_native.c``), used when it is on; there
+    lock. The native core has the same type (``csrc/step_buffer.c``), used when it is on; there
     each call is one step under the interpreter lock."""
 
     def __init__(self, encode: Callable[[list[Record]], bytes], capacity: int,
@@ -239,6 +227,7 @@ class CaptureSession:
         self._steps = step_buffer(encode_rows, options.buffer_capacity, self._overflow,
                                   ENCODE_BATCH_RECORDS, ENCODE_MAX_DELAY_S)
         self._stop = threading.Event()
+        self._trace_file: NewTraceFile | None = None
         self._writer: TraceWriter | None = None
         self._writer_thread: threading.Thread | None = None
         self._probes: Any = None
@@ -276,7 +265,9 @@ class CaptureSession:
     # --- lifecycle ------------------------------------------------------------------------------
 
     def start(self) -> None:
-        """Check, patch, and start writing; raise ``KvtraceError`` with nothing changed on failure."""
+        """Check, patch, and start writing. All or nothing: on a failure, what was done is
+        undone (probes disarmed, threads stopped, the trace file removed) and the error raised;
+        a ``KvtraceError`` says what to do."""
         from kvtrace.probes import CacheProbes, probe_targets
 
         probe_targets()  # signature check before anything else happens
@@ -298,23 +289,40 @@ class CaptureSession:
                     "num_kv_cache_managers": str(len(managers)),
                     "variant": engine_variant(managers[0][0]) if managers else "upstream"},
         )
+        trace_file = self._trace_file = NewTraceFile(self.options.path)
         try:
-            self._writer = TraceWriter(self.options.path, header, rows=True)
+            self._writer = TraceWriter(trace_file.reopen_path, header, rows=True)
         except OSError as error:
+            trace_file.discard()
+            trace_file.close()
             raise KvtraceError(f"cannot write the trace {self.options.path}: {error.strerror}",
                                "Pick an -o path the engine process can write to.") from None
-        self._probes = CacheProbes(self._enqueue, HashInterner(), created_ns=self.started_ns,
-                                   emit_hash_bytes=self.options.hash_bytes,
-                                   sink_many=self._steps)
         try:
+            self._probes = CacheProbes(self._enqueue, HashInterner(), created_ns=self.started_ns,
+                                       emit_hash_bytes=self.options.hash_bytes,
+                                       sink_many=self._steps)
             self._probes.arm()
+            self._writer_thread = threading.Thread(target=self._write_loop,
+                                                   name="kvtrace-writer", daemon=True)
+            self._writer_thread.start()
+            self._telemetry = _start_telemetry(self)
+            trace_file.publish()
         except BaseException:
-            self._writer.abandon()
+            self._undo_start()
             raise
-        self._writer_thread = threading.Thread(target=self._write_loop, name="kvtrace-writer",
-                                               daemon=True)
-        self._writer_thread.start()
-        self._telemetry = _start_telemetry(self)
+
+    def _undo_start(self) -> None:
+        """Take back a start that failed part way: nothing patched, running or written."""
+        self._stopped = True
+        self._disarm_probes()
+        if self._telemetry is not None:
+            self._telemetry.stop()
+        self._stop.set()
+        if self._writer_thread is not None:
+            self._writer_thread.join()
+        self._writer.abandon()
+        self._trace_file.discard()
+        self._trace_file.close()
 
     def _write_loop(self) -> None:
         writer = self._writer
@@ -362,7 +370,7 @@ class CaptureSession:
         if self._probes is not None:
             self._probes.disarm()
 
-    def stop(self, timeout_s: float = 30.0) -> dict:
+    def stop(self, timeout_s: float = 30.0) -> CaptureStatus:
         """Disarm, drain, close the trace; return the final status."""
         if not self._stopped:
             self._stopped = True
@@ -372,31 +380,26 @@ class CaptureSession:
             self._stop.set()
             if self._writer_thread is not None:
                 self._writer_thread.join(timeout_s)
+            if self._trace_file is not None:
+                self._trace_file.close()
         return self.status()
 
-    def status(self) -> dict:
+    def status(self) -> CaptureStatus:
         writer = self._writer
-        return {
-            "path": self.options.path,
-            "pid": os.getpid(),
-            "armed": not self._stopped and self.error is None,
-            "records": self._steps.num_enqueued,
-            "written": writer.num_records if writer else 0,
-            "dropped": self.num_dropped,
-            "buffered": self._steps.num_buffered - self._steps.num_drained,
-            "probe_failures": self._probes.num_failures if self._probes else 0,
-            "bytes": _file_size(self.options.path),
-            "gpu": self._telemetry.description if self._telemetry else "",
-            "error": self.error,
-            "started_ns": self.started_ns,
-        }
-
-
-def _file_size(path: str) -> int:
-    try:
-        return os.path.getsize(path)
-    except OSError:
-        return 0
+        return CaptureStatus(
+            pid=os.getpid(),
+            armed=not self._stopped and self.error is None,
+            path=self.options.path,
+            records=self._steps.num_enqueued,
+            written=writer.num_records if writer else 0,
+            dropped=self.num_dropped,
+            buffered=self._steps.num_buffered - self._steps.num_drained,
+            probe_failures=self._probes.num_failures if self._probes else 0,
+            bytes=self._trace_file.size() if self._trace_file else 0,
+            gpu=self._telemetry.description if self._telemetry else "",
+            error=self.error,
+            started_ns=self.started_ns,
+        )
 
 
 def _start_telemetry(session: CaptureSession) -> Any:
@@ -417,11 +420,13 @@ def active_session() -> CaptureSession | None:
     return _active
 
 
-def arm(options: CaptureOptions) -> dict:
-    """Start this process's capture; refuse a second one."""
+def arm(options: CaptureOptions) -> CaptureStatus:
+    """Start this process's capture; refuse a second one, and options of the wrong type or
+    range (``ControlMessageError`` naming the field). A refused or failed arm changes nothing."""
     global _active
+    options = checked_options(options)
     with _lock:
-        if _active is not None and _active.status()["armed"]:
+        if _active is not None and _active.status().armed:
             raise AlreadyCapturingError(
                 f"pid {os.getpid()} is already capturing to {_active.options.path}")
         session = CaptureSession(options)
@@ -430,13 +435,19 @@ def arm(options: CaptureOptions) -> dict:
         return session.status()
 
 
-def disarm() -> dict:
+def status() -> CaptureStatus:
+    """This process's capture's progress (``path`` None: none runs)."""
+    session = _active
+    return session.status() if session else CaptureStatus(pid=os.getpid(), armed=False)
+
+
+def disarm() -> CaptureStatus:
     """Stop this process's capture (a no-op report if none runs)."""
     global _active
     with _lock:
         session = _active
         if session is None:
-            return {"armed": False, "pid": os.getpid()}
-        status = session.stop()
+            return CaptureStatus(pid=os.getpid(), armed=False)
+        final = session.stop()
         _active = None
-        return status
+        return final

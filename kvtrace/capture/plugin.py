@@ -5,7 +5,9 @@ In an engine-core process (title ``VLLM::EngineCore...``) it starts kvtrace's pr
 server and patches nothing: probes are armed only when ``kvtrace capture`` asks over the socket
 (or on SIGUSR1). Elsewhere it does nothing. ``KVTRACE_PLUGIN=0`` disables it;
 ``KVTRACE_PLUGIN=force`` starts it in any process (an in-process ``LLM`` engine has no title).
-It never raises into vLLM.
+It never raises into vLLM: a failure (e.g. a runtime directory another user made, which it
+refuses) is one line on stderr naming the path, and ``kvtrace capture`` refuses that directory
+too rather than falling back to another way in.
 """
 
 from __future__ import annotations
@@ -28,4 +30,6 @@ def register() -> None:
             return
         start_control_server()
     except Exception as error:  # noqa: BLE001 - a plugin must never break vLLM's start-up
-        print(f"kvtrace: plugin disabled in pid {os.getpid()}: {error}", file=sys.stderr)
+        hint = getattr(error, "hint", "")
+        print(f"kvtrace: plugin disabled in pid {os.getpid()}: {error}"
+              + (f" ({hint})" if hint else ""), file=sys.stderr)

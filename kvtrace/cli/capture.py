@@ -71,9 +71,11 @@ def command(pid, method, duration, output, no_hash_bytes, buffer_capacity, gpu_i
     if zmq_endpoint is not None:
         _capture_zmq(zmq_endpoint, output, seconds, topic, not no_hash_bytes, bind)
         return
-    options = {"hash_bytes": not no_hash_bytes, "buffer_capacity": buffer_capacity,
-               "gpu_interval_ms": gpu_interval_ms}
-    _capture_pid(pid, method, output, seconds, options)
+    from kvtrace.capture.messages import CaptureOptions
+
+    options = CaptureOptions(path=os.path.abspath(output), hash_bytes=not no_hash_bytes,
+                             buffer_capacity=buffer_capacity, gpu_interval_ms=gpu_interval_ms)
+    _capture_pid(pid, method, options, seconds)
 
 
 def _log(message: str) -> None:
@@ -83,15 +85,16 @@ def _log(message: str) -> None:
         click.echo(message.rstrip(), err=True)
 
 
-def _output_path(output: str, target, num_targets: int) -> str:
-    path = os.path.abspath(output)
+def _output_path(path: str, target, num_targets: int) -> str:
     if num_targets == 1:
         return path
     stem, ext = os.path.splitext(path)
     return f"{stem}.{target.rank_suffix or target.pid}{ext or '.kvtrace'}"
 
 
-def _capture_pid(pid: int, method: str, output: str, seconds: float | None, options: dict) -> None:
+def _capture_pid(pid: int, method: str, options, seconds: float | None) -> None:
+    import msgspec
+
     from kvtrace.capture import attach
 
     targets = attach.find_engine_cores(pid)
@@ -99,20 +102,20 @@ def _capture_pid(pid: int, method: str, output: str, seconds: float | None, opti
     try:
         for target in targets:
             way_in = attach.ensure_hook(target, method, _log)
-            path = _output_path(output, target, len(targets))
-            attach.arm(target, {**options, "path": path})
+            path = _output_path(options.path, target, len(targets))
+            attach.arm(target, msgspec.structs.replace(options, path=path))
             sessions.append((target, path))
-            click.echo(f"kvtrace: capturing pid {target.pid} ({target.title}) via {way_in} -> {path}",
-                       err=True)
+            click.echo(f"kvtrace: capturing pid {target.pid} ({target.title}) via {way_in} "
+                       f"-> {path}", err=True)
         _watch(sessions, seconds)
     finally:
         # Whatever happened (Ctrl-C included), no engine is left armed by us.
         finals, died = _disarm_all(sessions)
     for target, path in sessions:
-        final = finals.get(target.pid, {})
-        if "written" in final:
+        final = finals.get(target.pid)
+        if final is not None and final.path is not None:
             _print_summary(target, path, final)
-        elif target.pid in finals:
+        elif final is not None:
             click.echo(f"kvtrace: pid {target.pid}: the capture was stopped from elsewhere "
                        f"(kvtrace capture --stop) -> {path}")
     if died:
@@ -132,20 +135,21 @@ def _watch(sessions, seconds: float | None) -> None:
             if not all(attach.is_alive(target.pid) for target, _ in sessions):
                 return
             statuses = [attach.status(target) for target, _ in sessions]
-            errors = [s["error"] for s in statuses if s.get("error")]
+            errors = [s.error for s in statuses if s.error]
             if errors:
                 raise KvtraceError(f"the capture stopped inside the engine: {errors[0]}",
                                    "The engine was not affected; check the disk and the -o path.")
-            if not all(s.get("armed") for s in statuses):
+            if not all(s.armed for s in statuses):
                 return  # `kvtrace capture --stop` from another shell
-            records = sum(s["records"] for s in statuses)
+            records = sum(s.records for s in statuses)
             now = time.monotonic()
             rate = (records - previous_records) / max(now - previous_time, 1e-9)
             previous_records, previous_time = records, now
             if interactive:
                 click.echo(f"\r{now - started:7.1f}s  {records:>12,} records  {rate:>10,.0f}/s  "
-                           f"dropped {sum(s['dropped'] for s in statuses):,}  "
-                           f"{sum(s['bytes'] for s in statuses) / 2**20:8.1f} MiB", err=True, nl=False)
+                           f"dropped {sum(s.dropped for s in statuses):,}  "
+                           f"{sum(s.bytes for s in statuses) / 2**20:8.1f} MiB", err=True,
+                           nl=False)
     except KeyboardInterrupt:
         pass
     except KvtraceError:
@@ -156,7 +160,7 @@ def _watch(sessions, seconds: float | None) -> None:
             click.echo("", err=True)
 
 
-def _disarm_all(sessions) -> tuple[dict[int, dict], list[tuple]]:
+def _disarm_all(sessions) -> tuple[dict, list[tuple]]:
     """Disarm every armed target; (final status per pid, the (target, path) pairs that died)."""
     from kvtrace.capture import attach
 
@@ -183,11 +187,11 @@ def _still_alive(pid: int, grace_s: float = 2.0) -> bool:
     return False
 
 
-def _print_summary(target, path: str, final: dict) -> None:
-    click.echo(f"kvtrace: pid {target.pid}: {final['written']:,} records written, "
-               f"{final['dropped']:,} dropped, {final['bytes'] / 2**20:.1f} MiB -> {path}")
-    if final.get("gpu"):
-        click.echo(f"kvtrace: pid {target.pid}: {final['gpu']}")
+def _print_summary(target, path: str, final) -> None:
+    click.echo(f"kvtrace: pid {target.pid}: {final.written:,} records written, "
+               f"{final.dropped:,} dropped, {final.bytes / 2**20:.1f} MiB -> {path}")
+    if final.gpu:
+        click.echo(f"kvtrace: pid {target.pid}: {final.gpu}")
 
 
 def _raise_died(died) -> None:
@@ -209,10 +213,10 @@ def _stop(pid: int) -> None:
 
     for target in attach.find_engine_cores(pid):
         final = attach.disarm(target)
-        if not final.get("path"):
+        if final.path is None:
             click.echo(f"kvtrace: pid {target.pid} was not capturing")
             continue
-        _print_summary(target, final["path"], final)
+        _print_summary(target, final.path, final)
 
 
 def _capture_zmq(endpoint: str, output: str, seconds: float | None, topic: str, hash_bytes: bool,

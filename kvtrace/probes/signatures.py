@@ -1,0 +1,100 @@
+"""The vLLM signature contract of the probes: which methods they wrap, with which parameters.
+
+``probe_targets()`` resolves every method in ``EXPECTED_SIGNATURES`` on the real classes (by
+qualified name) and checks its parameters against vLLM ``SUPPORTED_VLLM_VERSION``, raising
+``ProbeSignatureError`` before anything is patched. The wrappers (``wrappers.py``) are written
+against exactly these parameter lists; ``parameter_names`` is how both sides spell them.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from typing import Callable
+
+from kvtrace.errors import KvtraceError
+
+SUPPORTED_VLLM_VERSION = "0.33.0"
+
+_BLOCK_POOL = "vllm.v1.core.block_pool.BlockPool"
+_MANAGER = "vllm.v1.core.kv_cache_manager.KVCacheManager"
+_MAMBA = "vllm.v1.core.single_type_kv_cache_manager.MambaManager"
+
+# Qualified name -> parameter names in vLLM 0.33.0 ("*x" marks a keyword-only parameter).
+EXPECTED_SIGNATURES: dict[str, tuple[str, ...]] = {
+    f"{_BLOCK_POOL}.get_new_blocks": ("self", "num_blocks"),
+    f"{_BLOCK_POOL}.touch": ("self", "blocks"),
+    f"{_BLOCK_POOL}.free_blocks": ("self", "ordered_blocks"),
+    f"{_BLOCK_POOL}.cache_full_blocks": (
+        "self", "request", "blocks", "num_cached_blocks", "num_full_blocks", "block_size",
+        "kv_cache_group_id", "block_mask"),
+    f"{_BLOCK_POOL}.cache_partial_block": (
+        "self", "request", "block", "num_tokens", "kv_cache_group_id", "block_size",
+        "replace_existing_hashes"),
+    f"{_BLOCK_POOL}.move_block_hashes": ("self", "src_block", "dst_block"),
+    f"{_BLOCK_POOL}.evict_blocks": ("self", "block_ids"),
+    f"{_BLOCK_POOL}.reset_prefix_cache": ("self",),
+    f"{_BLOCK_POOL}._remove_cached_block_hashes": ("self", "block"),
+    f"{_BLOCK_POOL}._insert_block_hash": ("self", "block_hash_with_group_id", "block",
+                                          "num_tokens"),
+    f"{_MANAGER}.new_step_starts": ("self",),
+    f"{_MANAGER}.get_computed_blocks": ("self", "request", "max_cache_hit_length"),
+    f"{_MANAGER}.allocate_slots": (
+        "self", "request", "num_new_tokens", "num_new_computed_tokens", "new_computed_blocks",
+        "num_lookahead_tokens", "num_external_computed_tokens", "delay_cache_blocks",
+        "num_encoder_tokens", "full_sequence_must_fit", "reserved_blocks", "has_scheduled_reqs",
+        "skip_zeroing_group_ids"),
+    f"{_MANAGER}.free": ("self", "request"),
+    f"{_MANAGER}.pop_blocks_for_free": ("self", "request"),
+    f"{_MAMBA}.get_num_blocks_to_allocate": (
+        "self", "request_id", "num_tokens", "new_computed_blocks", "total_computed_tokens",
+        "num_local_computed_tokens", "num_tokens_main_model", "apply_admission_cap",
+        "prefill_end"),
+    f"{_MAMBA}.allocate_new_blocks": ("self", "request_id", "num_tokens",
+                                      "num_tokens_main_model"),
+    f"{_MAMBA}.cache_blocks": ("self", "request", "num_tokens", "retention_interval",
+                               "*replay_boundaries"),
+}
+
+
+class ProbeSignatureError(KvtraceError):
+    """A wrapped vLLM method does not have the signature the probes were written against."""
+
+    default_hint = (f"kvtrace's probes support vLLM {SUPPORTED_VLLM_VERSION}; install that "
+                    "version or a kvtrace release that supports yours.")
+
+
+def parameter_names(function: Callable) -> tuple[str, ...]:
+    """``function``'s parameter names as ``EXPECTED_SIGNATURES`` spells them."""
+    return tuple(
+        ("*" if p.kind is inspect.Parameter.KEYWORD_ONLY else "") + p.name
+        for p in inspect.signature(function).parameters.values()
+    )
+
+
+def probe_targets() -> list[tuple[type, str, Callable]]:
+    """Resolve every wrapped method and check its signature; raise before anything is patched."""
+    targets = []
+    for qualname, expected in EXPECTED_SIGNATURES.items():
+        module_name, class_name, method_name = qualname.rsplit(".", 2)
+        try:
+            owner = getattr(importlib.import_module(module_name), class_name)
+            function = owner.__dict__[method_name]
+        except (ImportError, AttributeError, KeyError):
+            raise ProbeSignatureError(
+                f"vLLM has no {qualname} (kvtrace probes support vLLM {SUPPORTED_VLLM_VERSION})"
+            ) from None
+        found = parameter_names(function)
+        if found != expected:
+            raise ProbeSignatureError(
+                f"{qualname} has parameters ({', '.join(found)}); vLLM {SUPPORTED_VLLM_VERSION} "
+                f"has ({', '.join(expected)})"
+            )
+        targets.append((owner, method_name, function))
+    return targets
+
+
+def block_pool_class() -> type:
+    """vLLM's ``BlockPool`` class: a process-wide probe set marks it."""
+    module_name, class_name = _BLOCK_POOL.rsplit(".", 1)
+    return getattr(importlib.import_module(module_name), class_name)

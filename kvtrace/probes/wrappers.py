@@ -1,0 +1,529 @@
+"""The wrappers that replace vLLM 0.33's prefix-cache methods, and the process-wide patch table.
+
+Why wrap private helpers (``_insert_block_hash``, ``_remove_cached_block_hashes``): every hash put
+on or taken off a block passes through them, so one cheap wrapper each sees all stores and removals
+with the block; the public callers (``get_new_blocks``, ``cache_full_blocks``,
+``cache_partial_block``, ``MambaManager.cache_blocks``...) only set *why* (a reason / store kind)
+for the duration of their call. Checkpoint decisions are read from the slot after
+``MambaManager.cache_blocks``, so they are observed whichever policy made them (vLLM's own, or a
+replay variant installed on the manager).
+
+Wrappers never raise into vLLM: a failure of ours or of the sink is swallowed and counted in
+``num_failures``; the real method's result (or exception) is returned (raised) unchanged.
+
+Cost: the wrappers run on the engine's scheduler thread, ~10 calls per engine step, so each is
+a single Python frame with the method's own parameters, and records are batched rather than
+handed to the sink one at a time (``benchmarks/capture_overhead.py`` measures it). Where the
+optional native core (``csrc/``, see ``kvtrace.native``) is on, the ten hottest
+wrappers run their common case in C and hand every other case to the Python wrapper below,
+which stays the reference.
+
+A wrapper finds its probe set (a ``CacheProbes``, ``cache_probes.py``) on the block pool and
+talks to it only through ``WrappedProbeState``, below.
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+from typing import Any, Callable, Protocol
+
+from kvtrace import native
+from kvtrace.events import (
+    BlockAllocated,
+    BlockFreed,
+    BlockRemoved,
+    BlocksReleased,
+    BlockStored,
+    BlockTouched,
+    ComputedBlocksFound,
+    HashInterned,
+    Record,
+    RemoveReason,
+    SlotsAllocated,
+    StepStarted,
+    StoreKind,
+)
+from kvtrace.probes.signatures import ProbeSignatureError, parameter_names
+
+_PROBE_ATTR = "_kvtrace_probes"  # a BlockPool's probe set: on the instance, or on the class (all)
+
+
+class WrappedProbeState(Protocol):
+    """What the wrappers read, write and call on their probe set (``CacheProbes``).
+
+    The wrappers do the common work inline on these attributes and call the methods for the
+    rare paths. The native fast paths (``csrc/probes.c``) read the same attributes through
+    ``native.built.ProbeState``'s slots (plus ``_depth``, ``_interned_ids``,
+    ``emit_hash_bytes`` and ``sink_many``) and call ``_flush``, ``_report_checkpoint`` and
+    ``_report_offloads``. ``tests/test_probes.py`` checks that the wrappers use nothing else.
+    """
+
+    # The records of the current call (or step, with ``sink_many``), not yet handed over.
+    _records: list[Record]
+    # True while records wait: inside a KVCacheManager call, and always with ``sink_many``.
+    _held: bool
+    # Context set by the outer method being called: the request and why hashes move.
+    _req: int  # the current request's trace number; ``_NO_REQ`` / ``_UNSEEN_REQ`` otherwise
+    _request: Any  # the current vLLM ``Request``, or None
+    _reqs: dict[str, tuple[int, int]]  # request id -> (req, hash units reported)
+    _remove_reason: RemoveReason
+    _store_kind: StoreKind
+    _in_checkpoint: bool  # inside ``MambaManager.cache_blocks`` publishing a checkpoint
+    _num_stripped: int  # stale keys stripped off the checkpoint's slot so far
+    # Steps: the last number, and one replay announced for the next ``new_step_starts``.
+    _step: int
+    _announced_step: tuple[int, int] | None
+    created_ns: int
+    num_failures: int
+
+    def _flush(self) -> None: ...
+    def _enter(self, request: Any, hash_block_size: int) -> int: ...
+    def _leave(self, held: bool) -> None: ...
+    def _report_release(self, request: Any) -> None: ...
+    def _forget_if_finished(self, request: Any) -> None: ...
+    def _report_stored(self, block_id: int, key: bytes, num_tokens: int | None) -> None: ...
+    def _report_removed(self, block_id: int, removed: list[bytes]) -> None: ...
+    def _keys_held_by_blocks(self, pool: Any) -> list[tuple[int, bytes]]: ...
+    def _report_reset(self, held: list[tuple[int, bytes]]) -> None: ...
+    def _report_checkpoint(self, manager: Any, checkpoint: tuple[int, int],
+                           chunk_end: int) -> None: ...
+    def _report_offloads(self, manager: Any, num_before: int) -> None: ...
+    def _report_checkpoint_decision(self, manager: Any, request: Any,
+                                    checkpoint: tuple[int, int]) -> None: ...
+
+
+class _Patches:
+    """The process-wide class patches, shared by every armed probe set."""
+
+    originals: dict[tuple[type, str], Callable] = {}
+    armed: list[WrappedProbeState] = []
+    catch_all: WrappedProbeState | None = None
+
+
+# --- wrappers -------------------------------------------------------------------------------------
+# They run on every cache operation of the engine, so each is one Python frame: it has the
+# wrapped method's own parameters (``_make_wrapper`` copies the original's defaults), finds its
+# probe set with one attribute read, and does the common work inline; rare paths call into
+# ``CacheProbes``. Records are appended to the probe set's list and handed over in batches
+# (``CacheProbes._flush``): when the outermost wrapped call returns, or for ``sink_many`` (a
+# live capture) once per engine step.
+
+_WRAPPER_FACTORIES: dict[str, Callable[[Callable], Callable]] = {}
+
+# The wrappers with a native fast path (csrc/probes.c), used when the classes are patched
+# while ``native.core`` is on.
+NATIVE_FAST_PATHS = frozenset({
+    "new_step_starts", "allocate_slots", "_insert_block_hash", "_remove_cached_block_hashes",
+    "get_num_blocks_to_allocate", "allocate_new_blocks", "cache_blocks", "get_new_blocks",
+    "touch", "free_blocks"})
+
+_NO_REQ, _UNSEEN_REQ = -1, -2  # ``CacheProbes._req`` outside a call; in a free of an unseen request
+_LRU_REUSE, _REKEY, _CONNECTOR, _STALE_CHECKPOINT = (
+    RemoveReason.LRU_REUSE, RemoveReason.REKEY, RemoveReason.CONNECTOR,
+    RemoveReason.STALE_CHECKPOINT)
+
+
+def _wrapper_for(*method_names: str) -> Callable:
+    def register(factory: Callable[[Callable], Callable]) -> Callable[[Callable], Callable]:
+        for method_name in method_names:
+            _WRAPPER_FACTORIES[method_name] = factory
+        return factory
+    return register
+
+
+def _make_wrapper(method_name: str, original: Callable) -> Callable:
+    """The wrapper that replaces ``original``; same parameters and defaults unless it takes
+    ``*args`` (the rarely called methods). With the native core, a hot method's wrapper is its
+    C fast path, which hands other cases to the Python wrapper."""
+    wrapper = _python_wrapper(method_name, original)
+    if native.core is None or method_name not in NATIVE_FAST_PATHS:
+        return wrapper
+    code = original.__code__
+    fast = native.core.FastWrapper(method_name, original, wrapper,
+                                   code.co_varnames[:code.co_argcount],
+                                   original.__defaults__ or ())
+    fast.__name__, fast.__qualname__ = wrapper.__name__, wrapper.__qualname__
+    fast.__wrapped__ = original
+    return fast
+
+
+def _python_wrapper(method_name: str, original: Callable) -> Callable:
+    wrapper = _WRAPPER_FACTORIES[method_name](original)
+    if wrapper.__code__.co_flags & inspect.CO_VARARGS == 0:
+        if parameter_names(wrapper) != parameter_names(original):
+            raise ProbeSignatureError(f"kvtrace's wrapper of {method_name} has parameters "
+                                      f"{parameter_names(wrapper)}, vLLM's "
+                                      f"{parameter_names(original)}")
+        wrapper.__defaults__ = original.__defaults__
+        wrapper.__kwdefaults__ = original.__kwdefaults__
+    wrapper.__name__ = method_name
+    wrapper.__qualname__ = f"kvtrace_probe.{method_name}"
+    wrapper.__wrapped__ = original  # type: ignore[attr-defined]
+    return wrapper
+
+
+# KVCacheManager: the scheduler's calls. Each holds its records until it returns.
+
+@_wrapper_for("new_step_starts")
+def _new_step_starts(original: Callable) -> Callable:
+    def new_step_starts(self):
+        probe = getattr(self.block_pool, _PROBE_ATTR, None)
+        if probe is None:
+            return original(self)
+        if probe._records:
+            probe._flush()  # the last step's, when held for ``sink_many``
+        try:
+            announced = probe._announced_step
+            if announced is None:
+                step, ts_ns = probe._step + 1, time.time_ns() - probe.created_ns
+            else:
+                step, ts_ns = announced
+                probe._announced_step = None
+            probe._step = step
+            probe._records.append(StepStarted(step, ts_ns))
+        except Exception:
+            probe.num_failures += 1
+        result = original(self)
+        if not probe._held:
+            probe._flush()
+        return result
+    return new_step_starts
+
+
+@_wrapper_for("get_computed_blocks")
+def _get_computed_blocks(original: Callable) -> Callable:
+    def get_computed_blocks(self, request, max_cache_hit_length):
+        probe = getattr(self.block_pool, _PROBE_ATTR, None)
+        if probe is None:
+            return original(self, request, max_cache_hit_length)
+        held, probe._held = probe._held, True
+        try:
+            req = probe._enter(request, self.block_pool.hash_block_size)
+        except Exception:
+            probe.num_failures += 1
+            req = -1
+        try:
+            result = original(self, request, max_cache_hit_length)
+        finally:
+            probe._leave(held)
+        try:
+            probe._records.append(ComputedBlocksFound(req, result[1], result[2]))
+        except Exception:
+            probe.num_failures += 1
+        if not held:
+            probe._flush()
+        return result
+    return get_computed_blocks
+
+
+@_wrapper_for("allocate_slots")
+def _allocate_slots(original: Callable) -> Callable:
+    def allocate_slots(self, request, num_new_tokens, num_new_computed_tokens,
+                       new_computed_blocks, num_lookahead_tokens, num_external_computed_tokens,
+                       delay_cache_blocks, num_encoder_tokens, full_sequence_must_fit,
+                       reserved_blocks, has_scheduled_reqs, skip_zeroing_group_ids):
+        probe = getattr(self.block_pool, _PROBE_ATTR, None)
+        if probe is None:
+            return original(self, request, num_new_tokens, num_new_computed_tokens,
+                            new_computed_blocks, num_lookahead_tokens,
+                            num_external_computed_tokens, delay_cache_blocks, num_encoder_tokens,
+                            full_sequence_must_fit, reserved_blocks, has_scheduled_reqs,
+                            skip_zeroing_group_ids)
+        held, probe._held = probe._held, True
+        records = probe._records
+        try:
+            # Fast path of ``_enter``: a known request with no newly completed hash unit.
+            known = probe._reqs.get(request.request_id)
+            if known is None or len(request.block_hashes) > known[1]:
+                req = probe._enter(request, self.block_pool.hash_block_size)
+            else:
+                req = probe._req = known[0]
+                probe._request = request
+            num_computed_tokens, num_tokens = request.num_computed_tokens, request.num_tokens
+        except Exception:
+            probe.num_failures += 1
+            req = num_computed_tokens = num_tokens = -1
+        # The call's effects follow its input record, which needs the result: it goes in front.
+        first_effect = len(records)
+        result = None
+        try:
+            result = original(self, request, num_new_tokens, num_new_computed_tokens,
+                              new_computed_blocks, num_lookahead_tokens,
+                              num_external_computed_tokens, delay_cache_blocks,
+                              num_encoder_tokens, full_sequence_must_fit, reserved_blocks,
+                              has_scheduled_reqs, skip_zeroing_group_ids)
+        finally:
+            try:
+                records.insert(first_effect, SlotsAllocated(
+                    req, num_new_tokens, num_computed_tokens, num_new_computed_tokens,
+                    num_lookahead_tokens, num_external_computed_tokens, num_tokens,
+                    result is not None, full_sequence_must_fit, reserved_blocks,
+                    has_scheduled_reqs))
+            except Exception:
+                probe.num_failures += 1
+            probe._req, probe._request, probe._held = _NO_REQ, None, held
+            if not held:
+                probe._flush()
+        return result
+    return allocate_slots
+
+
+@_wrapper_for("free", "pop_blocks_for_free")
+def _release(original: Callable) -> Callable:
+    def release(self, request):
+        probe = getattr(self.block_pool, _PROBE_ATTR, None)
+        if probe is None:
+            return original(self, request)
+        held, probe._held = probe._held, True
+        probe._report_release(request)
+        try:
+            return original(self, request)
+        finally:
+            probe._forget_if_finished(request)
+            probe._leave(held)
+            if not held:
+                probe._flush()
+    return release
+
+
+# BlockPool: the effects.
+
+@_wrapper_for("get_new_blocks")
+def _get_new_blocks(original: Callable) -> Callable:
+    def get_new_blocks(self, num_blocks):
+        probe = getattr(self, _PROBE_ATTR, None)
+        if probe is None:
+            return original(self, num_blocks)
+        reason, probe._remove_reason = probe._remove_reason, _LRU_REUSE
+        try:
+            blocks = original(self, num_blocks)
+        finally:
+            probe._remove_reason = reason
+        try:
+            req = probe._req
+            probe._records.extend([BlockAllocated(block.block_id, req) for block in blocks])
+        except Exception:
+            probe.num_failures += 1
+        if not probe._held:
+            probe._flush()
+        return blocks
+    return get_new_blocks
+
+
+@_wrapper_for("touch")
+def _touch(original: Callable) -> Callable:
+    def touch(self, blocks):
+        result = original(self, blocks)
+        probe = getattr(self, _PROBE_ATTR, None)
+        if probe is not None:
+            try:
+                req = probe._req
+                probe._records.extend([BlockTouched(block.block_id, req) for block in blocks
+                                       if not block.is_null])
+            except Exception:
+                probe.num_failures += 1
+            if not probe._held:
+                probe._flush()
+        return result
+    return touch
+
+
+@_wrapper_for("free_blocks")
+def _free_blocks(original: Callable) -> Callable:
+    def free_blocks(self, ordered_blocks):
+        probe = getattr(self, _PROBE_ATTR, None)
+        if probe is None:
+            return original(self, ordered_blocks)
+        ordered_blocks = list(ordered_blocks)  # an iterator would be spent by vLLM
+        if probe._req == _NO_REQ:  # not inside a cache-manager call: the engine frees directly
+            try:
+                probe._records.append(BlocksReleased([block.block_id for block in ordered_blocks
+                                                      if not block.is_null]))
+            except Exception:
+                probe.num_failures += 1
+        result = original(self, ordered_blocks)
+        try:
+            probe._records.extend([
+                BlockFreed(block.block_id, block.ref_cnt, block.block_hash is not None)
+                for block in ordered_blocks if not block.is_null])
+        except Exception:
+            probe.num_failures += 1
+        if not probe._held:
+            probe._flush()
+        return result
+    return free_blocks
+
+
+def _context_wrapper(remove_reason: RemoveReason, store_kind: StoreKind | None = None, *,
+                     checkpoint_aware: bool = False) -> Callable[[Callable], Callable]:
+    """A wrapper that only says why hashes are removed (and how they are stored) during the
+    call; ``checkpoint_aware``: a partial store inside a checkpoint publication is CHECKPOINT."""
+    def factory(original: Callable) -> Callable:
+        def wrapper(self, *args, **kwargs):
+            probe = getattr(self, _PROBE_ATTR, None)
+            if probe is None:
+                return original(self, *args, **kwargs)
+            saved = probe._remove_reason, probe._store_kind
+            probe._remove_reason = remove_reason
+            if checkpoint_aware:
+                probe._store_kind = (StoreKind.CHECKPOINT if probe._in_checkpoint
+                                     else StoreKind.PARTIAL)
+            elif store_kind is not None:
+                probe._store_kind = store_kind
+            try:
+                result = original(self, *args, **kwargs)
+            finally:
+                probe._remove_reason, probe._store_kind = saved
+            if not probe._held:
+                probe._flush()
+            return result
+        return wrapper
+    return factory
+
+
+_wrapper_for("cache_full_blocks")(_context_wrapper(_REKEY, StoreKind.FULL))
+_wrapper_for("cache_partial_block")(_context_wrapper(_REKEY, checkpoint_aware=True))
+_wrapper_for("move_block_hashes")(_context_wrapper(_REKEY, StoreKind.PARTIAL))
+_wrapper_for("evict_blocks")(_context_wrapper(_CONNECTOR))
+
+
+@_wrapper_for("reset_prefix_cache")
+def _reset_prefix_cache(original: Callable) -> Callable:
+    def reset_prefix_cache(self):
+        probe = getattr(self, _PROBE_ATTR, None)
+        if probe is None:
+            return original(self)
+        held = probe._keys_held_by_blocks(self)
+        reset = original(self)
+        if reset:
+            probe._report_reset(held)
+        if not probe._held:
+            probe._flush()
+        return reset
+    return reset_prefix_cache
+
+
+@_wrapper_for("_remove_cached_block_hashes")
+def _remove_cached_block_hashes(original: Callable) -> Callable:
+    def _remove_cached_block_hashes(self, block):
+        removed = original(self, block)
+        if removed:  # mostly not: get_new_blocks asks this of every block it hands out
+            probe = getattr(self, _PROBE_ATTR, None)
+            if probe is not None:
+                probe._report_removed(block.block_id, removed)
+                if not probe._held:
+                    probe._flush()
+        return removed
+    return _remove_cached_block_hashes
+
+
+@_wrapper_for("_insert_block_hash")
+def _insert_block_hash(original: Callable) -> Callable:
+    def _insert_block_hash(self, block_hash_with_group_id, block, num_tokens):
+        probe = getattr(self, _PROBE_ATTR, None)
+        if probe is None:
+            return original(self, block_hash_with_group_id, block, num_tokens)
+        if block.block_hash is None:
+            # An unhashed block gets the key as its own unless the key already names it.
+            result = original(self, block_hash_with_group_id, block, num_tokens)
+            is_new = block.block_hash is not None
+        else:
+            try:
+                is_new = not (block.block_hash == block_hash_with_group_id
+                              or self.cached_block_hash_to_block.contain(
+                                  block_hash_with_group_id, block.block_id))
+            except Exception:
+                probe.num_failures += 1
+                is_new = False
+            result = original(self, block_hash_with_group_id, block, num_tokens)
+        if is_new:
+            probe._report_stored(block.block_id, block_hash_with_group_id, num_tokens)
+            if not probe._held:
+                probe._flush()
+        return result
+    return _insert_block_hash
+
+
+# MambaManager: checkpoints and offload reports.
+
+@_wrapper_for("get_num_blocks_to_allocate")
+def _get_num_blocks_to_allocate(original: Callable) -> Callable:
+    def get_num_blocks_to_allocate(self, request_id, num_tokens, new_computed_blocks,
+                                   total_computed_tokens, num_local_computed_tokens,
+                                   num_tokens_main_model, apply_admission_cap, prefill_end):
+        probe = getattr(self.block_pool, _PROBE_ATTR, None)
+        checkpoints = getattr(self, "_checkpoints", None)  # only in "align" mode
+        if probe is None or checkpoints is None or apply_admission_cap:
+            return original(self, request_id, num_tokens, new_computed_blocks,
+                            total_computed_tokens, num_local_computed_tokens,
+                            num_tokens_main_model, apply_admission_cap, prefill_end)
+        before = checkpoints.get(request_id)
+        result = original(self, request_id, num_tokens, new_computed_blocks,
+                          total_computed_tokens, num_local_computed_tokens,
+                          num_tokens_main_model, apply_admission_cap, prefill_end)
+        after = checkpoints.get(request_id)
+        if after is not None and after is not before:
+            probe._report_checkpoint(self, after, num_tokens_main_model)
+            if not probe._held:
+                probe._flush()
+        return result
+    return get_num_blocks_to_allocate
+
+
+@_wrapper_for("allocate_new_blocks")
+def _allocate_new_blocks(original: Callable) -> Callable:
+    def allocate_new_blocks(self, request_id, num_tokens, num_tokens_main_model):
+        probe = getattr(self.block_pool, _PROBE_ATTR, None)
+        if probe is None:
+            return original(self, request_id, num_tokens, num_tokens_main_model)
+        num_offloads = len(self._pending_boundary_state_offloads)
+        blocks = original(self, request_id, num_tokens, num_tokens_main_model)
+        if len(self._pending_boundary_state_offloads) > num_offloads:
+            probe._report_offloads(self, num_offloads)
+        return blocks
+    return allocate_new_blocks
+
+
+@_wrapper_for("cache_blocks")
+def _cache_blocks(original: Callable) -> Callable:
+    def cache_blocks(self, request, num_tokens, retention_interval, *, replay_boundaries):
+        probe = getattr(self.block_pool, _PROBE_ATTR, None)
+        if probe is None:
+            return original(self, request, num_tokens, retention_interval,
+                            replay_boundaries=replay_boundaries)
+        checkpoints = getattr(self, "_checkpoints", None)  # only in "align" mode
+        checkpoint = None if checkpoints is None else checkpoints.get(request.request_id)
+        num_offloads = len(self._pending_boundary_state_offloads)
+        if checkpoint is None:  # most calls: no slot to publish or strip, no context to set
+            result = original(self, request, num_tokens, retention_interval,
+                              replay_boundaries=replay_boundaries)
+        else:
+            saved = probe._remove_reason, probe._in_checkpoint, probe._num_stripped
+            probe._remove_reason = _STALE_CHECKPOINT
+            probe._in_checkpoint = True
+            probe._num_stripped = 0
+            try:
+                result = original(self, request, num_tokens, retention_interval,
+                                  replay_boundaries=replay_boundaries)
+                probe._report_checkpoint_decision(self, request, checkpoint)
+            finally:
+                probe._remove_reason, probe._in_checkpoint, probe._num_stripped = saved
+        if len(self._pending_boundary_state_offloads) > num_offloads:
+            probe._report_offloads(self, num_offloads)
+        if not probe._held:
+            probe._flush()
+        return result
+    return cache_blocks
+
+
+def _probes_changed() -> None:
+    """Which probe set observes which cache changed: the native wrappers forget what they saw."""
+    if native.built is not None:
+        native.built.probes_changed()
+
+
+native.configure(StepStarted, SlotsAllocated, BlockStored, BlockRemoved, HashInterned,
+                 BlockAllocated, BlockTouched, BlockFreed, BlocksReleased, _NO_REQ,
+                 _STALE_CHECKPOINT, _LRU_REUSE)
+

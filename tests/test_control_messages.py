@@ -1,0 +1,224 @@
+"""The control channel's typed messages: what decodes, what is refused (and how clearly), how an
+engine's error reaches the operator, and that a refused request leaves the engine able to arm.
+
+The engine side here is the real control server and hook in this process, on the real vLLM 0.33
+classes; the operator side is ``control.request`` over the real Unix socket."""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import threading
+
+import msgspec
+import pytest
+
+from kvtrace.capture import control, hook
+from kvtrace.capture.messages import (
+    ENGINE_ERRORS,
+    REPLY_TYPES,
+    AlreadyCapturingError,
+    ArmRequest,
+    CaptureOptions,
+    CaptureStatus,
+    ControlMessageError,
+    DisarmRequest,
+    ErrorReply,
+    PingRequest,
+    Pong,
+    StatusRequest,
+    decode_reply,
+    decode_request,
+    encode,
+    error_reply,
+    options_from,
+    raise_error,
+)
+from kvtrace.capture.safe_paths import open_private_dir
+from kvtrace.errors import KvtraceError, TraceFormatError, error_class
+
+
+def patched_functions():
+    from kvtrace.probes import probe_targets
+
+    return {(owner, name): owner.__dict__[name] for owner, name, _ in probe_targets()}
+
+
+@pytest.fixture
+def engine(tmp_path, monkeypatch):
+    """A control server in this process, as the plugin starts one in an engine core."""
+    monkeypatch.setenv("KVTRACE_RUNTIME_DIR", str(tmp_path))
+    server = control.ControlServer(control.socket_path(os.getpid()))
+    server.start()
+    yield server
+    hook.disarm()
+    server.stop()
+
+
+def send_raw(server: control.ControlServer, line: bytes):
+    """One request as bytes on the socket, as a client of another version (or a fuzzer) might
+    send it; the decoded reply."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as client:
+        client.settimeout(10)
+        client.connect(str(server.path))
+        client.sendall(line)
+        return decode_reply(control._read_line(client))
+
+
+def arm_line(**options) -> bytes:
+    return msgspec.json.encode({"cmd": "arm", "options": options}) + b"\n"
+
+
+@pytest.mark.parametrize("request_", [
+    PingRequest(), StatusRequest(), DisarmRequest(),
+    ArmRequest(CaptureOptions(path="/x/t.kvtrace", hash_bytes=False, buffer_capacity=2048,
+                              gpu_interval_ms=0))])
+def test_every_request_round_trips(request_):
+    line = encode(request_)
+    assert line.endswith(b"\n") and line.count(b"\n") == 1
+    assert decode_request(line) == request_
+
+
+def test_the_wire_format_is_tagged_json():
+    """Written down, because a kvtrace of another version parses it."""
+    assert encode(ArmRequest(CaptureOptions(path="/t"))) == (
+        b'{"cmd":"arm","options":{"path":"/t","hash_bytes":true,"buffer_capacity":262144,'
+        b'"gpu_interval_ms":1000}}\n')
+    assert encode(ErrorReply("AttachError", "m", "h")) == (
+        b'{"reply":"error","kind":"AttachError","message":"m","hint":"h"}\n')
+
+
+@pytest.mark.parametrize("line, names", [
+    (arm_line(path="/t", gpu_interval_ms="abc"),
+     "Expected `int`, got `str` - at `$.options.gpu_interval_ms`"),
+    (arm_line(path="/t", hash_bytes=1), "Expected `bool`, got `int` - at `$.options.hash_bytes`"),
+    (arm_line(path="/t", buffer_capacity=0),
+     "Expected `int` >= 1 - at `$.options.buffer_capacity`"),
+    (arm_line(path="/t", bufer_capacity=4096),
+     "Object contains unknown field `bufer_capacity` - at `$.options`"),
+    (arm_line(hash_bytes=True), "Object missing required field `path` - at `$.options`"),
+    (b'{"cmd":"status","verbose":true}\n', "Object contains unknown field `verbose`"),
+    (b'{"cmd":"rearm"}\n', "Invalid value 'rearm' - at `$.cmd`"),
+    (b'{"options":{}}\n', "Object missing required field `cmd`"),
+    (b"arm /t\n", "JSON is malformed: invalid character (byte 0)"),
+])
+def test_a_malformed_request_is_refused_naming_what_is_wrong(line, names):
+    with pytest.raises(ControlMessageError) as error:
+        decode_request(line)
+    assert str(error.value) == f"malformed control request: {names}"
+    reply = control.answer(line)
+    assert reply == ErrorReply("ControlMessageError", str(error.value), error.value.hint)
+
+
+def test_a_malformed_arm_leaves_the_engine_able_to_arm_again(engine, tmp_path):
+    """Issue "Hardening" E1 on the socket: an ill-typed or unknown option is refused before
+    anything happens, and the next, well-formed arm captures."""
+    before = patched_functions()
+    trace = tmp_path / "cap.kvtrace"
+    for line in (arm_line(path=str(trace), gpu_interval_ms="abc"),
+                 arm_line(path=str(trace), gpu_interval=5)):
+        reply = send_raw(engine, line)
+        assert type(reply) is ErrorReply and reply.kind == "ControlMessageError"
+        assert "gpu_interval" in reply.message
+        assert patched_functions() == before and hook.active_session() is None
+        assert not trace.exists()
+    status = control.request(os.getpid(), ArmRequest(CaptureOptions(path=str(trace),
+                                                                    gpu_interval_ms=0)))
+    assert type(status) is CaptureStatus and status.armed and status.path == str(trace)
+    assert all(patched_functions()[key] is not before[key] for key in before)
+    final = control.request(os.getpid(), DisarmRequest())
+    assert final.path == str(trace) and not final.armed
+    assert patched_functions() == before and trace.exists()
+
+
+def test_an_engine_error_arrives_as_the_same_class(engine, tmp_path):
+    """A second arm is refused in the engine with AlreadyCapturingError; the operator side
+    raises that class, with the engine's message and hint."""
+    first = ArmRequest(CaptureOptions(path=str(tmp_path / "one.kvtrace"), gpu_interval_ms=0))
+    control.request(os.getpid(), first)
+    with pytest.raises(AlreadyCapturingError) as error:
+        control.request(os.getpid(), ArmRequest(CaptureOptions(path=str(tmp_path / "two"))))
+    assert str(error.value) == f"pid {os.getpid()} is already capturing to {tmp_path}/one.kvtrace"
+    assert error.value.hint == AlreadyCapturingError.default_hint
+    assert not (tmp_path / "two").exists()
+
+
+def test_status_and_ping_replies(engine):
+    status = control.request(os.getpid(), StatusRequest())
+    assert status == CaptureStatus(pid=os.getpid(), armed=False)
+    pong = control.request(os.getpid(), PingRequest())
+    assert type(pong) is Pong and pong.pid == os.getpid() and pong.capturing is False
+
+
+@pytest.mark.parametrize("error_type", [KvtraceError, *ENGINE_ERRORS])
+def test_each_engine_error_class_round_trips(error_type):
+    line = encode(error_reply(error_type("what failed", "what to do")))
+    with pytest.raises(error_type) as raised:
+        raise_error(decode_reply(line))
+    assert type(raised.value) is error_type
+    assert (str(raised.value), raised.value.hint) == ("what failed", "what to do")
+
+
+def test_error_kinds_this_side_does_not_know():
+    with pytest.raises(KvtraceError) as raised:
+        raise_error(ErrorReply("FutureKvtraceError", "from a newer kvtrace", "upgrade"))
+    assert type(raised.value) is KvtraceError and raised.value.hint == "upgrade"
+    assert error_class("TraceFormatError") is TraceFormatError  # known: its own class
+    reply = error_reply(ValueError("a bug"))
+    assert (reply.kind, reply.message) == ("KvtraceError", "ValueError: a bug")
+
+
+def test_error_classes_need_distinct_names():
+    with pytest.raises(TypeError, match="both KvtraceErrors named ControlMessageError"):
+        type("ControlMessageError", (KvtraceError,), {"__module__": "somewhere.else"})
+    assert error_class("ControlMessageError") is ControlMessageError
+
+
+def serve_once(path, reply: bytes) -> threading.Thread:
+    """A stand-in server that answers one connection with ``reply``."""
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(path))
+    listener.listen(1)
+
+    def serve():
+        with listener:
+            connection, _ = listener.accept()
+            with connection:
+                control._read_line(connection)
+                connection.sendall(reply)
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    return thread
+
+
+@pytest.mark.parametrize("reply, names", [
+    (b'{"reply":"status","pid":1,"armed":true,"colour":"red"}\n',
+     "malformed control reply: Object contains unknown field `colour`"),
+    (b'{"reply":"status","pid":1,"armed":"yes"}\n',
+     "malformed control reply: Expected `bool`, got `str` - at `$.armed`"),
+    (b'{"reply":"pong","pid":1,"kvtrace_version":"0","vllm_version":"0","process_title":"",'
+     b'"capturing":false}\n', "answered a StatusRequest with a Pong, not a CaptureStatus"),
+])
+def test_the_operator_side_refuses_a_malformed_reply(tmp_path, monkeypatch, reply, names):
+    monkeypatch.setenv("KVTRACE_RUNTIME_DIR", str(tmp_path))
+    path = control.socket_path(os.getpid())
+    os.close(open_private_dir(path.parent, os.getuid(), create=True))
+    thread = serve_once(path, reply)
+    with pytest.raises(ControlMessageError, match=re.escape(names)):
+        control.request(os.getpid(), StatusRequest())
+    thread.join(5)
+
+
+def test_options_from_a_dict_are_checked_as_on_the_socket():
+    assert options_from({"path": "/t", "gpu_interval_ms": 0}) == CaptureOptions(
+        path="/t", gpu_interval_ms=0)
+    with pytest.raises(ControlMessageError, match="unknown field `gpu`"):
+        options_from({"path": "/t", "gpu": 0})
+    with pytest.raises(ControlMessageError, match=r"Expected `int`, got `str` - at `\$.gpu_int"):
+        options_from(CaptureOptions(path="/t", gpu_interval_ms="abc"))
+
+
+def test_every_request_has_its_reply_type():
+    assert set(REPLY_TYPES) == {PingRequest, ArmRequest, StatusRequest, DisarmRequest}
