@@ -67,9 +67,9 @@ def compute_geometry(model: str | Path | ModelSource, *, gpu_memory_gib: float =
     vLLM and building its config takes tens of seconds on a small CPU.
     """
     source = model if isinstance(model, ModelSource) else resolve_model(model)
-    deployment = Deployment(gpu_memory_gib, gpu_memory_utilization, tensor_parallel_size,
-                            kv_cache_dtype, max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS,
-                            non_kv_memory_gib)
+    deployment = Deployment(
+        gpu_memory_gib, gpu_memory_utilization, tensor_parallel_size, kv_cache_dtype,
+        max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS, non_kv_memory_gib)
     _check_deployment(deployment)
     cache_file = _cache_file(source, deployment, cache_dir)
     if cache_file is not None and cache_file.is_file():
@@ -123,14 +123,12 @@ def _compute(source: ModelSource, deployment: Deployment) -> Geometry:
     from vllm.v1.core.kv_cache_planning import (get_kv_cache_config_from_groups,
                                                 get_kv_cache_groups)
     from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
-    from vllm.v1.kv_cache_interface import (FullAttentionSpec, MambaSpec, MLAAttentionSpec,
-                                            get_kv_cache_spec_kind, get_kv_quant_mode)
+    from vllm.v1.kv_cache_interface import MambaSpec, get_kv_cache_spec_kind, get_kv_quant_mode
 
-    family = family_of(source.architecture)
     with tempfile.TemporaryDirectory(prefix="kvtrace-geometry-") as folder:
         vllm_config = _vllm_config(source, deployment, Path(folder))
+    family = family_of(source.architecture)  # after vLLM has said whether it is hybrid
     model_config, cache_config = vllm_config.model_config, vllm_config.cache_config
-    parallel_config = vllm_config.parallel_config
     text = source.text_config
     plans = family.layers(text)
     if not any(p.kind == MAMBA for p in plans) or all(p.kind == MAMBA for p in plans):
@@ -154,22 +152,19 @@ def _compute(source: ModelSource, deployment: Deployment) -> Geometry:
             "fall back to another backend, which kvtrace does not model",
             "Use --kv-cache-dtype auto (or bfloat16).")
     model_cls = _model_class(model_config)
-    mamba_spec = MambaSpec(shapes=model_cls.get_mamba_state_shape_from_config(vllm_config),
-                           dtypes=model_cls.get_mamba_state_dtype_from_config(vllm_config),
-                           block_size=-1)
+    try:
+        mamba_spec = MambaSpec(shapes=model_cls.get_mamba_state_shape_from_config(vllm_config),
+                               dtypes=model_cls.get_mamba_state_dtype_from_config(vllm_config),
+                               block_size=-1)
+    except (AssertionError, ValueError) as error:  # e.g. heads not divisible by TP
+        raise ConfigError(
+            f"vLLM 0.33 cannot lay out {source.name}'s Mamba/KDA state at tensor parallel size "
+            f"{deployment.tensor_parallel_size}: {error or type(error).__name__}",
+            "Use a tensor parallel size that divides the model's head counts.") from error
     ssm_dtype = str(mamba_spec.dtypes[-1]).removeprefix("torch.")
     checkpointing = family.checkpointing(text, str(model_config.dtype).removeprefix("torch."),
                                          ssm_dtype)
-    if use_mla:
-        attn_page = MLAAttentionSpec(
-            block_size=1, num_kv_heads=model_config.get_num_kv_heads(parallel_config),
-            head_size=head_size, dtype=kv_dtype, cache_dtype_str=cache_config.cache_dtype,
-            kv_quant_mode=quant_mode).page_size_bytes
-    else:
-        with set_current_vllm_config(vllm_config):
-            attn_page = backend.customize_spec(FullAttentionSpec(
-                block_size=1, num_kv_heads=model_config.get_num_kv_heads(parallel_config),
-                head_size=head_size, dtype=kv_dtype, kv_quant_mode=quant_mode)).page_size_bytes
+    attn_page = _attention_page(vllm_config, backend, kv_dtype, quant_mode)
     kernel_block = SM90_KERNEL_BLOCK[backend_name]
     with set_current_vllm_config(vllm_config):
         preferred = backend.get_preferred_block_size(cache_config.DEFAULT_BLOCK_SIZE)
@@ -184,25 +179,12 @@ def _compute(source: ModelSource, deployment: Deployment) -> Geometry:
     cache_config.mamba_page_size_padded = padded
 
     spec_alignment = (block_size if checkpointing.spec_alignment == GRID
-                      else checkpointing.spec_alignment)
-    specs: dict[str, Any] = {}
+                      else checkpointing.spec_alignment) if checkpointing.spec_blocks else None
     prefix = "language_model.model." if "text_config" in source.config else "model."
-    for plan in plans:
-        name = prefix + plan.name
-        if plan.kind == MLA:
-            specs[name] = MLAAttentionSpec(
-                block_size=block_size, num_kv_heads=1, max_tp_shards=1, head_size=head_size,
-                dtype=kv_dtype, cache_dtype_str=cache_config.cache_dtype, kv_quant_mode=quant_mode)
-        elif plan.kind == ATTENTION:
-            specs[name] = FullAttentionSpec(
-                block_size=block_size, num_kv_heads=model_config.get_num_kv_heads(parallel_config),
-                head_size=head_size, dtype=kv_dtype, kv_quant_mode=quant_mode)
-        else:
-            specs[name] = MambaSpec(
-                shapes=mamba_spec.shapes, dtypes=mamba_spec.dtypes, block_size=block_size,
-                page_size_padded=padded, mamba_type=_mamba_type(family), mamba_cache_mode="align",
-                num_prefill_checkpoint_blocks=checkpointing.spec_blocks,
-                prefill_checkpoint_alignment=spec_alignment if checkpointing.spec_blocks else None)
+    specs = {prefix + plan.name: _layer_spec(plan.kind, vllm_config, family, mamba_spec,
+                                             kv_dtype, quant_mode, checkpointing.spec_blocks,
+                                             spec_alignment)
+             for plan in plans}
     resolve_kv_cache_layout(vllm_config, [[layout.name for layout in
                                            get_supported_kv_cache_layouts([backend])]],
                             specs.values())
@@ -227,7 +209,7 @@ def _compute(source: ModelSource, deployment: Deployment) -> Geometry:
         hash_block_size=hash_block_size, scheduler_block_size=scheduler_block_size,
         attention_page_bytes_per_token=attn_page, page_bytes=page,
         mamba_state_bytes=mamba_spec.page_size_bytes,
-        checkpoint_alignment=spec_alignment if checkpointing.spec_blocks else None,
+        checkpoint_alignment=spec_alignment,
         checkpoint_blocks=len(mamba_groups),
         checkpoint_bytes=len(mamba_groups) * bytes_per_block,
         bytes_per_block=bytes_per_block, num_gpu_blocks=kv_config.num_blocks,
@@ -240,6 +222,53 @@ def _compute(source: ModelSource, deployment: Deployment) -> Geometry:
                                                  "prefill_checkpoint_alignment", None))
             for g in groups],
         memory=memory)
+
+
+def _attention_page(vllm_config: Any, backend: Any, kv_dtype: Any, quant_mode: Any) -> int:
+    """One token of one attention layer, as ``_align_hybrid_block_size`` computes it."""
+    from vllm.config import set_current_vllm_config
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
+
+    model_config, cache_dtype = vllm_config.model_config, vllm_config.cache_config.cache_dtype
+    num_kv_heads = model_config.get_num_kv_heads(vllm_config.parallel_config)
+    if model_config.use_mla:
+        return MLAAttentionSpec(block_size=1, num_kv_heads=num_kv_heads,
+                                head_size=model_config.get_head_size(), dtype=kv_dtype,
+                                cache_dtype_str=cache_dtype, kv_quant_mode=quant_mode
+                                ).page_size_bytes
+    with set_current_vllm_config(vllm_config):  # customize_spec may read the model config
+        return backend.customize_spec(FullAttentionSpec(
+            block_size=1, num_kv_heads=num_kv_heads, head_size=model_config.get_head_size(),
+            dtype=kv_dtype, kv_quant_mode=quant_mode)).page_size_bytes
+
+
+def _layer_spec(kind: str, vllm_config: Any, family: Any, mamba_spec: Any, kv_dtype: Any,
+                quant_mode: Any, checkpoint_blocks: int, checkpoint_alignment: int | None
+                ) -> Any:
+    """The spec the layer's ``get_kv_cache_spec`` returns: ``MLAAttention`` (mla_attention.py),
+    ``Attention`` (attention.py), ``MambaBase`` plus the layer's checkpoint fields."""
+    from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, MLAAttentionSpec
+
+    model_config, cache_config = vllm_config.model_config, vllm_config.cache_config
+    if kind == MLA:
+        return MLAAttentionSpec(
+            block_size=cache_config.block_size, num_kv_heads=1, max_tp_shards=1,
+            head_size=model_config.get_head_size(), dtype=kv_dtype,
+            cache_dtype_str=cache_config.cache_dtype, kv_quant_mode=quant_mode)
+    if kind == ATTENTION:
+        return FullAttentionSpec(
+            block_size=cache_config.block_size, head_size=model_config.get_head_size(),
+            num_kv_heads=model_config.get_num_kv_heads(vllm_config.parallel_config),
+            dtype=kv_dtype, kv_quant_mode=quant_mode)
+    return MambaSpec(
+        shapes=mamba_spec.shapes, dtypes=mamba_spec.dtypes,
+        block_size=cache_config.mamba_block_size,
+        page_size_padded=cache_config.mamba_page_size_padded,
+        mamba_type=MambaAttentionBackendEnum[family.mamba_type],
+        mamba_cache_mode=cache_config.mamba_cache_mode,
+        num_prefill_checkpoint_blocks=checkpoint_blocks,
+        prefill_checkpoint_alignment=checkpoint_alignment)
 
 
 def _vllm_config(source: ModelSource, deployment: Deployment, folder: Path) -> Any:
@@ -264,7 +293,10 @@ def _vllm_config(source: ModelSource, deployment: Deployment, folder: Path) -> A
                 enable_chunked_prefill=True,
                 max_num_batched_tokens=deployment.max_num_batched_tokens))
     except (ValueError, TypeError, AssertionError) as error:  # pydantic / vLLM validation
-        raise ConfigError(f"vLLM 0.33 rejects {source.name}: {str(error).splitlines()[0]}",
+        details = getattr(error, "errors", None)  # a pydantic ValidationError lists them
+        reason = ("; ".join(e["msg"] for e in details()) if callable(details)
+                  else str(error).splitlines()[0] if str(error) else type(error).__name__)
+        raise ConfigError(f"vLLM 0.33 rejects {source.name}: {reason}",
                           "Check the config.json and the flags against vLLM's message.") from error
     # VllmConfig turns the hybrid KV-cache manager off on a platform without it (this CPU);
     # CUDA has it (CudaPlatform.support_hybrid_kv_cache), so decide as there.
@@ -327,13 +359,6 @@ def _model_class(model_config: Any) -> Any:
             "Install vLLM's own dependencies for it (compressed-tensors, loguru: "
             "scripts/bootstrap installs them).") from error
     return model_cls
-
-
-def _mamba_type(family: Any) -> Any:
-    from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
-
-    return (MambaAttentionBackendEnum.MAMBA2 if "NemotronHForCausalLM" in family.architectures
-            else MambaAttentionBackendEnum.GDN_ATTN)
 
 
 def _kv_dtype(cache_dtype: str, model_dtype: Any) -> Any:

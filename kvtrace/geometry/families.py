@@ -57,6 +57,7 @@ class MambaCheckpointing:
 class Family:
     architectures: tuple[str, ...]
     description: str
+    mamba_type: str  # the layers' MambaAttentionBackendEnum name (their ``mamba_type``)
 
     def layers(self, text: dict[str, Any]) -> list[LayerPlan]:
         raise NotImplementedError
@@ -141,9 +142,12 @@ class NemotronHFamily(Family):
 
 
 FAMILIES: tuple[Family, ...] = (
-    KimiFamily(("KimiLinearForCausalLM", "KimiK3ForConditionalGeneration"), "Kimi (MLA + KDA)"),
-    Qwen3NextFamily(("Qwen3NextForCausalLM",), "Qwen3-Next (gated attention + Gated DeltaNet)"),
-    NemotronHFamily(("NemotronHForCausalLM",), "Nemotron-H (attention + Mamba2)"),
+    # KDA layers subclass GatedDeltaNetAttention (gdn/base.py: mamba_type GDN_ATTN).
+    KimiFamily(("KimiLinearForCausalLM", "KimiK3ForConditionalGeneration"),
+               "Kimi (MLA + KDA)", "GDN_ATTN"),
+    Qwen3NextFamily(("Qwen3NextForCausalLM",), "Qwen3-Next (gated attention + Gated DeltaNet)",
+                    "GDN_ATTN"),
+    NemotronHFamily(("NemotronHForCausalLM",), "Nemotron-H (attention + Mamba2)", "MAMBA2"),
 )
 
 

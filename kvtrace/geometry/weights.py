@@ -154,7 +154,7 @@ def _qwen3_next(c: _Counter, t: dict[str, Any]) -> None:
     value_heads = t["linear_num_value_heads"]
     value_dim = value_heads * t["linear_value_head_dim"]
     mlp_only = set(t.get("mlp_only_layers") or ())
-    for i, plan in enumerate(Qwen3NextFamily((), "").layers(t)):
+    for i, plan in enumerate(Qwen3NextFamily((), "", "").layers(t)):
         c.dense(hidden, count=2)
         if plan.kind == MAMBA:
             c.dense(2 * key_dim + 2 * value_dim, hidden)  # in_proj_qkvz
