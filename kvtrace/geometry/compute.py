@@ -376,6 +376,8 @@ def _memory_split(source: ModelSource, deployment: Deployment, weights: Any) -> 
     kv_bytes = usable - weight_bytes - non_kv
     if kv_bytes <= 0:
         needed = -(-weights.nbytes // max(usable - non_kv, 1))
+        heads = source.text_config.get("num_attention_heads") or needed
+        needed = next((tp for tp in range(needed, heads + 1) if heads % tp == 0), needed)
         raise ConfigError(
             f"{source.name}: its weights take {weight_bytes / GIB:.1f} GiB per GPU at tensor "
             f"parallel size {deployment.tensor_parallel_size}, and with "
