@@ -40,6 +40,9 @@ H200_GIB = 141.0
 DEFAULT_NON_KV_GIB = 6.0
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192  # vLLM 0.33 `vllm serve` default on H100/H200
 CACHE_VERSION = "1"
+# vLLM imports the model class (Kimi, Qwen3-Next pull in compressed-tensors and loguru).
+MODEL_CLASS_HINT = ("vLLM could not import the model's class: install the vLLM dependencies it "
+                    "needs (compressed-tensors==0.17.0, loguru; scripts/bootstrap installs them).")
 
 
 @dataclass(frozen=True)
@@ -296,8 +299,9 @@ def _vllm_config(source: ModelSource, deployment: Deployment, folder: Path) -> A
         details = getattr(error, "errors", None)  # a pydantic ValidationError lists them
         reason = ("; ".join(e["msg"] for e in details()) if callable(details)
                   else str(error).splitlines()[0] if str(error) else type(error).__name__)
-        raise ConfigError(f"vLLM 0.33 rejects {source.name}: {reason}",
-                          "Check the config.json and the flags against vLLM's message.") from error
+        hint = (MODEL_CLASS_HINT if "failed to be inspected" in reason
+                else "Check the config.json and the flags against vLLM's message.")
+        raise ConfigError(f"vLLM 0.33 rejects {source.name}: {reason}", hint) from error
     # VllmConfig turns the hybrid KV-cache manager off on a platform without it (this CPU);
     # CUDA has it (CudaPlatform.support_hybrid_kv_cache), so decide as there.
     vllm_config.scheduler_config.disable_hybrid_kv_cache_manager = False
@@ -356,8 +360,7 @@ def _model_class(model_config: Any) -> Any:
     except (ImportError, ValueError) as error:
         raise ConfigError(
             f"vLLM's model class for {model_config.architecture} does not import here: {error}",
-            "Install vLLM's own dependencies for it (compressed-tensors, loguru: "
-            "scripts/bootstrap installs them).") from error
+            MODEL_CLASS_HINT) from error
     return model_cls
 
 
