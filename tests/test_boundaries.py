@@ -153,6 +153,18 @@ def engine_rule(name: str, imp: Import) -> str | None:
     return None
 
 
+def geometry_rule(name: str, imp: Import) -> str | None:
+    """geometry/ is its own stage: it reads configs and vLLM, and feeds the others."""
+    if not under(name, "kvtrace.geometry"):
+        return None
+    if under(imp.module, "kvtrace.replay", "kvtrace.capture", "kvtrace.analysis",
+             "kvtrace.engine", "kvtrace.workloads", "kvtrace.probes", "kvtrace.cli"):
+        return "geometry must not import replay, capture, analysis, the engine or the CLI"
+    if root(imp.module) in ("vllm", "torch", "duckdb", "click") and imp.top_level:
+        return "vllm / torch only inside functions; no duckdb or click at import time"
+    return None
+
+
 def analysis_rule(name: str, imp: Import) -> str | None:
     if not under(name, "kvtrace.analysis"):
         return None
@@ -174,7 +186,7 @@ def cli_rule(name: str, imp: Import) -> str | None:
 
 
 RULES = [core_rule, traceio_rule, native_rule, in_engine_rule, replay_rule, workloads_rule,
-         engine_rule, analysis_rule, cli_rule]
+         engine_rule, geometry_rule, analysis_rule, cli_rule]
 
 
 @pytest.mark.parametrize("rule", RULES, ids=lambda r: r.__name__)

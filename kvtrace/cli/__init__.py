@@ -28,6 +28,7 @@ COMMAND_MODULES = {
     "importcmd": "import",
     "replay": "replay",
     "engine": "engine",
+    "geometry": "geometry",
     "demo": "demo",
 }
 
