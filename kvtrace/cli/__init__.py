@@ -23,10 +23,12 @@ COMMAND_MODULES = {
     "load": "load",
     "sql": "sql",
     "report": "report",
+    "export": "export",
     "capture": "capture",
     "synth": "synth",
     "importcmd": "import",
     "replay": "replay",
+    "sweep": "sweep",
     "engine": "engine",
     "demo": "demo",
 }
