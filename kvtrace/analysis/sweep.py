@@ -98,7 +98,7 @@ def plot_png(sweep: dict[str, Any]) -> bytes:
         top = axes.secondary_xaxis("top", functions=(lambda blocks: blocks / distinct,
                                                      lambda share: share * distinct))
         top.set_xlabel(f"share of the {distinct} distinct attention blocks")
-    axes.legend(loc="best", fontsize="small")
+    axes.legend(loc="lower right", fontsize="small")
     return base64.b64decode(_png(pyplot, figure))
 
 

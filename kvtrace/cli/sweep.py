@@ -26,7 +26,7 @@ def _cpus() -> int:
 @click.option("--retention", "retentions", multiple=True, metavar="none|0|N[,...]",
               help="Retention intervals: none (dense), 0 (latest-only), N tokens "
                    "(default: the source's).")
-@click.option("--backend", default=None,
+@click.option("--backend", default=None, metavar="NAME",
               help="Cache implementation (default: model, the fast one, where installed; "
                    "else vllm).")
 @click.option("-o", "--outdir", required=True, type=click.Path(file_okay=False),
@@ -51,7 +51,7 @@ def command(source: str, pool_fractions: tuple[str, ...], num_gpu_blocks: tuple[
     published and suppressed. The whole grid is checked first: a pool too small for the
     largest request is refused, naming the smallest usable size. Writes OUTDIR/sweep.json,
     a hit-rate-vs-pool-size plot per variant (sweep.png, sweep.html) and a DuckDB `sweep`
-    table (`kvtrace sql OUTDIR/sweep.duckdb -e "SELECT * FROM sweep"`).
+    table (`kvtrace sql OUTDIR/sweep.duckdb "SELECT * FROM sweep"`).
 
     \b
     Example:
@@ -77,14 +77,15 @@ def command(source: str, pool_fractions: tuple[str, ...], num_gpu_blocks: tuple[
     jobs = min(jobs or _cpus(), len(plan.tasks))
     for note in plan.notes:
         click.echo(f"note: {note}", err=True)
-    click.echo(f"sweeping {len(plan.tasks)} configurations of {source} on the {plan.backend} "
+    count = f"{len(plan.tasks)} configuration{'s' if len(plan.tasks) > 1 else ''}"
+    click.echo(f"sweeping {count} of {source} on the {plan.backend} "
                f"backend" + (f", {jobs} at a time" if ray_address is None else
                              f", on Ray ({ray_address})"), err=True)
     result = run_sweep(plan, jobs=jobs, ray_address=ray_address, on_row=_progress(len(plan.tasks)))
     sweep = result.to_json()
     written = write_outputs(sweep, outdir, db)
     _print_rows(sweep)
-    click.echo(f"{len(plan.tasks)} configurations in {result.wall_s:.1f} s ({result.runner}); "
+    click.echo(f"{count} in {result.wall_s:.1f} s ({result.runner}); "
                "wrote " + ", ".join(written.values()))
 
 

@@ -137,6 +137,7 @@ def plan_sweep(grid: SweepGrid) -> SweepPlan:
         notes.append(f"the {PREFERRED_BACKENDS[0]!r} backend is not available; "
                      f"running on {backend!r}")
     source = _source_for(grid.source)
+    derive(source.header.config, grid.source)  # the source's own engine, before its geometry
     arrivals = arrivals_of(source.records)
     if not arrivals:
         raise KvtraceError(f"{grid.source} has no requests (no request_arrived records)",
