@@ -263,3 +263,12 @@ def test_a_failed_configuration_leaves_nothing(source, tmp_path, monkeypatch):
     assert result.exit_code == 1 and "the pool ran dry" in result.output
     assert not outdir.exists() or not any(outdir.iterdir())
     assert db.read_bytes() == before
+
+
+def test_a_worker_s_error_reaches_the_command_with_its_hint():
+    """Workers send errors back pickled; a KvtraceError's hint must survive the trip."""
+    import pickle
+
+    error = pickle.loads(pickle.dumps(sweep_module.SweepTaskError("fixed at 60 blocks: dry",
+                                                                  "Give it more blocks.")))
+    assert (str(error), error.hint) == ("fixed at 60 blocks: dry", "Give it more blocks.")
