@@ -22,7 +22,8 @@ from kvtrace.analysis.load import load_sweep
 from kvtrace.analysis.report import _CSS, _figure, _html_cell, _png
 from kvtrace.errors import KvtraceError
 
-SWEEP_JSON, SWEEP_PNG, SWEEP_HTML, SWEEP_DB = "sweep.json", "sweep.png", "sweep.html", "sweep.duckdb"
+SWEEP_JSON, SWEEP_PNG, SWEEP_HTML = "sweep.json", "sweep.png", "sweep.html"
+SWEEP_DB = "sweep.duckdb"
 
 
 def check_outputs(outdir: str | os.PathLike, db: str | None) -> None:

@@ -339,7 +339,8 @@ def _run_on_ray(plan: SweepPlan, address: str, jobs: int,
         import ray
     except ImportError:
         raise KvtraceError("--ray needs Ray, which is not installed",
-                           "pip install 'kvtrace[ray]', or drop --ray to use local processes.")
+                           "pip install 'kvtrace[ray]', or drop --ray to use local processes."
+                           ) from None
     started_here = not ray.is_initialized()
     if started_here:
         try:
@@ -364,7 +365,9 @@ def _run_on_ray(plan: SweepPlan, address: str, jobs: int,
                 try:
                     row = ray.get(done[0])
                 except ray.exceptions.RayTaskError as error:
-                    raise (error.cause if isinstance(error.cause, KvtraceError) else error)
+                    if isinstance(error.cause, KvtraceError):
+                        raise error.cause from None
+                    raise
                 finished(task_of[done[0]], row)
         except BaseException:
             for ref in pending:
