@@ -13,6 +13,9 @@ Layout (schema version ``DB_SCHEMA_VERSION``):
   can join on "unit i of request r" directly.
 * ``runs``: one row per loaded trace with its provenance and engine configuration.
 * ``kvtrace_meta``: key/value pairs, among them ``db_schema_version``.
+* ``sweep``: one row per configuration of each ``kvtrace sweep`` loaded (``SWEEP_COLUMNS``),
+  numbered by ``sweep_id``. Added after schema v1 without a version bump: nothing else reads
+  it, and a v1 database gets the table when a sweep is first loaded into it.
 * ``cache_entries``, derived once after loading (``DERIVED_TABLES``), and views shared by the
   shipped queries (``VIEWS``); table macros with parameters (``MACROS``) are defined on every
   connection (temporary, so a read-only or older database gets them too).
@@ -37,6 +40,18 @@ ENUM_TYPES = {
 }
 RENAMED_FIELDS = {"group": "group_id", "step": "engine_step"}
 RUN_COLUMNS = "run INTEGER, variant VARCHAR, backend VARCHAR, seq BIGINT, step BIGINT"
+# The sweep table: the sweep's own columns, then one per figure of a ``sweep.json`` row.
+SWEEP_COLUMNS = (
+    ("sweep_id", "INTEGER"), ("source_path", "VARCHAR"), ("source_digest", "VARCHAR"),
+    ("backend", "VARCHAR"), ("variant", "VARCHAR"), ("retention_interval", "INTEGER"),
+    ("num_gpu_blocks", "INTEGER"), ("pool_fraction", "DOUBLE"), ("requests", "BIGINT"),
+    ("prompt_tokens", "BIGINT"), ("hit_tokens", "BIGINT"), ("hit_rate", "DOUBLE"),
+    ("evictions", "BIGINT"), ("checkpoints_published", "BIGINT"),
+    ("checkpoints_suppressed", "BIGINT"), ("stale_key_hazards", "BIGINT"),
+    ("preemptions", "BIGINT"), ("steps", "BIGINT"), ("wall_s", "DOUBLE"),
+)
+SWEEP_TABLE = ("CREATE TABLE IF NOT EXISTS sweep ("
+               + ", ".join(f"{name} {sql_type}" for name, sql_type in SWEEP_COLUMNS) + ")")
 
 
 class DatabaseError(KvtraceError):
@@ -103,6 +118,7 @@ def schema_statements() -> list[str]:
             group_kinds VARCHAR[], num_records BIGINT, truncated BOOLEAN, num_dropped BIGINT,
             header_json VARCHAR)""",
         "CREATE TABLE kvtrace_meta (key VARCHAR PRIMARY KEY, value VARCHAR)",
+        SWEEP_TABLE,
     ]
     return statements
 

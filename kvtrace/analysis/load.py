@@ -20,6 +20,8 @@ from kvtrace import __version__
 from kvtrace.analysis.database import (
     DB_SCHEMA_VERSION,
     ENUM_TYPES,
+    SWEEP_COLUMNS,
+    SWEEP_TABLE,
     DatabaseError,
     build_derived_tables,
     child_table,
@@ -27,6 +29,7 @@ from kvtrace.analysis.database import (
     create_views,
     element_column,
     is_list_field,
+    open_database,
     record_fields,
     schema_statements,
 )
@@ -84,16 +87,28 @@ def load_traces(paths: list[str | os.PathLike], db_path: str | os.PathLike) -> L
 
     An existing file there is replaced, atomically: the DB is built beside it and renamed only
     once every trace loaded, so a bad trace leaves nothing half-written."""
-    import duckdb
-
     started = time.perf_counter()
     traces = trace_paths(paths)
-    db_path = os.fspath(db_path)
+    summary = LoadSummary(os.fspath(db_path))
+
+    def fill(connection) -> None:
+        for run, trace in enumerate(traces):
+            summary.runs.append(_load_trace(connection, run, trace))
+
+    _new_database(summary.db_path, fill)
+    summary.seconds = time.perf_counter() - started
+    return summary
+
+
+def _new_database(db_path: str, fill) -> None:
+    """Create a forensics DB at ``db_path`` (replacing one there) with what ``fill(connection)``
+    inserts: built beside it and renamed once complete."""
+    import duckdb
+
     partial = f"{db_path}.partial"
     for stale in (partial, f"{partial}.wal"):
         if os.path.exists(stale):
             os.unlink(stale)
-    summary = LoadSummary(db_path)
     connection = duckdb.connect(partial)
     try:
         for statement in schema_statements():
@@ -103,8 +118,7 @@ def load_traces(paths: list[str | os.PathLike], db_path: str | os.PathLike) -> L
             [("db_schema_version", str(DB_SCHEMA_VERSION)), ("kvtrace_version", __version__),
              ("created_ns", str(time.time_ns()))],
         )
-        for run, trace in enumerate(traces):
-            summary.runs.append(_load_trace(connection, run, trace))
+        fill(connection)
         build_derived_tables(connection)
         create_views(connection)
         connection.execute("CHECKPOINT")
@@ -116,8 +130,35 @@ def load_traces(paths: list[str | os.PathLike], db_path: str | os.PathLike) -> L
                 os.unlink(leftover)
         raise
     os.replace(partial, db_path)
-    summary.seconds = time.perf_counter() - started
-    return summary
+
+
+def load_sweep(sweep: dict, db_path: str | os.PathLike, *, replace: bool = False) -> int:
+    """Add the rows of a sweep (``sweep.json``) to the ``sweep`` table of ``db_path`` and
+    return their ``sweep_id``. A missing DB (or any, with ``replace``) is created; an existing
+    one gets the rows in one transaction (and the table, if it predates sweeps)."""
+    db_path = os.fspath(db_path)
+    if replace or not os.path.exists(db_path):
+        _new_database(db_path, lambda connection: _insert_sweep(connection, 0, sweep))
+        return 0
+    connection = open_database(db_path, read_only=False)
+    try:
+        connection.execute("BEGIN TRANSACTION")
+        connection.execute(SWEEP_TABLE)
+        sweep_id = connection.execute(
+            "SELECT coalesce(max(sweep_id) + 1, 0) FROM sweep").fetchone()[0]
+        _insert_sweep(connection, sweep_id, sweep)
+        connection.execute("COMMIT")
+    finally:
+        connection.close()
+    return sweep_id
+
+
+def _insert_sweep(connection, sweep_id: int, sweep: dict) -> None:
+    names = [name for name, _ in SWEEP_COLUMNS]
+    own = [sweep_id, sweep["source"], sweep["source_digest"], sweep["backend"]]
+    connection.executemany(
+        f"INSERT INTO sweep ({', '.join(names)}) VALUES ({', '.join('?' * len(names))})",
+        [own + [row[name] for name in names[len(own):]] for row in sweep["rows"]])
 
 
 def run_labels(header: TraceHeader) -> tuple[str, str, str]:

@@ -5,7 +5,9 @@ variant on the same ``EngineConfig``, drives it (``reschedule``: the scheduler m
 arrivals; ``lockstep``: the captured calls re-issued) and writes every record the backend
 reports into ``OUTDIR/<source>.<variant>.kvtrace``. Everything is checked before the first
 backend is built, and outputs appear only when every variant succeeded: a failed run leaves
-nothing in OUTDIR.
+nothing in OUTDIR. With ``write_traces`` off, the records only feed the summaries (a sweep runs
+many configurations and keeps their figures, not their traces), and a ``Source`` read once can
+serve many runs.
 
 The summary is computed from the records themselves (``ReplaySummary``), so it reads the same
 for any trace in the schema, a live capture included.
@@ -13,6 +15,7 @@ for any trace in the schema, a live capture included.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import os
@@ -67,6 +70,26 @@ class ReplayOptions:
     overrides: Overrides = Overrides()
     lockstep: bool = False
     verify: bool = False
+    write_traces: bool = True  # False: summaries only; outdir is not used
+
+
+@dataclass(frozen=True)
+class Source:
+    """A source trace read into memory: everything ``replay`` needs of it."""
+
+    path: str
+    header: TraceHeader
+    records: list[Record]
+    truncated: bool
+    num_dropped: int
+    digest: str
+
+
+def read_source(path: str) -> Source:
+    reader = TraceReader(path)
+    records = list(reader)
+    return Source(path, reader.header, records, reader.truncated, reader.num_dropped,
+                  _digest(path))
 
 
 # --- summaries ----------------------------------------------------------------------------------
@@ -210,12 +233,14 @@ def _jsonable(value: Any) -> Any:
 
 
 def replay(options: ReplayOptions,
-           progress: Callable[[str, int], Callable[[int], None]] | None = None) -> ReplayResult:
+           progress: Callable[[str, int], Callable[[int], None]] | None = None,
+           source: Source | None = None) -> ReplayResult:
     """Run every variant of ``options``; ``progress(variant, num_requests)`` may return a
-    callback that gets the number of finished requests after each step."""
-    reader = TraceReader(options.source)
-    records = list(reader)
-    header = reader.header
+    callback that gets the number of finished requests after each step. ``source``: the
+    already read ``options.source``."""
+    source = source or read_source(options.source)
+    records = source.records
+    header = source.header
     if options.verify and options.overrides.changes_cache:
         raise ConfigError("--verify compares with the captured run, so the cache must be the "
                           "captured one", "Drop --num-gpu-blocks / --retention with --verify.")
@@ -227,32 +252,33 @@ def replay(options: ReplayOptions,
         raise ConfigError(f"unknown backend {options.backend!r}",
                           f"Known backends: {', '.join(BACKENDS)}.")
     if mode == "lockstep":
-        _check_lockstep_source(options, records, reader)
+        _check_lockstep_source(options, source)
     arrivals = arrivals_of(records)
     if not arrivals:
         raise KvtraceError(f"{options.source} has no requests (no request_arrived records)",
                            "Replay a workload (kvtrace synth / import) or a captured trace.")
 
     outdir = Path(options.outdir)
-    if outdir.exists() and not outdir.is_dir():
-        raise ConfigError(f"output directory {outdir} is a file", "Give -o a directory.")
-    outdir.mkdir(parents=True, exist_ok=True)
-    digest = _digest(options.source)
+    if options.write_traces:
+        if outdir.exists() and not outdir.is_dir():
+            raise ConfigError(f"output directory {outdir} is a file", "Give -o a directory.")
+        outdir.mkdir(parents=True, exist_ok=True)
     stem = Path(options.source).name.removesuffix(".kvtrace")
     result = ReplayResult(mode, config, [])
     staged: list[tuple[str, str]] = []  # (partial path, final path)
     try:
         for variant in variants:
-            final = str(outdir / f"{stem}.{variant}.kvtrace")
-            partial = f"{final}.partial"
+            final = str(outdir / f"{stem}.{variant}.kvtrace") if options.write_traces else ""
+            partial = f"{final}.partial" if final else ""
             replay_header = TraceHeader(
                 kvtrace_version=__version__, created_ns=time.time_ns(), source="replay",
                 config=config, vllm_version=_vllm_version(), includes_hash_bytes=False,
                 replay=ReplayInfo(variant=variant, backend=options.backend, mode=mode,
                                   source_path=os.path.abspath(options.source),
-                                  source_digest=digest),
+                                  source_digest=source.digest),
                 params=_params(settings, mode))
-            staged.append((partial, final))
+            if final:
+                staged.append((partial, final))
             on_step = progress(variant, len(arrivals)) if progress else None
             keep = mode == "lockstep" and options.verify and variant == engine_variant
             summary, replayed, steps, wall_s = _run_variant(
@@ -277,19 +303,21 @@ def _run_variant(path: str, header: TraceHeader, backend_name: str, config: Engi
                  variant: str, mode: str, records: list[Record], arrivals,
                  settings: SchedulerSettings, on_step: Callable[[int], None] | None,
                  keep_records: bool) -> tuple[ReplaySummary, list[Record], int, float]:
-    """Drive one backend; the wall time counts the replay, not building the backend (whose
-    first construction imports vLLM)."""
+    """Drive one backend, writing its records to ``path`` (none: only summarised); the wall
+    time counts the replay, not building the backend (whose first construction imports vLLM)."""
     summary = ReplaySummary(config)
     kept: list[Record] = []
     # Not atomic: the caller publishes every variant's file together, or none.
-    with open(path, "wb") as file:
-        writer = TraceWriter(file, header)
-
-        def sink(record: Record) -> None:
-            writer.write(record)
-            summary(record)
-            if keep_records:
-                kept.append(record)
+    with open(path, "wb") if path else contextlib.nullcontext() as file:
+        writer = TraceWriter(file, header) if file else None
+        sink: Callable[[Record], None] = summary
+        if writer is not None or keep_records:
+            def sink(record: Record) -> None:
+                if writer is not None:
+                    writer.write(record)
+                summary(record)
+                if keep_records:
+                    kept.append(record)
 
         steps = 0
         with open_backend(backend_name, config, variant, sink) as backend:
@@ -301,7 +329,8 @@ def _run_variant(path: str, header: TraceHeader, backend_name: str, config: Engi
             else:
                 steps = Scheduler(backend, config, settings).run(arrivals, on_step).steps
             wall_s = time.perf_counter() - started
-        writer.close()
+        if writer is not None:
+            writer.close()
     return summary, kept, steps, wall_s
 
 
@@ -327,21 +356,22 @@ def _variants_for(options: ReplayOptions, engine_variant: str) -> list[str]:
     return names
 
 
-def _check_lockstep_source(options: ReplayOptions, records: list[Record],
-                           reader: TraceReader) -> None:
+def _check_lockstep_source(options: ReplayOptions, source: Source) -> None:
+    records = source.records
     if not any(isinstance(r, SlotsAllocated) for r in records):
         raise ConfigError(
             f"{options.source} holds no captured allocate_slots calls (a workload, not a "
             "capture), so there is nothing to re-issue in lockstep",
             "Drop --lockstep/--verify to reschedule the workload, or capture a trace first.")
     if options.verify:
-        dropped = reader.num_dropped or sum(r.count for r in records if isinstance(r, EventsDropped))
+        dropped = source.num_dropped or sum(r.count for r in records
+                                            if isinstance(r, EventsDropped))
         if dropped:
             raise KvtraceError(
                 f"{options.source} dropped {dropped} events during capture, so its effects "
                 "cannot be compared record by record",
                 "Capture again with a larger buffer, or replay without --verify.")
-        if reader.truncated:
+        if source.truncated:
             raise KvtraceError(f"{options.source} is truncated; its last effects are missing",
                                "Verify a trace whose capture ended cleanly.")
 
