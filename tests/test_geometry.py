@@ -95,7 +95,7 @@ def _split(num_state_layers: int, num_attention_layers: int) -> list[int]:
 # The smallest tensor-parallel size at which each preset fits one H200 with room for a cache.
 PRESET_TP = {"kimi-linear-48b-a3b": 1, "nemotron-h-8b": 1, "qwen3-next-80b-a3b": 2,
              "kimi-k3": 16}
-# The figures the hand arithmetic above gives (docs/geometry.md quotes them).
+# The figures the hand arithmetic above gives (docs/commands/geometry.md quotes them).
 HAND_BLOCKS = {"kimi-linear-48b-a3b": 1920, "nemotron-h-8b": 1040, "qwen3-next-80b-a3b": 576,
                "kimi-k3": 384}
 
@@ -149,7 +149,7 @@ def test_layer_layouts_follow_the_configs():
 
 
 def test_weights_match_the_published_checkpoint_totals():
-    """Parameter totals of the checkpoints' safetensors (docs/geometry.md names the sources);
+    """Parameter totals of the checkpoints' safetensors (docs/commands/geometry.md names the sources);
     Kimi-K3's routed experts are MXFP4: 4 bits a weight + a scale byte per 32."""
     def weights(name):
         source = resolve_model(name)

@@ -30,7 +30,7 @@ def command(model: str, gpu_memory_gib: float, gpu_memory_utilization: float,
 
     Computed on CPU, without weights, by vLLM's own code: the model class's Mamba state
     shapes, the attention page, the hybrid block-size rule, get_kv_cache_groups and the
-    memory split (docs/geometry.md). The first run for a model imports vLLM (tens of
+    memory split (docs/commands/geometry.md). The first run for a model imports vLLM (tens of
     seconds); results are cached under ~/.cache/kvtrace/geometry.
 
     \b
