@@ -125,7 +125,7 @@ def main() -> int:
     directory = tempfile.mkdtemp(prefix="kvtrace-bench-")
     source = os.path.join(directory, "workload.kvtrace")
     shape = EngineShape()
-    write_workload(source, synthesize(args.preset, args.requests, 0, shape.hash_unit), shape)
+    write_workload(source, synthesize(args.preset, args.requests, 0, shape.hash_block_size), shape)
     reader, records = read_records(source)
     config = reader.header.config
     settings = SchedulerSettings.from_config(config)

@@ -36,7 +36,9 @@ os.chmod(EMPTY_DIR, 0o755)
 @pytest.fixture(scope="module")
 def workload(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("capture") / "shared.kvtrace"
-    write_workload(path, synthesize("shared-prompt", 40, seed=0, hash_unit=32), EngineShape())
+    shape = EngineShape()
+    write_workload(path, synthesize("shared-prompt", 40, seed=0, hash_unit=shape.hash_block_size),
+                   shape)
     return path
 
 

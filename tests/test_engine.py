@@ -44,7 +44,9 @@ def register():
 def workload(tmp_path_factory) -> Path:
     """40 shared-prompt requests on a pool tight enough that unfixed and fixed differ."""
     path = tmp_path_factory.mktemp("engine") / "shared.kvtrace"
-    write_workload(path, synthesize("shared-prompt", 40, seed=0, hash_unit=32), EngineShape())
+    shape = EngineShape()
+    write_workload(path, synthesize("shared-prompt", 40, seed=0, hash_unit=shape.hash_block_size),
+                   shape)
     return path
 
 

@@ -19,6 +19,7 @@ from click.testing import CliRunner
 
 from kvtrace.cli import cli
 from kvtrace.errors import ConfigError
+from kvtrace.geometry.bundled import PRESET_TENSOR_PARALLEL, geometry_for
 from kvtrace.geometry import compute_geometry, preset_names, resolve_model
 from kvtrace.geometry.families import (ATTENTION, FLASHINFER_GDN_CHECKPOINT_ALIGNMENT,
                                        FLASHKDA_CHECKPOINT_ALIGNMENT, MAMBA, MLA, family_of)
@@ -93,8 +94,7 @@ def _split(num_state_layers: int, num_attention_layers: int) -> list[int]:
 
 
 # The smallest tensor-parallel size at which each preset fits one H200 with room for a cache.
-PRESET_TP = {"kimi-linear-48b-a3b": 1, "nemotron-h-8b": 1, "qwen3-next-80b-a3b": 2,
-             "kimi-k3": 16}
+PRESET_TP = PRESET_TENSOR_PARALLEL
 # The figures the hand arithmetic above gives (docs/commands/geometry.md quotes them).
 HAND_BLOCKS = {"kimi-linear-48b-a3b": 1920, "nemotron-h-8b": 1040, "qwen3-next-80b-a3b": 576,
                "kimi-k3": 384}
@@ -262,6 +262,15 @@ def test_each_preset_geometry_equals_the_hand_computed_one(geometries, name):
     assert geometry.checkpoint_bytes == len(mamba_groups) * hand["bytes_per_block"]
     assert geometry.bytes_per_block == hand["bytes_per_block"]
     assert geometry.num_gpu_blocks == hand["num_gpu_blocks"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(PRESET_TP))
+def test_the_shipped_geometry_is_what_vllms_code_computes_now(geometries, name):
+    """Workload writers read the shipped file instead of importing vLLM: it must not drift
+    (regenerate with `python -m kvtrace.geometry.bundled`)."""
+    assert geometry_for(name) == geometries[name]
+    assert geometry_for(name, PRESET_TP[name]) == geometries[name]
 
 
 @pytest.mark.slow

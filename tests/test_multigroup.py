@@ -20,9 +20,10 @@ from kvtrace.traceio import read_records, write_trace
 from kvtrace.workloads.synth import synthesize
 from kvtrace.workloads.workload import EngineShape, write_workload
 
-# Long shared prompts prefilled in several chunks at retention 0: transient checkpoints.
-SHAPE = EngineShape(hash_unit=32, attention_block_size=128, mamba_block_size=128,
-                    max_num_batched_tokens=512, max_num_seqs=8)
+# Long shared prompts prefilled in several chunks at retention 0: transient checkpoints. The
+# default model's checkpoint settings; blocks of 128 tokens hashed at 32 keep it small.
+SHAPE = EngineShape(hash_unit=32, attention_block_size=128, max_num_batched_tokens=512,
+                    max_num_seqs=8)
 OVERRIDES = {"system_prompts": 3, "system_prompt_len": 768, "prompt_len": 640, "output_len": 8}
 
 
@@ -35,7 +36,9 @@ def workload_with_groups(directory, num_groups: int, num_gpu_blocks: int | None 
     write_workload(base, synthesize("shared-prompt", requests, 3, SHAPE.hash_unit, OVERRIDES),
                    shape)
     reader, records = read_records(base)
-    attention, mamba = reader.header.config.kv_cache_groups
+    groups = reader.header.config.kv_cache_groups
+    attention = next(g for g in groups if g.kind == "full_attention")
+    mamba = next(g for g in groups if g.kind == "mamba")
     config = msgspec.structs.replace(reader.header.config,
                                      kv_cache_groups=[attention] + [mamba] * (num_groups - 1))
     path = directory / f"groups{num_groups}.kvtrace"

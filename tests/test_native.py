@@ -136,16 +136,17 @@ def assert_same_records(python: list, fast: list) -> None:
 
 
 def tight_agent_workload(tmp_path, variant: str, num_requests: int, num_gpu_blocks: int):
-    """Synthetic agent traffic in a small pool: evictions, preemptions, checkpoints published
-    and suppressed."""
+    """Synthetic agent traffic in a small pool of the default model's geometry, hashed at 64
+    tokens (a prefix_match_unit finer than the block, so partial hits copy-on-write and the
+    engine releases blocks): evictions, preemptions, checkpoints published and suppressed."""
     from kvtrace.engine_config import SchedulerSettings
     from kvtrace.engine.core import EngineOptions, load_workload
     from kvtrace.workloads.workload import EngineShape, write_workload
     from kvtrace.workloads.synth import synthesize
 
     path = tmp_path / "workload.kvtrace"
-    shape = EngineShape(num_gpu_blocks=num_gpu_blocks)
-    write_workload(path, synthesize("agent", num_requests, 0, shape.hash_unit), shape)
+    shape = EngineShape(num_gpu_blocks=num_gpu_blocks, hash_unit=64)
+    write_workload(path, synthesize("agent", num_requests, 0, shape.hash_block_size), shape)
     workload = load_workload(EngineOptions(str(path), variant=variant, speed=0))
     config = replace(workload.config, reserve_full_sequence=False)  # admit by chunk: preempt
     return dataclasses.replace(workload, config=config,
@@ -157,7 +158,7 @@ def tight_agent_workload(tmp_path, variant: str, num_requests: int, num_gpu_bloc
 def test_native_wrappers_record_exactly_what_the_python_wrappers_record(tmp_path, monkeypatch,
                                                                         variant):
     """The record types of kvtrace.events, on a larger workload, both variants."""
-    workload = tight_agent_workload(tmp_path, variant, 40, 260)
+    workload = tight_agent_workload(tmp_path, variant, 40, 30)
     python, python_kinds = engine_records(workload, variant, monkeypatch, None)
     fast, fast_kinds = engine_records(workload, variant, monkeypatch, native.built)
 
@@ -175,7 +176,7 @@ def test_native_records_take_their_field_order_from_their_types(tmp_path, monkey
     (SlotsAllocated: before fields it supplies, so it passes the default): the core builds the
     new types by field name, and each record it built equals the Python wrapper's."""
     drifted = {name: reordered(getattr(events, name)) for name in NATIVE_RECORD_TYPES}
-    workload = tight_agent_workload(tmp_path, "unfixed", 6, 170)
+    workload = tight_agent_workload(tmp_path, "unfixed", 30, 30)
     python, _ = engine_records(workload, "unfixed", monkeypatch, None)
     reconfigure(**drifted)
     fast, fast_kinds = engine_records(workload, "unfixed", monkeypatch, native.built)

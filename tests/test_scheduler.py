@@ -240,8 +240,8 @@ def test_each_step_releases_its_copy_on_write_retentions_so_no_block_leaks():
     from kvtrace.workloads.workload import EngineShape, engine_config_for, pool_size, workload_records
     from kvtrace.workloads.synth import synthesize
 
-    shape = EngineShape()
-    workload = synthesize("shared-prompt", 40, 0, shape.hash_unit)
+    shape = EngineShape(hash_unit=32)  # a prefix_match_unit finer than the block: partial hits
+    workload = synthesize("shared-prompt", 40, 0, shape.hash_block_size)
     records = list(workload_records(workload))
     config = engine_config_for(workload, shape, pool_size(workload, shape)[0])
     replayed: list = []

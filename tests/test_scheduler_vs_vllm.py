@@ -69,9 +69,9 @@ def assert_same_schedule(workload) -> list:
 @pytest.mark.slow
 @pytest.mark.parametrize("preset, num_requests, num_gpu_blocks, reserve_full_sequence", [
     ("shared-prompt", 60, None, True),
-    ("shared-prompt", 60, 140, True),  # tight: preemptions, admissions the whole prompt must fit
-    ("shared-prompt", 60, 140, False),  # scheduler_reserve_full_isl off: admission by chunk
-    ("chat", 60, 120, True),
+    ("shared-prompt", 60, 30, True),  # tight: preemptions, admissions the whole prompt must fit
+    ("shared-prompt", 60, 30, False),  # scheduler_reserve_full_isl off: admission by chunk
+    ("chat", 60, 22, True),
     ("agent", 60, None, True),
 ])
 def test_the_model_schedules_exactly_as_vllm(tmp_path, preset, num_requests, num_gpu_blocks,
@@ -81,7 +81,7 @@ def test_the_model_schedules_exactly_as_vllm(tmp_path, preset, num_requests, num
 
     path = tmp_path / "workload.kvtrace"
     shape = EngineShape(num_gpu_blocks=num_gpu_blocks)
-    write_workload(path, synthesize(preset, num_requests, 0, shape.hash_unit), shape)
+    write_workload(path, synthesize(preset, num_requests, 0, shape.hash_block_size), shape)
     workload = load_workload(EngineOptions(str(path), variant="unfixed", speed=0))
     config = replace(workload.config, reserve_full_sequence=reserve_full_sequence)
     workload = dataclasses.replace(workload, config=config,
@@ -107,7 +107,8 @@ def test_the_model_schedules_the_mooncake_trace_exactly_as_vllm(tmp_path):
     with open(MOONCAKE_SYNTHETIC) as full:
         log.write_text("".join(line for _, line in zip(range(400), full)))
     path = tmp_path / "mooncake.kvtrace"
-    result = CliRunner().invoke(cli, ["import", "mooncake", str(log), "-o", str(path)],
+    result = CliRunner().invoke(cli, ["import", "mooncake", str(log), "--hash-unit", "128",
+                                      "-o", str(path)],
                                 catch_exceptions=False)
     assert result.exit_code == 0, result.output
     workload = load_workload(EngineOptions(str(path), variant="unfixed", speed=0))

@@ -179,19 +179,19 @@ def test_docstring_table_is_the_generated_one_and_every_parameter_is_documented(
 
 
 def test_distinct_attention_blocks_by_hand():
-    shape = EngineShape(hash_unit=16, attention_block_size=32, mamba_block_size=64)
+    shape = EngineShape(hash_unit=16, attention_block_size=32)  # kimi-k3: 3 Mamba groups
     workload = Workload("synth", [
         # 100 prompt + 30 output tokens = 4 full blocks of 32: units 1, 3 (prompt), 5, 7 (declared).
         WorkloadRequest(0, 100, [0, 1, 2, 3, 4, 5], 30, [6, 7], "a"),
         # Shares blocks 1 and 3; 70 + 30 = 100 tokens = 3 blocks, the third undeclared.
         WorkloadRequest(1, 70, [0, 1, 2, 3], 30, [], "b"),
     ], hash_unit=16)
-    assert distinct_attention_blocks(workload, shape) == 4 + 1
+    assert distinct_attention_blocks(workload, 32) == 4 + 1
     assert pool_size(workload, EngineShape(hash_unit=16, attention_block_size=32,
-                                                     mamba_block_size=64, num_gpu_blocks=50)) == (50, "given")
+                                           num_gpu_blocks=50)) == (50, "given")
     # 0.25 x 5 is tiny: the floor is twice the largest request (130 tokens = 5 attention
-    # blocks, + 4 Mamba pages).
-    assert pool_size(workload, shape) == (18, "2 x the largest request (9 blocks)")
+    # blocks, + 4 Mamba pages in each of the 3 Mamba groups).
+    assert pool_size(workload, shape) == (34, "2 x the largest request (17 blocks)")
 
 
 # --- synth through the CLI --------------------------------------------------------------------------------
@@ -200,7 +200,7 @@ def test_distinct_attention_blocks_by_hand():
 def test_synth_cli_writes_a_workload_trace(tmp_path):
     out = tmp_path / "chat.kvtrace"
     result = run("synth", "--preset", "chat", "--requests", 120, "--seed", 4, "--turns", 3,
-                 "--hash-unit", 16, "--attention-block-size", 16, "--mamba-block-size", 64, "-o", out)
+                 "--hash-unit", 16, "-o", out)
     assert result.exit_code == 0, result.output
     assert "120 requests" in result.output
     reader, records = read_records(out)
@@ -208,13 +208,17 @@ def test_synth_cli_writes_a_workload_trace(tmp_path):
     assert header.source == "synth" and not header.includes_hash_bytes
     assert header.params["preset"] == "chat" and header.params["seed"] == "4"
     assert header.params["turns"] == "3.0"
+    # The default model's geometry (kimi-k3 at TP 16): 3 KDA groups and the MLA group, all
+    # 384-token blocks, FlashKDA checkpoints (1 block, 16-token alignment).
+    assert header.params["model"] == "kimi-k3" and header.params["tensor_parallel_size"] == "16"
     config = header.config
-    attention, mamba = config.kv_cache_groups
-    assert (attention.kind, attention.block_size) == ("full_attention", 16)
-    assert (mamba.kind, mamba.block_size, mamba.mamba_cache_mode) == ("mamba", 64, "align")
+    assert [(g.kind, g.block_size) for g in config.kv_cache_groups] == [
+        ("mamba", 384)] * 3 + [("full_attention", 384)]
+    mamba = config.kv_cache_groups[0]
+    assert mamba.mamba_cache_mode == "align"
     assert (mamba.num_prefill_checkpoint_blocks, mamba.prefill_checkpoint_alignment) == (1, 16)
     assert config.hash_block_size == 16 and config.retention_interval == 0
-    assert config.max_num_batched_tokens == 1024 and config.max_model_len % 64 == 0
+    assert config.max_num_batched_tokens == 8192 and config.max_model_len % 384 == 0
     # Records: each RequestArrived, in request order, then its HashesExtended (if any).
     expected = synthesize("chat", 120, seed=4, hash_unit=16, overrides={"turns": 3.0})
     assert records == list(workload_records(expected))
@@ -222,6 +226,23 @@ def test_synth_cli_writes_a_workload_trace(tmp_path):
     for record, after in zip(records, records[1:]):
         if isinstance(after, HashesExtended):
             assert isinstance(record, RequestArrived) and record.req == after.req
+
+
+def test_unreal_geometry_needs_its_flag_and_is_marked(tmp_path):
+    """Toy sizes vLLM would never build (Mamba block != attention block) stay possible as an
+    explicit what-if, and the workload says so."""
+    out = tmp_path / "toy.kvtrace"
+    toy = ["--hash-unit", 16, "--attention-block-size", 16, "--mamba-block-size", 64]
+    refused = run("synth", "--preset", "chat", "--requests", 20, *toy, "-o", out)
+    assert refused.exit_code == 1 and "--allow-unreal-geometry" in refused.stderr
+    assert not out.exists()
+    result = run("synth", "--preset", "chat", "--requests", 20, *toy, "--allow-unreal-geometry",
+                 "-o", out)
+    assert result.exit_code == 0, result.output
+    header = read_records(out)[0].header
+    assert header.params["unreal_geometry"] == "allowed"
+    assert {(g.kind, g.block_size) for g in header.config.kv_cache_groups} == {
+        ("mamba", 64), ("full_attention", 16)}
 
 
 def test_synth_cli_same_seed_same_records(tmp_path):
@@ -244,7 +265,8 @@ def test_retention_dense_and_explicit_pool(tmp_path):
 
 @pytest.mark.parametrize("args, message", [
     (["--preset", "chat", "--tool-call-len", 5], "--tool-call-len does not apply to preset chat"),
-    (["--preset", "chat", "--attention-block-size", 48], "not a multiple of the hash unit 32"),
+    (["--preset", "chat", "--attention-block-size", 48], "not a multiple of the hash unit 384"),
+    (["--preset", "chat", "--mamba-block-size", 768], "attention block 384 and Mamba block 768 differ"),
     (["--preset", "agent", "--num-gpu-blocks", 10], "a pool of 10 blocks cannot hold request"),
     (["--preset", "chat", "--rate", 0], "--rate must be positive"),
     (["--preset", "agent", "--turns", 0.5], "--turns must be at least 1, not 0.5"),
@@ -304,8 +326,8 @@ def test_mooncake_mapping_by_hand(tmp_path):
 def test_mooncake_cli_writes_import_trace(tmp_path):
     log = write_log(tmp_path / "tiny.jsonl", TINY_LOG)
     out = tmp_path / "tiny.kvtrace"
-    result = run("import", "mooncake", log, "--hash-unit", 128, "--attention-block-size", 128,
-                 "--mamba-block-size", 512, "-o", out)
+    result = run("import", "mooncake", log, "--hash-unit", 128, "--attention-block-size", 512,
+                 "-o", out)
     assert result.exit_code == 0, result.output
     reader, records = read_records(out)
     assert reader.header.source == "import" and reader.header.config.hash_block_size == 128
@@ -349,8 +371,7 @@ def test_mooncake_empty_log_is_refused(tmp_path):
 @pytest.mark.skipif(not MOONCAKE_SYNTHETIC.exists(), reason="shared Mooncake data not present")
 def test_real_mooncake_synthetic_trace_imports_faithfully(tmp_path):
     out = tmp_path / "synthetic.kvtrace"
-    result = run("import", "mooncake", MOONCAKE_SYNTHETIC, "--hash-unit", 64,
-                 "--attention-block-size", 64, "--mamba-block-size", 256, "-o", out)
+    result = run("import", "mooncake", MOONCAKE_SYNTHETIC, "--hash-unit", 64, "-o", out)
     assert result.exit_code == 0, result.output
     rows = [json.loads(line) for line in MOONCAKE_SYNTHETIC.read_text().splitlines()]
     reader, records = read_records(out)

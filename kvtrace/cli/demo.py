@@ -69,12 +69,16 @@ def command(workdir: str, quick: bool) -> None:
     database, html = work / "demo.duckdb", work / "report.html"
     stages = Stages(7)
 
-    stages.start(f"Generating a shared-prompt workload ({num_requests} requests, "
-                 f"{num_gpu_blocks} blocks, retention 0)")
     shape = EngineShape(num_gpu_blocks=num_gpu_blocks)
+    geometry = shape.geometry
+    stages.start(f"Generating a shared-prompt workload ({num_requests} requests, "
+                 f"{num_gpu_blocks} blocks, retention 0) for {shape.model}'s cache as vLLM 0.33 "
+                 f"builds it: {len(geometry.groups)} KV-cache groups, {geometry.block_size}-token "
+                 f"blocks, TP {geometry.tensor_parallel_size}")
     overrides = {k: v for k, v in DEMO_WORKLOAD.items() if k != "preset"}
-    write_workload(workload, synthesize(DEMO_WORKLOAD["preset"], num_requests, 0, shape.hash_unit,
-                                        overrides), shape, cmdline=["kvtrace", "demo"])
+    write_workload(workload, synthesize(DEMO_WORKLOAD["preset"], num_requests, 0,
+                                        shape.hash_block_size, overrides),
+                   shape, cmdline=["kvtrace", "demo"])
     stages.done(str(workload))
 
     engine = EngineProcess(

@@ -44,6 +44,6 @@ def mooncake(log: str, source_block_size: int, output: str, **options) -> None:
     from kvtrace.workloads.workload import write_workload
 
     shape = engine_shape(options)
-    workload = import_mooncake(log, shape.hash_unit, source_block_size)
+    workload = import_mooncake(log, shape.hash_block_size, source_block_size)
     header = write_workload(output, workload, shape, cmdline=sys.argv)
     report_written(output, workload, header)

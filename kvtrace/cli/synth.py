@@ -59,9 +59,16 @@ def engine_options() -> list[click.Option]:
             options.append(click.Option([flag, spec.name], type=RetentionInterval(),
                                         default=spec.default, show_default=True,
                                         help=ENGINE_HELP[spec.name]))
+        elif spec.type == "bool":
+            options.append(click.Option([flag, spec.name], is_flag=True,
+                                        help=ENGINE_HELP[spec.name]))
         elif spec.default is None:
-            value_type = click.IntRange(min=1) if spec.name == "num_gpu_blocks" else float
+            value_type = float if spec.name == "pool_fraction" else click.IntRange(min=1)
             options.append(click.Option([flag, spec.name], type=value_type, default=None,
+                                        help=ENGINE_HELP[spec.name]))
+        elif spec.name == "model":
+            options.append(click.Option([flag, spec.name], metavar="NAME|CONFIG.json",
+                                        default=spec.default, show_default=True,
                                         help=ENGINE_HELP[spec.name]))
         else:
             options.append(click.Option([flag, spec.name], type=type(spec.default),
@@ -128,7 +135,7 @@ def command(preset: str, num_requests: int, seed: int, output: str, **options) -
 
     shape = engine_shape(options)
     overrides = {name: value for name, value in options.items() if value is not None}
-    workload = synthesize(preset, num_requests, seed, shape.hash_unit, overrides)
+    workload = synthesize(preset, num_requests, seed, shape.hash_block_size, overrides)
     header = write_workload(output, workload, shape, cmdline=sys.argv)
     report_written(output, workload, header)
 

@@ -38,14 +38,16 @@ class ModelSource:
 
 
 def preset_names() -> list[str]:
-    return sorted(path.stem for path in PRESET_DIR.glob("*.json"))
+    """The bundled configs (``presets/NAME.json``; ``NAME.geometry.json`` are their computed
+    geometries, see ``bundled``)."""
+    return sorted(path.stem for path in PRESET_DIR.glob("*.json") if "." not in path.stem)
 
 
 def resolve_model(name_or_path: str | Path) -> ModelSource:
     """A preset by name, else a ``config.json`` file (or a folder holding one)."""
     text = str(name_or_path)
     preset = PRESET_DIR / f"{text}.json"
-    if preset.is_file():
+    if text in preset_names():
         config = _read_json(preset)
         return ModelSource(text, config, config.pop(SOURCE_KEY))
     path = Path(text)

@@ -41,7 +41,6 @@ from kvtrace.replay.backend import BACKENDS, open_backend
 from kvtrace.replay.run import DEFAULT_VARIANTS, ReplayOptions, Source, read_source, replay
 from kvtrace.replay.scheduler import Arrival, arrivals_of
 from kvtrace.workloads.workload import (
-    EngineShape,
     Workload,
     WorkloadRequest,
     distinct_attention_blocks,
@@ -173,15 +172,11 @@ def _distinct_attention_blocks(source: Source, arrivals: list[Arrival]) -> int:
     if not attention:
         raise ConfigError(f"{source.path} has no full-attention group, so a pool fraction has "
                           "no base", "Give pool sizes in blocks with --num-gpu-blocks.")
-    # Only the attention block and the hash unit take part in the count.
-    block = attention[0].block_size
-    shape = EngineShape(hash_unit=config.hash_block_size, attention_block_size=block,
-                        mamba_block_size=block, checkpoint_alignment=config.hash_block_size)
     workload = Workload("sweep", [
         WorkloadRequest(a.arrival_ns, a.prompt_len, a.hash_ids, a.max_tokens,
                         a.output_hash_ids or [], str(a.req))
         for a in arrivals], config.hash_block_size)
-    return distinct_attention_blocks(workload, shape)
+    return distinct_attention_blocks(workload, attention[0].block_size)
 
 
 def _check_fits(config, longest: Arrival, fraction: float | None, distinct: int | None) -> None:
