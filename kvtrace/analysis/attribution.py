@@ -312,7 +312,8 @@ class MissAttributor:
         num_groups = len(config.kv_cache_groups)
         self._is_mamba = [g.kind == "mamba" for g in config.kv_cache_groups]
         self._copies: list[dict[int, int]] = [{} for _ in range(num_groups)]  # key -> blocks
-        self._removals: list[dict[int, Removal]] = [{} for _ in range(num_groups)]
+        # key -> the fields of the Removal that took its last copy (a tuple: one per eviction)
+        self._removals: list[dict[int, tuple]] = [{} for _ in range(num_groups)]
         self._units: dict[int, list[int]] = {}
         self._scheduled_units: dict[int, int] = {}  # req -> its units already counted computed
         self._computed: set[int] = set()  # hash ids some allocation scheduled
@@ -485,18 +486,20 @@ class MissAttributor:
     def _on_removed(self, block_id, hash_id, group, _num_tokens, reason) -> None:
         copies = self._copies[group]
         left = copies.get(hash_id, 0) - 1
-        copies[hash_id] = max(left, 0)
-        if left <= 0:
+        if left > 0:
+            copies[hash_id] = left
+        else:  # the last copy: remember how it went
+            copies[hash_id] = 0
             behind, examples, by_req = 0, (), _NO_REQ
             if reason == _LRU_REUSE:
-                others = self._evictable_transient
-                behind = len(others) - (block_id in others)
                 by_req = self._allocating
-                if behind and self.explain:
-                    examples = tuple(itertools.islice(
-                        ((r, p, b) for b, (r, _g, p, _k) in reversed(others.items())
-                         if b != block_id), _PUSHOUT_EXAMPLES))
-            # A plain tuple (a Removal when read): there is one per eviction.
+                others = self._evictable_transient
+                if others:
+                    behind = len(others) - (block_id in others)
+                    if behind and self.explain:
+                        examples = tuple(itertools.islice(
+                            ((r, p, b) for b, (r, _g, p, _k) in reversed(others.items())
+                             if b != block_id), _PUSHOUT_EXAMPLES))
             self._removals[group][hash_id] = (reason, self._seq, self._step, block_id, by_req,
                                               behind, examples)
         info = self._transient.get(block_id)
@@ -629,9 +632,9 @@ class MissAttributor:
                   units: list[int]) -> LostKey:
         hash_id = units[depth - 1]
         group = next(g for g in groups if self._level(g, hash_id) == level)
-        removal = self._removals[group].get(hash_id)
-        return LostKey(group, depth * self.unit, hash_id, Removal._make(removal)
-                       if removal and self._copies[group].get(hash_id) is not None else None)
+        removal = self._removals[group].get(hash_id)  # none: never stored
+        return LostKey(group, depth * self.unit, hash_id,
+                       Removal._make(removal) if removal else None)
 
 
 def attribute_trace(path: str | os.PathLike, *, request: int | str | None = None,
