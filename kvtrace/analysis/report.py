@@ -43,7 +43,6 @@ def collect(connection, *, bucket_steps: int = 10, min_hits: int = 2) -> ReportD
     timeline = run_query(connection, "hit_rate_timeline", {"bucket_steps": str(bucket_steps)})
     attribution = (run_query(connection, "miss_attribution_summary")
                    if has_attribution(connection) else None)
-    units = dict(connection.execute("SELECT run, hash_block_size FROM runs").fetchall())
     return ReportData(
         hit_rates=_overall_hit_rates(timeline),
         timeline=timeline,
@@ -53,26 +52,27 @@ def collect(connection, *, bucket_steps: int = 10, min_hits: int = 2) -> ReportD
         occupancy=run_query(connection, "cache_occupancy",
                             {"min_hits": str(min_hits), "bucket_steps": str(bucket_steps)}),
         attribution=attribution,
-        warnings=_silent_zero_warnings(attribution, units) if attribution else [],
+        warnings=_silent_zero_warnings(attribution) if attribution else [],
     )
 
 
-def first_admission_totals(summary: Result) -> dict[int, tuple[str, CauseTotals]]:
-    """Per run: its variant and the totals of its first admissions (miss_attribution_summary)."""
-    runs: dict[int, tuple[str, CauseTotals]] = {}
+def first_admission_totals(summary: Result) -> dict[int, tuple[str, int, CauseTotals]]:
+    """Per run: its variant, hash unit and the totals of its first admissions
+    (miss_attribution_summary)."""
+    runs: dict[int, tuple[str, int, CauseTotals]] = {}
     for row in map(lambda r: dict(zip(summary.columns, r)), summary.rows):
         if row["lookups"] != "first":
             continue
-        variant, totals = runs.setdefault(row["run"], (row["variant"], CauseTotals(
+        _, _, totals = runs.setdefault(row["run"], (row["variant"], row["hash_unit"], CauseTotals(
             row["num_lookups"], row["query_tokens"], row["ideal_tokens"], row["hit_tokens"])))
         totals.tokens[row["cause"]] = row["tokens"]
     return runs
 
 
-def _silent_zero_warnings(summary: Result, units: dict[int, int]) -> list[str]:
+def _silent_zero_warnings(summary: Result) -> list[str]:
     warnings = []
-    for run, (variant, totals) in first_admission_totals(summary).items():
-        warning = silent_zero_warning(f"run {run} ({variant})", totals, units.get(run) or 0)
+    for run, (variant, unit, totals) in first_admission_totals(summary).items():
+        warning = silent_zero_warning(f"run {run} ({variant})", totals, unit)
         if warning:
             warnings.append(warning)
     return warnings
@@ -84,9 +84,9 @@ def hits_went(data: ReportData) -> Result:
     if data.attribution is None:
         return Result([])
     runs = first_admission_totals(data.attribution)
-    causes = [c for c in CAUSES if any(t.tokens.get(c) for _, t in runs.values())]
+    causes = [c for c in CAUSES if any(t.tokens.get(c) for _, _, t in runs.values())]
     rows = []
-    for run, (variant, totals) in runs.items():
+    for run, (variant, _, totals) in runs.items():
         share = 100 / totals.query_tokens if totals.query_tokens else 0
         rows.append((run, variant, totals.lookups, round(totals.hit_tokens * share, 1),
                      round(totals.ideal_tokens * share, 1),

@@ -4,6 +4,7 @@
 --   run: the run
 --   variant: its variant (or trace source)
 --   backend: its backend
+--   hash_unit: the run's hash unit in tokens (hash_block_size)
 --   lookups: 'first' (a request's first admission, as replay's hit rate counts) or 'resumed'
 --   num_lookups: admitted lookups of that kind
 --   query_tokens: their query tokens
@@ -32,10 +33,12 @@ per_cause AS (
     SELECT run, resumed, cause, any_value(in_shortfall) AS in_shortfall, sum(tokens) AS tokens
     FROM miss_attribution
     GROUP BY run, resumed, cause)
-SELECT t.run, t.variant, t.backend, CASE WHEN t.resumed THEN 'resumed' ELSE 'first' END AS lookups,
+SELECT t.run, t.variant, t.backend, r.hash_block_size AS hash_unit,
+       CASE WHEN t.resumed THEN 'resumed' ELSE 'first' END AS lookups,
        t.num_lookups, t.query_tokens, t.ideal_tokens, t.hit_tokens, c.cause, c.in_shortfall,
        c.tokens, c.tokens / nullif(t.query_tokens, 0) AS share_of_query,
        c.tokens / nullif(t.query_tokens - t.hit_tokens, 0) AS share_of_missed
 FROM totals t
+JOIN runs r ON r.run = t.run
 JOIN per_cause c ON c.run = t.run AND c.resumed = t.resumed
 ORDER BY t.run, t.resumed, c.cause
