@@ -19,6 +19,9 @@ Layout (schema version ``DB_SCHEMA_VERSION``):
 * ``cache_entries``, derived once after loading (``DERIVED_TABLES``), and views shared by the
   shipped queries (``VIEWS``); table macros with parameters (``MACROS``) are defined on every
   connection (temporary, so a read-only or older database gets them too).
+* ``miss_attribution`` (schema v2): one row per admitted lookup and cause of its missed tokens
+  (``kvtrace.analysis.attribution``), computed while each trace loads. A v1 database lacks it;
+  ``open_database`` then puts a view in its place that fails with a message to reload.
 """
 
 from __future__ import annotations
@@ -27,10 +30,13 @@ import functools
 import os
 import typing
 
+from kvtrace.analysis.attribution import ROW_COLUMNS
 from kvtrace.errors import KvtraceError
 from kvtrace.events import RECORD_TYPES, CheckpointClass, FinishStatus, RemoveReason, StoreKind, tag_of
 
-DB_SCHEMA_VERSION = 1
+DB_SCHEMA_VERSION = 2
+ATTRIBUTION_SCHEMA_VERSION = 2  # the first schema with the miss_attribution table
+ATTRIBUTION_TABLE = "miss_attribution"
 
 ENUM_TYPES = {
     StoreKind: "store_kind",
@@ -96,6 +102,8 @@ def schema_statements() -> list[str]:
         f"CREATE TYPE {name} AS ENUM ({', '.join(repr(m.name) for m in enum)})"
         for enum, name in ENUM_TYPES.items()
     ]
+    statements.append(f"CREATE TABLE {ATTRIBUTION_TABLE} "
+                      f"({', '.join(f'{name} {sql_type}' for name, sql_type in ROW_COLUMNS)})")
     for record_type in RECORD_TYPES:
         tag = tag_of(record_type)
         columns = [RUN_COLUMNS]
@@ -312,8 +320,28 @@ def open_database(path: str | os.PathLike, *, read_only: bool = True):
             hint="Upgrade kvtrace (pip install -U kvtrace), or re-create the database with this "
             "kvtrace: `kvtrace load TRACE ... -o DB.duckdb`.",
         )
+    if int(version[0]) < ATTRIBUTION_SCHEMA_VERSION:
+        _stand_in_for_attribution(connection, path, int(version[0]))
     create_macros(connection)
     return connection
+
+
+def has_attribution(connection) -> bool:
+    """Whether the database holds the ``miss_attribution`` table (not the v1 stand-in)."""
+    return bool(connection.execute(
+        "SELECT count(*) FROM duckdb_tables() WHERE table_name = ? AND NOT temporary",
+        [ATTRIBUTION_TABLE]).fetchone()[0])
+
+
+def _stand_in_for_attribution(connection, path: str, version: int) -> None:
+    """A temporary view named like the missing table that fails, when read, with what to do."""
+    message = (f"{path} was loaded by an older kvtrace (database schema v{version}) and has no "
+               f"{ATTRIBUTION_TABLE} table; reload its traces with `kvtrace load TRACE ... -o DB`")
+    columns = ", ".join(f"NULL::{'VARCHAR' if sql_type.startswith('ENUM') else sql_type} AS {name}"
+                        for name, sql_type in ROW_COLUMNS[1:])
+    quoted = "'" + message.replace("'", "''") + "'"
+    connection.execute(f"CREATE TEMP VIEW {ATTRIBUTION_TABLE} AS SELECT "
+                       f"error({quoted})::INTEGER AS run, {columns} FROM range(1)")
 
 
 def _first_line(error: Exception) -> str:

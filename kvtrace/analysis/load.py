@@ -4,6 +4,8 @@ Traces are read with ``TraceReader.batches()``: every batch already holds its re
 fixed-width int columns, which ``numpy.frombuffer`` views without copying. Rows of one kind are
 gathered into chunks of about a million and handed to DuckDB as a dict of numpy arrays (its
 replacement scan reads them in bulk), so no record is ever turned into a Python object.
+The same pass feeds the miss attribution (``kvtrace.analysis.attribution``), whose rows go to
+the ``miss_attribution`` table.
 """
 
 from __future__ import annotations
@@ -17,7 +19,9 @@ import msgspec
 import numpy as np
 
 from kvtrace import __version__
+from kvtrace.analysis.attribution import ROW_COLUMNS, iter_rows, new_attributor
 from kvtrace.analysis.database import (
+    ATTRIBUTION_TABLE,
     DB_SCHEMA_VERSION,
     ENUM_TYPES,
     SWEEP_COLUMNS,
@@ -172,8 +176,11 @@ def _load_trace(connection, run: int, path: str) -> LoadedRun:
     reader = TraceReader(path)
     variant, backend, mode = run_labels(reader.header)
     sink = _RunSink(connection, run, variant, backend)
+    attributor = new_attributor(reader.header, path) if reader.header.config else None
     steps_before = 0
     for batch in reader.batches():
+        if attributor is not None:
+            attributor.feed(batch)
         kinds = np.frombuffer(batch.kinds, dtype=np.uint8)
         seqs = batch.first_seq + np.arange(len(kinds), dtype=np.int64)
         steps = np.full(len(kinds), steps_before, dtype=np.int64)
@@ -187,8 +194,23 @@ def _load_trace(connection, run: int, path: str) -> LoadedRun:
             rows = slice(None) if len(batch.types) == 1 else np.flatnonzero(kinds == index)
             sink.add(record_type, seqs[rows], steps[rows], batch.columns[index])
     sink.flush_all()
+    if attributor is not None:
+        _insert_attribution(connection, list(iter_rows(run, variant, backend, attributor.lookups)))
     _insert_run_row(connection, run, path, reader, variant, backend, mode)
     return LoadedRun(run, path, variant, backend, reader.num_records, reader.truncated)
+
+
+def _insert_attribution(connection, rows: list[tuple]) -> None:
+    if not rows:
+        return
+    names = [name for name, _ in ROW_COLUMNS]
+    columns = {name: np.array(values, dtype=object) for name, values in zip(names, zip(*rows))}
+    connection.register("kvtrace_chunk", columns)
+    try:
+        connection.execute(f"INSERT INTO {ATTRIBUTION_TABLE} ({', '.join(names)}) "
+                           f"SELECT {', '.join(names)} FROM kvtrace_chunk")
+    finally:
+        connection.unregister("kvtrace_chunk")
 
 
 def _insert_run_row(connection, run, path, reader, variant, backend, mode) -> None:

@@ -3,6 +3,8 @@
 Everything shown comes from the shipped queries (no SQL of its own), so the report and
 ``kvtrace sql --query`` always agree. The HTML embeds its plots as PNG data URIs (matplotlib,
 Agg backend) so the page is a single file that can be mailed or attached to an issue.
+Warnings come first: a run whose hit rate is near zero although it need not be (a *silent
+zero*, ``kvtrace.analysis.attribution.silent_zero_warning``), named by its dominant cause.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import io
 import os
 from dataclasses import dataclass
 
+from kvtrace.analysis.attribution import CAUSES, CauseTotals, silent_zero_warning
 from kvtrace.analysis.queries import Result, run_query
 from kvtrace.analysis.render import format_table
 
@@ -30,10 +33,16 @@ class ReportData:
     lost_hits: Result
     causes: Result
     occupancy: Result
+    attribution: Result | None  # miss_attribution_summary; None: the database predates it
+    warnings: list[str]
 
 
 def collect(connection, *, bucket_steps: int = 10, min_hits: int = 2) -> ReportData:
+    from kvtrace.analysis.database import has_attribution
+
     timeline = run_query(connection, "hit_rate_timeline", {"bucket_steps": str(bucket_steps)})
+    attribution = (run_query(connection, "miss_attribution_summary")
+                   if has_attribution(connection) else None)
     return ReportData(
         hit_rates=_overall_hit_rates(timeline),
         timeline=timeline,
@@ -42,7 +51,47 @@ def collect(connection, *, bucket_steps: int = 10, min_hits: int = 2) -> ReportD
         causes=run_query(connection, "eviction_causes"),
         occupancy=run_query(connection, "cache_occupancy",
                             {"min_hits": str(min_hits), "bucket_steps": str(bucket_steps)}),
+        attribution=attribution,
+        warnings=_silent_zero_warnings(attribution) if attribution else [],
     )
+
+
+def first_admission_totals(summary: Result) -> dict[int, tuple[str, int, CauseTotals]]:
+    """Per run: its variant, hash unit and the totals of its first admissions
+    (miss_attribution_summary)."""
+    runs: dict[int, tuple[str, int, CauseTotals]] = {}
+    for row in map(lambda r: dict(zip(summary.columns, r)), summary.rows):
+        if row["lookups"] != "first":
+            continue
+        _, _, totals = runs.setdefault(row["run"], (row["variant"], row["hash_unit"], CauseTotals(
+            row["num_lookups"], row["query_tokens"], row["ideal_tokens"], row["hit_tokens"])))
+        totals.tokens[row["cause"]] = row["tokens"]
+    return runs
+
+
+def _silent_zero_warnings(summary: Result) -> list[str]:
+    warnings = []
+    for run, (variant, unit, totals) in first_admission_totals(summary).items():
+        warning = silent_zero_warning(f"run {run} ({variant})", totals, unit)
+        if warning:
+            warnings.append(warning)
+    return warnings
+
+
+def hits_went(data: ReportData) -> Result:
+    """Per run (first admissions): the hit, the ideal and every cause that cost tokens, as
+    percentages of the query tokens; a cause column only where some run has it."""
+    if data.attribution is None:
+        return Result([])
+    runs = first_admission_totals(data.attribution)
+    causes = [c for c in CAUSES if any(t.tokens.get(c) for _, _, t in runs.values())]
+    rows = []
+    for run, (variant, _, totals) in runs.items():
+        share = 100 / totals.query_tokens if totals.query_tokens else 0
+        rows.append((run, variant, totals.lookups, round(totals.hit_tokens * share, 1),
+                     round(totals.ideal_tokens * share, 1),
+                     *(round(totals.tokens.get(c, 0) * share, 1) for c in causes)))
+    return Result(["run", "variant", "lookups", "hit", "ideal", *causes], rows)
 
 
 def report_database(db: str, html_path: str | None = None, *, bucket_steps: int = 10,
@@ -82,6 +131,14 @@ def _sections(data: ReportData) -> list[tuple[str, Result, str]]:
         ("Hit rate per run", data.hit_rates,
          "First admission of each request (as kvtrace replay counts); hit_rate = hit tokens / "
          "prompt tokens."),
+        ("Where the hits went", hits_went(data),
+         "Per run, first admissions, in % of prompt tokens: the hit, the ideal (what an "
+         "unbounded cache under the same schedule would have hit), and what each cause cost "
+         "(`kvtrace sql --query miss_attribution_summary`; one lookup: `kvtrace why`). The "
+         "causes sum to 100 - hit; those before `cold` make up ideal - hit."
+         if data.attribution is not None else
+         "This database was loaded by an older kvtrace and has no miss attribution: reload "
+         "its traces (`kvtrace load TRACE ... -o DB`) to see where the hits went."),
         ("Top pushed-out prefixes", data.pushouts,
          "Hot prefixes evicted by LRU reuse while transient checkpoints sat cached behind them, "
          "one row per prefix (`kvtrace sql --query checkpoint_pushouts`: one per eviction)."),
@@ -92,7 +149,9 @@ def _sections(data: ReportData) -> list[tuple[str, Result, str]]:
 
 
 def render_text(data: ReportData) -> str:
-    parts = []
+    parts = [f"WARNING: {warning}\n" for warning in data.warnings]
+    if parts:
+        parts.append("\n")
     for title, result, note in _sections(data):
         parts.append(f"== {title} ==\n{note}\n")
         if result.rows:
@@ -113,12 +172,15 @@ def render_html(data: ReportData, title: str) -> str:
     plots += [(f"Pool occupancy: run {run} ({variant})", png)
               for run, variant, png in _plot_occupancy(data.occupancy)]
     body = [f"<h1>{html.escape(title)}</h1>"]
+    body += [f'<p class="warning">WARNING: {html.escape(warning)}</p>'
+             for warning in data.warnings]
     for caption, png in plots:
         if png is not None:
             body.append(f"<h2>{html.escape(caption)}</h2>"
                         f'<img alt="{html.escape(caption)}" src="data:image/png;base64,{png}">')
     for heading, result, note in _sections(data):
-        body.append(f"<h2>{html.escape(heading)}</h2><p>{html.escape(note)}</p>"
+        bars = _html_hits_went(result) if heading == "Where the hits went" else ""
+        body.append(f"<h2>{html.escape(heading)}</h2><p>{html.escape(note)}</p>" + bars
                     + _html_table(result))
     return ("<!doctype html><html><head><meta charset=\"utf-8\">"
             f"<title>{html.escape(title)}</title><style>{_CSS}</style></head><body>"
@@ -128,7 +190,15 @@ def render_html(data: ReportData, title: str) -> str:
 _CSS = ("body{font-family:sans-serif;margin:2em;max-width:70em}"
         "table{border-collapse:collapse;font-size:90%}"
         "td,th{border:1px solid #ccc;padding:2px 8px;text-align:right}"
-        "th{background:#eee}img{max-width:100%}")
+        "th{background:#eee}img{max-width:100%}"
+        ".warning{background:#fde9e7;border:1px solid #c0504d;padding:6px 10px}"
+        ".bar-row{display:flex;align-items:center;margin:4px 0}"
+        ".bar-label{width:14em;font-size:90%}"
+        ".bar{position:relative;display:flex;width:40em;height:1.2em;border:1px solid #999}"
+        ".bar span{display:block;height:100%}"
+        ".bar i{position:absolute;top:-3px;bottom:-3px;width:2px;background:#000}"
+        ".legend span{margin-right:1em;font-size:85%}"
+        ".legend b{display:inline-block;width:.9em;height:.9em;margin-right:.3em}")
 
 
 def _html_table(result: Result) -> str:
@@ -191,6 +261,32 @@ def _plot_hit_rate(timeline: Result) -> str | None:
     axes.set_ylim(0, min(1.0, max(highest * 1.25, 0.05)))
     axes.legend(loc="best", fontsize="small")
     return _png(pyplot, figure)
+
+
+# One colour per cause, in waterfall order; cold and the uncacheable tails in greys.
+_CAUSE_COLOURS = dict(zip(("hit",) + CAUSES, (
+    "#9bbb59", "#8064a2", "#4bacc6", "#f79646", "#fac090", "#ffc000", "#b7dee8", "#7f7f7f",
+    "#c0504d", "#e6b9b8", "#ccc1da", "#000000", "#d9d9d9", "#bfbfbf", "#a6a6a6")))
+
+
+def _html_hits_went(shares: Result) -> str:
+    """A stacked bar per run, drawn in HTML: the hit, then each cause, in % of prompt tokens;
+    a black tick marks the ideal."""
+    if "hit" not in shares.columns or not shares.rows:
+        return ""
+    parts = ["hit"] + shares.columns[5:]
+    bars = []
+    for row in map(lambda r: dict(zip(shares.columns, r)), shares.rows):
+        segments = "".join(
+            f'<span title="{html.escape(p)}: {row[p]:.1f}%" style="width:{row[p]}%;'
+            f'background:{_CAUSE_COLOURS[p]}"></span>' for p in parts if row[p])
+        bars.append(f'<div class="bar-row"><span class="bar-label">run {row["run"]} '
+                    f'({html.escape(str(row["variant"]))})</span><span class="bar">{segments}'
+                    f'<i style="left:{row["ideal"]}%" title="ideal {row["ideal"]:.1f}%"></i>'
+                    "</span></div>")
+    legend = "".join(f'<span><b style="background:{_CAUSE_COLOURS[p]}"></b>'
+                     f'{html.escape(p.replace("_", " "))}</span>' for p in parts)
+    return f'<div class="bars">{"".join(bars)}<div class="legend">{legend}</div></div>'
 
 
 def _plot_pushouts(pushouts: Result) -> str | None:

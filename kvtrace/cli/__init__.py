@@ -23,6 +23,7 @@ COMMAND_MODULES = {
     "load": "load",
     "sql": "sql",
     "report": "report",
+    "why": "why",
     "export": "export",
     "capture": "capture",
     "synth": "synth",

@@ -71,6 +71,7 @@ def command(source: str, variants: tuple[str, ...], backend: str, num_gpu_blocks
             long_prefill_token_threshold=long_prefill_token_threshold))
     result = replay(options, progress=_progress_bar if sys.stderr.isatty() else None)
     _print_table(result)
+    _warn_of_silent_zeros(result)
     if summary_json:
         write_atomically(summary_json, msgspec.json.format(
             msgspec.json.encode(result.summary_json()), indent=2) + b"\n")
@@ -80,6 +81,25 @@ def command(source: str, variants: tuple[str, ...], backend: str, num_gpu_blocks
         _print_fidelity(result)
         if result.fidelity.matched != result.fidelity.total:
             raise SystemExit(1)
+
+
+def _warn_of_silent_zeros(result) -> None:
+    """A variant whose hit rate is near zero is attributed (one pass over its output), and
+    warned about when something other than cold prompts explains it."""
+    from kvtrace.analysis.attribution import (NEAR_ZERO_HIT_RATE, CauseTotals, attribute_trace,
+                                              silent_zero_warning)
+
+    for variant in result.variants:
+        summary = variant.summary
+        if not summary["prompt_tokens"] or summary["hit_rate"] >= NEAR_ZERO_HIT_RATE:
+            continue
+        lookups = attribute_trace(variant.output).lookups
+        warning = silent_zero_warning(f"variant {variant.variant}",
+                                      CauseTotals.of(l for l in lookups if l.lookup == 1),
+                                      result.config.hash_block_size)
+        if warning:
+            click.echo(f"kvtrace: warning: {warning}; see `kvtrace why {variant.output} "
+                       "--request N`", err=True)
 
 
 def _load(source: str, result, db: str) -> None:

@@ -1,0 +1,747 @@
+"""Miss attribution: for every admitted prefix lookup, where its query tokens went.
+
+A *lookup* is a ``ComputedBlocksFound`` whose request's next ``allocate_slots`` succeeded
+(a failed admission is looked up again later; only the admitted lookup decides what is
+prefilled). ``lookup`` numbers a request's admitted lookups: 1 is its first admission, 2 and
+on are resumptions after preemption. ``T`` is the request's ``num_tokens`` then (its prompt on
+the first admission), ``H`` the hash unit. Definitions (``docs/miss-attribution.md``):
+
+* **ideal**: the longest prefix of the request's hash units that an unbounded cache would hold
+  under the same schedule - every unit that a successful ``allocate_slots`` of any request
+  (this one's earlier admissions included) had scheduled before the lookup, kept in every
+  KV-cache group at every hash-unit boundary - and at least the achieved hit (a hit proves its
+  units were computed, if before the trace began). Not capped: the last-token rule is a cause.
+* **hit**: the joint hit the cache returned (``ComputedBlocksFound.num_hit_tokens``).
+* The **shortfall** ``ideal - hit`` is split by a waterfall: restrictions of the ideal cache are
+  applied one at a time in ``SHORTFALL_CAUSES`` order, the hit is recomputed after each with a
+  model of vLLM 0.33's hit search (full attention left to right with the fine-grained tail
+  probe; Mamba/KDA the deepest state at or below the attention hit), and each cause gets the
+  tokens its restriction took. The last restriction leaves exactly the keys the cache held at
+  the lookup; what the model then still finds above the real hit is ``other``. Every hit is
+  clamped to at least the real hit, so each cause is >= 0 and they sum to ``ideal - hit``
+  exactly; a cause only gets tokens the causes before it did not already take.
+* Beyond the ideal, ``T - ideal`` is ``cold`` (whole hash units nobody had computed) and
+  ``partial_unit`` / ``short_prompt`` (the tokens after the last whole hash unit, which no hash
+  covers; ``short_prompt`` when the query is shorter than one unit). So for every lookup
+  ``hit + sum(all causes) == T``.
+
+The pass streams a trace's record batches once, keeping per KV-cache group which keys are
+cached and, for a key no longer cached, the removal that took its last copy (with the transient
+checkpoints cached in the free queue at that moment: a checkpoint pushout, as
+``kvtrace/sql/checkpoint_pushouts.sql`` defines it). Costs in GPU-seconds are not computed
+here: each segment carries its token range (``start``, ``end``), which is what a prefill cost
+model needs.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import numpy as np
+
+from kvtrace.errors import KvtraceError
+from kvtrace.events import (
+    BlockAllocated,
+    BlockFreed,
+    BlockRemoved,
+    BlockStored,
+    BlockTouched,
+    CheckpointClass,
+    CheckpointRecorded,
+    CheckpointSuppressed,
+    ComputedBlocksFound,
+    EngineConfig,
+    EventsDropped,
+    HashesExtended,
+    RemoveReason,
+    RequestArrived,
+    RequestFinished,
+    RequestPreempted,
+    SlotsAllocated,
+    StepStarted,
+    StoreKind,
+    TraceHeader,
+)
+from kvtrace.traceio import ListColumn, RecordBatch, TraceReader
+
+# The waterfall, in the order restrictions are applied; every name is also a DuckDB enum value.
+SHORTFALL_CAUSES = (
+    "hit_cap",  # the last token is always recomputed: a hit stops below the query's last token
+    "block_quantisation",  # hits land on blocks: no key at a depth inside an attention block
+    "mamba_not_reserved",  # no Mamba state was ever computed at that depth
+    "mamba_not_retained",  # a state was computed there but the retention policy kept no key
+    "mamba_suppressed",  # the variant kept the checkpoint request-local (or stripped its key)
+    "rekeyed",  # the key's block was re-keyed to a longer prefix (partial block filled, slot)
+    "invalidated",  # removed by a KV connector, a prefix-cache reset, or a source that says not
+    "checkpoint_pushout",  # evicted by LRU reuse while transient checkpoints sat cached behind
+    "evicted",  # a full-attention key evicted by LRU reuse
+    "mamba_evicted",  # a Mamba state evicted by LRU reuse
+    "other",  # what the model of vLLM's hit search does not explain
+)
+BEYOND_IDEAL_CAUSES = ("cold", "partial_unit", "short_prompt")
+CAUSES = SHORTFALL_CAUSES + BEYOND_IDEAL_CAUSES
+
+DESCRIPTIONS = {
+    "hit_cap": "the last token is always recomputed, so a hit stops at the hash boundary "
+               "before it (vLLM caps a hit at num_tokens - 1)",
+    "block_quantisation": "hits land on block boundaries: full attention keeps a key only for "
+                          "a whole block or a prompt's own tail, and the prompt or shared "
+                          "prefix ends inside a block",
+    "mamba_not_reserved": "no Mamba state was ever computed at that depth (no chunk ended "
+                          "there and no checkpoint was reserved there)",
+    "mamba_not_retained": "a Mamba state was computed at that depth but the retention policy "
+                          "kept no key for it (retention 0 keeps states only at a prompt's "
+                          "end and the shared-prefix junction)",
+    "mamba_suppressed": "the checkpoint at that depth was kept request-local by the variant "
+                        "(#56794's gate), or its stale key stripped",
+    "rekeyed": "the block holding the key was re-keyed to a longer prefix (a partial block "
+               "that filled up, or a checkpoint slot re-keyed to its checkpoint position)",
+    "invalidated": "the key was removed by a KV connector, a prefix-cache reset, or a source "
+                   "that does not say why",
+    "checkpoint_pushout": "evicted by LRU reuse while transient checkpoints sat cached in the "
+                          "free queue behind it",
+    "evicted": "the full-attention block was evicted by LRU reuse",
+    "mamba_evicted": "the Mamba state was evicted by LRU reuse",
+    "other": "the recorded hit is below what the cache held (not explained by kvtrace's model "
+             "of vLLM's hit search: e.g. EAGLE's dropped unit, a connector's hit cap)",
+    "cold": "no earlier request had computed these hash units",
+    "partial_unit": "the query ends inside a hash unit: no hash covers its last tokens",
+    "short_prompt": "the query is shorter than one hash unit: no hash covers any of it",
+}
+
+_LEVEL = {name: index for index, name in enumerate(SHORTFALL_CAUSES)}
+_KEY_CLASSES = range(_LEVEL["block_quantisation"], _LEVEL["other"])  # causes keys can carry
+_PRESENT = len(SHORTFALL_CAUSES)  # a key the cache held at the lookup
+_REAL = _LEVEL["other"] - 1  # keys with a level above this are the ones the cache held
+_NO_REQ = -1
+_PUSHOUT_EXAMPLES = 3
+_SKIP = 255  # a record kind index no batch uses: a record feed() passes over
+_BLOCK_REFERENCES = (BlockAllocated, BlockTouched, BlockFreed)
+_CHECKPOINT, _TRANSIENT = int(StoreKind.CHECKPOINT), int(CheckpointClass.TRANSIENT)
+_LRU_REUSE, _STALE_CHECKPOINT = int(RemoveReason.LRU_REUSE), int(RemoveReason.STALE_CHECKPOINT)
+_REKEY = int(RemoveReason.REKEY)
+
+
+class AttributionError(KvtraceError):
+    """A trace that cannot be attributed (no engine config)."""
+
+    default_hint = "Attribute a replay output or a capture (their headers carry the engine)."
+
+
+class Removal(NamedTuple):
+    """The removal that took a key's last copy: when, from which block, and for an LRU
+    eviction, whose allocation evicted it and which transient checkpoints sat cached behind."""
+
+    reason: int  # a RemoveReason
+    seq: int
+    step: int
+    block_id: int
+    by_req: int  # the request whose allocate_slots evicted it, -1 when not inside one
+    transient_behind: int
+    behind: tuple[tuple[int, int, int], ...] = ()  # up to 3 (req, position, block) examples
+
+
+@dataclass(frozen=True)
+class LostKey:
+    """A key a restriction took from the cache: ``removal`` None means it was never stored."""
+
+    group: int
+    depth_tokens: int
+    hash_id: int
+    removal: Removal | None
+
+
+@dataclass(frozen=True)
+class Segment:
+    """The tokens ``start..end`` of a lookup's query that ``cause`` cost it."""
+
+    cause: str
+    start: int
+    end: int
+    keys: tuple[LostKey, ...] = ()  # the decisive key first; all of them when explaining
+
+    @property
+    def tokens(self) -> int:
+        return self.end - self.start
+
+
+@dataclass
+class LookupAttribution:
+    req: int
+    lookup: int  # 1: first admission; 2...: resumptions after preemption
+    seq: int  # of the ComputedBlocksFound
+    step: int
+    query_tokens: int
+    ideal_tokens: int
+    hit_tokens: int
+    shared_prefix_boundary: int
+    attention_hit: int | None  # the full-attention groups' own longest hit, alone
+    mamba_hit: int | None  # the Mamba groups' own deepest state below the query's last token
+    segments: list[Segment] = field(default_factory=list)
+
+    def tokens(self, cause: str) -> int:
+        return sum(s.tokens for s in self.segments if s.cause == cause)
+
+    @property
+    def shortfall(self) -> int:
+        return sum(s.tokens for s in self.segments if s.cause in _LEVEL)
+
+
+@dataclass
+class TraceAttribution:
+    """The lookups of one trace, and how complete the trace was."""
+
+    path: str
+    header: TraceHeader
+    lookups: list[LookupAttribution]
+    truncated: bool = False
+    dropped_events: int = 0
+
+
+# --- vLLM 0.33's hit search over a hypothetical cache ------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Geometry:
+    """The parts of an engine config the hit search depends on (vLLM ``KVCacheCoordinator``)."""
+
+    unit: int
+    attention_groups: tuple[int, ...]
+    mamba_groups: tuple[int, ...]
+    attention_block: int
+    mamba_block: int
+    alignment: int  # hits land on this many tokens: the hash unit with fine-grained hits
+
+    @classmethod
+    def of(cls, config: EngineConfig) -> _Geometry:
+        groups = config.kv_cache_groups
+        attention = tuple(i for i, g in enumerate(groups) if g.kind != "mamba")
+        mamba = tuple(i for i, g in enumerate(groups) if g.kind == "mamba")
+        unit = config.hash_block_size
+        # coordinator.enable_partial_hash_hits: an align-mode Mamba group coarser than the unit.
+        fine = any(groups[i].block_size > unit and groups[i].mamba_cache_mode in ("", "align")
+                   for i in mamba)
+        return cls(unit=unit, attention_groups=attention, mamba_groups=mamba,
+                   attention_block=groups[attention[0]].block_size if attention else unit,
+                   mamba_block=groups[mamba[0]].block_size if mamba else unit,
+                   alignment=unit if fine else config.scheduler_block_size)
+
+    def attention_reach(self, levels: list[int], threshold: int, num_units: int, cap: int) -> int:
+        """Full attention's hit (``FullAttentionManager.find_longest_cache_hit``): whole blocks
+        left to right, then, fine-grained, the first missed block's interior high to low.
+        A depth ``d`` (in units) is cached when ``levels[d] > threshold``."""
+        if not self.attention_groups:
+            return cap
+        unit, block = self.unit, self.attention_block
+        per_block = block // unit
+        known = len(levels) - 1
+        num_blocks = min(cap // block, num_units // per_block)
+        found = 0
+        while found < num_blocks:
+            depth = (found + 1) * per_block
+            if depth > known or levels[depth] <= threshold:
+                break
+            found += 1
+        reach = found * block
+        if self.alignment < block and block % self.alignment == 0:
+            first = found * per_block
+            last = min(first + per_block - 1, cap // unit, num_units, known)
+            for depth in range(last, first, -1):
+                if levels[depth] > threshold:
+                    return depth * unit
+        return reach
+
+    def mamba_state(self, levels: list[int], threshold: int, num_units: int, limit: int) -> int:
+        """The deepest cached Mamba state at or below ``limit`` tokens
+        (``MambaManager.find_longest_cache_hit``), or ``limit`` without Mamba groups."""
+        if not self.mamba_groups:
+            return limit
+        unit, block = self.unit, self.mamba_block
+        known = len(levels) - 1
+        if self.alignment < block and block % self.alignment == 0:
+            for depth in range(min(limit // unit, num_units, known), 0, -1):
+                if levels[depth] > threshold:
+                    return depth * unit
+            return 0
+        per_block = block // unit
+        for index in range(limit // block - 1, -1, -1):
+            depth = (index + 1) * per_block
+            if (depth <= known and levels[depth] > threshold
+                    and (index + 1) * block % self.alignment == 0):
+                return (index + 1) * block
+        return 0
+
+    def joint_hit(self, attention: list[int], mamba: list[int], threshold: int, num_units: int,
+                  cap: int) -> int:
+        """The coordinator's hit: the deepest Mamba state within full attention's reach."""
+        reach = self.attention_reach(attention, threshold, num_units, cap)
+        return self.mamba_state(mamba, threshold, num_units, reach)
+
+
+# --- the streaming pass ------------------------------------------------------------------------
+
+
+class _PendingLookup(NamedTuple):
+    seq: int
+    step: int
+    hit: int
+    shared_prefix_boundary: int
+
+
+class MissAttributor:
+    """Attributes every admitted lookup of one trace; feed it the trace's batches in order.
+
+    ``request``: attribute only that request's lookups (the cache is still followed in full),
+    named by its number in the trace or by the engine's request id (``RequestArrived``).
+    ``explain``: keep every key a restriction took (for ``kvtrace why``), not only the
+    decisive one, and examples of the transient checkpoints behind each eviction."""
+
+    def __init__(self, config: EngineConfig, *, request: int | str | None = None,
+                 explain: bool = False) -> None:
+        self.geometry = _Geometry.of(config)
+        self.unit = config.hash_block_size
+        self.request_id = request if isinstance(request, str) else None
+        self.only_request = _NO_REQ if self.request_id is not None else request
+        self.explain = explain
+        self.lookups: list[LookupAttribution] = []
+        self.dropped_events = 0
+        num_groups = len(config.kv_cache_groups)
+        self._is_mamba = [g.kind == "mamba" for g in config.kv_cache_groups]
+        self._copies: list[dict[int, int]] = [{} for _ in range(num_groups)]  # key -> blocks
+        # key -> the fields of the Removal that took its last copy (a tuple: one per eviction)
+        self._removals: list[dict[int, tuple]] = [{} for _ in range(num_groups)]
+        self._units: dict[int, list[int]] = {}
+        self._scheduled_units: dict[int, int] = {}  # req -> its units already counted computed
+        self._computed: set[int] = set()  # hash ids some allocation scheduled
+        self._states: set[int] = set()  # hash ids where a Mamba state was computed
+        self._suppressed: set[int] = set()  # hash ids of checkpoints a variant kept local
+        self._checkpoint_class: dict[tuple[int, int, int], int] = {}
+        self._pending: dict[int, _PendingLookup] = {}
+        self._admissions: dict[int, int] = {}
+        self._in_use: set[int] = set()
+        # block -> [req, group, position, keys on the block] of its transient checkpoint key
+        self._transient: dict[int, list[int]] = {}
+        self._evictable_transient: dict[int, list[int]] = {}
+        self._candidates_of: RecordBatch | None = None
+        self._candidates = np.empty(0, dtype=np.int64)
+        self._allocating = _NO_REQ  # the request inside whose allocate_slots we are
+        self._allocation_ok = False
+        self._step = 0
+        self._seq = 0
+        self._handlers = {
+            StepStarted: self._on_step, RequestArrived: self._on_arrived,
+            HashesExtended: self._on_extended, ComputedBlocksFound: self._on_lookup,
+            SlotsAllocated: self._on_allocated, RequestFinished: self._on_finished,
+            RequestPreempted: self._on_preempted, BlockAllocated: self._on_taken,
+            BlockTouched: self._on_taken, BlockFreed: self._on_freed,
+            BlockStored: self._on_stored, BlockRemoved: self._on_removed,
+            CheckpointRecorded: self._on_checkpoint, CheckpointSuppressed: self._on_suppressed,
+            EventsDropped: self._on_dropped,
+        }
+
+    def feed(self, batch: RecordBatch) -> None:
+        """Follow one batch of records (in file order).
+
+        Block references matter only for blocks that may hold a transient checkpoint (the
+        pushout test); the others' allocations, touches and frees - most of a trace - are
+        skipped without a Python call."""
+        kinds = np.frombuffer(batch.kinds, dtype=np.uint8)
+        order = None
+        rows: list = [None] * 256
+        for index, (record_type, columns) in enumerate(zip(batch.types, batch.columns)):
+            handler = self._handlers.get(record_type)
+            if handler is None:
+                continue
+            values = [c.to_lists() if isinstance(c, ListColumn) else c for c in columns]
+            if record_type in _BLOCK_REFERENCES:
+                blocks = np.frombuffer(columns[0], dtype=columns[0].typecode)
+                candidates = self._candidate_blocks(batch)
+                keep = (np.isin(blocks, candidates, kind="table") if len(candidates)
+                        else np.zeros(len(blocks), dtype=bool))
+                if not keep.all():
+                    if order is None:
+                        order = kinds.copy()
+                    order[np.flatnonzero(kinds == index)[~keep]] = _SKIP
+                    values = [list(itertools.compress(v, keep)) for v in values]
+            rows[index] = (handler, iter(zip(*values)))
+        seq = batch.first_seq
+        for kind in (kinds if order is None else order).tobytes():
+            entry = rows[kind]
+            if entry is not None:
+                self._seq = seq
+                entry[0](*next(entry[1]))
+            seq += 1
+
+    def _candidate_blocks(self, batch: RecordBatch) -> np.ndarray:
+        """Blocks that may hold a transient checkpoint during ``batch``: those that do, and
+        those a checkpoint is stored on in it (computed once per batch)."""
+        if batch is not self._candidates_of:
+            stored = [columns for record_type, columns in zip(batch.types, batch.columns)
+                      if record_type is BlockStored]
+            found = list(self._transient)
+            if stored:
+                store_blocks, store_kinds = stored[0][0], stored[0][4]
+                found += itertools.compress(store_blocks, (k == _CHECKPOINT for k in store_kinds))
+            self._candidates_of, self._candidates = batch, np.array(found, dtype=np.int64)
+        return self._candidates
+
+    # --- inputs ---------------------------------------------------------------------------------
+
+    def _on_step(self, *_) -> None:
+        self._step += 1
+        self._allocating = _NO_REQ
+
+    def _on_arrived(self, req, _prompt_len, hash_ids, _max_tokens, _arrival_ns, _salt_id,
+                    request_id) -> None:
+        self._allocating = _NO_REQ
+        self._units.setdefault(req, list(hash_ids))
+        if request_id == self.request_id:
+            self.only_request = req
+
+    def _on_extended(self, req, hash_ids) -> None:
+        self._allocating = _NO_REQ
+        self._units.setdefault(req, []).extend(hash_ids)
+
+    def _on_lookup(self, req, num_hit_tokens, shared_prefix_boundary) -> None:
+        self._allocating = _NO_REQ
+        self._pending[req] = _PendingLookup(self._seq, self._step, num_hit_tokens,
+                                            shared_prefix_boundary)
+
+    def _on_allocated(self, req, num_new_tokens, num_computed_tokens, num_new_computed_tokens,
+                      _lookahead, num_external_computed_tokens, num_tokens, success, *_) -> None:
+        self._allocating, self._allocation_ok = req, bool(success)
+        lookup = self._pending.pop(req, None)
+        if not success:
+            return
+        if lookup is not None:
+            admission = self._admissions[req] = self._admissions.get(req, 0) + 1
+            if self.only_request is None or self.only_request == req:
+                self.lookups.append(self._attribute(req, admission, lookup, num_tokens))
+        end = min(num_computed_tokens + num_new_computed_tokens + num_external_computed_tokens
+                  + num_new_tokens, num_tokens)
+        units = self._units.get(req, ())
+        done = min(end // self.unit, len(units))
+        start = self._scheduled_units.get(req, 0)
+        if done > start:
+            self._computed.update(units[start:done])
+            self._scheduled_units[req] = done
+        if end % self.unit == 0 and 0 < end // self.unit <= len(units):
+            self._states.add(units[end // self.unit - 1])  # the chunk's running state
+
+    def _on_finished(self, req, _status) -> None:
+        self._allocating = _NO_REQ
+        self._units.pop(req, None)
+        self._scheduled_units.pop(req, None)
+        self._pending.pop(req, None)
+
+    def _on_preempted(self, req) -> None:
+        self._allocating = _NO_REQ
+        self._pending.pop(req, None)
+
+    def _on_dropped(self, count, _ts) -> None:
+        self.dropped_events += count
+
+    # --- effects --------------------------------------------------------------------------------
+
+    def _on_taken(self, block_id, _req) -> None:
+        if block_id in self._transient:
+            self._in_use.add(block_id)
+            self._evictable_transient.pop(block_id, None)
+
+    def _on_freed(self, block_id, ref_cnt, _hashed) -> None:
+        if ref_cnt == 0 and block_id in self._transient:
+            self._in_use.discard(block_id)
+            self._recheck(block_id)
+
+    def _recheck(self, block_id: int) -> None:
+        """Whether ``block_id`` is a transient checkpoint entry cached in the free queue: its
+        newest key is a TRANSIENT checkpoint, it still holds a key, and no request holds it.
+
+        Only such blocks are followed, from the store of their checkpoint key on: vLLM stores
+        keys only on blocks a request holds, and publishing a checkpoint replaces every key
+        the slot had (``replace_existing_hashes``), so the block holds that one key then."""
+        info = self._transient.get(block_id)
+        if info is not None and info[3] and block_id not in self._in_use:
+            self._evictable_transient[block_id] = info
+        else:
+            self._evictable_transient.pop(block_id, None)
+
+    def _on_stored(self, block_id, hash_id, group, num_tokens, kind, req) -> None:
+        copies = self._copies[group]
+        copies[hash_id] = copies.get(hash_id, 0) + 1
+        if (kind == _CHECKPOINT
+                and self._checkpoint_class.get((req, group, num_tokens)) == _TRANSIENT):
+            self._transient[block_id] = [req, group, num_tokens, 1]  # ..., keys on the block
+            self._in_use.add(block_id)
+            self._evictable_transient.pop(block_id, None)
+        elif block_id in self._transient:  # a newer key: no longer a transient entry
+            del self._transient[block_id]
+            self._in_use.discard(block_id)
+            self._evictable_transient.pop(block_id, None)
+
+    def _on_removed(self, block_id, hash_id, group, _num_tokens, reason) -> None:
+        copies = self._copies[group]
+        left = copies.get(hash_id, 0) - 1
+        if left > 0:
+            copies[hash_id] = left
+        else:  # the last copy: remember how it went
+            copies[hash_id] = 0
+            behind, examples, by_req = 0, (), _NO_REQ
+            if reason == _LRU_REUSE:
+                by_req = self._allocating
+                others = self._evictable_transient
+                if others:
+                    behind = len(others) - (block_id in others)
+                    if behind and self.explain:
+                        examples = tuple(itertools.islice(
+                            ((r, p, b) for b, (r, _g, p, _k) in reversed(others.items())
+                             if b != block_id), _PUSHOUT_EXAMPLES))
+            self._removals[group][hash_id] = (reason, self._seq, self._step, block_id, by_req,
+                                              behind, examples)
+        info = self._transient.get(block_id)
+        if info is not None:
+            info[3] = max(info[3] - 1, 0)
+            self._recheck(block_id)
+
+    def _on_checkpoint(self, req, group, position, _block_idx, position_class) -> None:
+        self._checkpoint_class[(req, group, position)] = position_class
+        units = self._units.get(req, ())
+        if (self._allocating == req and self._allocation_ok
+                and 0 < position // self.unit <= len(units)):
+            self._states.add(units[position // self.unit - 1])
+
+    def _on_suppressed(self, req, _group, position, *_) -> None:
+        units = self._units.get(req, ())
+        if 0 < position // self.unit <= len(units):
+            self._suppressed.add(units[position // self.unit - 1])
+
+    # --- one lookup -----------------------------------------------------------------------------
+
+    def _level(self, group: int, hash_id: int) -> int:
+        """Which restriction of the ideal cache takes ``hash_id`` in ``group`` (``_PRESENT``:
+        none, the cache held it)."""
+        copies = self._copies[group].get(hash_id)
+        if copies:
+            return _PRESENT
+        mamba = self._is_mamba[group]
+        if copies is None:  # never stored
+            if not mamba:
+                return _LEVEL["block_quantisation"]
+            if hash_id in self._suppressed:
+                return _LEVEL["mamba_suppressed"]
+            if hash_id in self._states:
+                return _LEVEL["mamba_not_retained"]
+            return _LEVEL["mamba_not_reserved"]
+        reason, *_, transient_behind, _examples = self._removals[group][hash_id]
+        if reason == _LRU_REUSE:
+            if transient_behind:
+                return _LEVEL["checkpoint_pushout"]
+            return _LEVEL["mamba_evicted" if mamba else "evicted"]
+        if reason == _STALE_CHECKPOINT:
+            return _LEVEL["mamba_suppressed"]
+        if reason == _REKEY:
+            return _LEVEL["rekeyed"]
+        return _LEVEL["invalidated"]
+
+    def _levels(self, groups: tuple[int, ...], units: list[int], depth: int) -> list[int]:
+        """Per unit depth 1..depth: the first restriction that takes the key from any of
+        ``groups`` (vLLM looks groups of one kind up together: all must hold it)."""
+        if len(groups) == 1:
+            level, group = self._level, groups[0]
+            copies = self._copies[group]
+            return [0] + [_PRESENT if copies.get(hash_id) else level(group, hash_id)
+                          for hash_id in units[:depth]]
+        return [0] + [min((self._level(g, hash_id) for g in groups), default=_PRESENT)
+                      for hash_id in units[:depth]]
+
+    def _attribute(self, req: int, admission: int, lookup: _PendingLookup,
+                   num_tokens: int) -> LookupAttribution:
+        unit, geometry = self.unit, self.geometry
+        units = self._units.get(req, [])
+        num_units = min(len(units), num_tokens // unit)
+        seen = 0
+        while seen < num_units and units[seen] in self._computed:
+            seen += 1
+        hit = lookup.hit
+        ideal = max(seen * unit, hit)
+        depth = min(ideal // unit, num_units)
+        attention = self._levels(geometry.attention_groups, units, depth)
+        mamba = self._levels(geometry.mamba_groups, units, depth)
+        cap = num_tokens - 1
+        result = LookupAttribution(
+            req, admission, lookup.seq, lookup.step, num_tokens, ideal, hit,
+            lookup.shared_prefix_boundary,
+            geometry.attention_reach(attention, _REAL, num_units, cap)
+            if geometry.attention_groups else None,
+            geometry.mamba_state(mamba, _REAL, num_units, cap) if geometry.mamba_groups else None)
+        # The waterfall: the hit after each restriction, clamped to [hit, the previous one].
+        # First the last-token cap, then vLLM's hit search over the keys left after removing
+        # each class in turn (block quantisation always: the search itself quantises). A
+        # class no key carries changes nothing and is skipped.
+        carried = set(attention) | set(mamba)
+        hits = [("hit_cap", min(ideal, cap // unit * unit))]
+        hits += [(SHORTFALL_CAUSES[level], level) for level in _KEY_CLASSES
+                 if level in carried or level == _LEVEL["block_quantisation"]]
+        previous = ideal
+        for cause, level_or_hit in hits:
+            if previous == hit:
+                break
+            now = (level_or_hit if cause == "hit_cap" else
+                   geometry.joint_hit(attention, mamba, level_or_hit, num_units, cap))
+            now = max(hit, min(previous, now))
+            if now < previous:
+                keys = self._lost_keys(cause, now, previous, units, attention, mamba)
+                result.segments.append(Segment(cause, now, previous, keys))
+            previous = now
+        if previous > hit:
+            result.segments.append(Segment("other", hit, previous))
+        whole_units = num_tokens // unit * unit
+        if whole_units > ideal:
+            result.segments.append(Segment("cold", ideal, whole_units))
+        if num_tokens > whole_units:
+            tail = "short_prompt" if whole_units == 0 else "partial_unit"
+            result.segments.append(Segment(tail, max(whole_units, ideal), num_tokens))
+        return result
+
+    def _lost_keys(self, cause: str, start: int, end: int, units: list[int],
+                   attention: list[int], mamba: list[int]) -> tuple[LostKey, ...]:
+        """The keys of ``cause`` that its restriction took between ``start`` and ``end``: the
+        Mamba state where the hit would have ended first (when it is one of them), then the
+        full-attention blocks (and interior keys) in the range, shallowest first."""
+        level = _LEVEL.get(cause)
+        if level not in _KEY_CLASSES:
+            return ()
+        unit, geometry = self.unit, self.geometry
+        keys = []
+        last = end // unit
+        if last < len(mamba) and mamba[last] == level:
+            keys.append(self._lost_key(geometry.mamba_groups, level, last, units))
+        per_block = geometry.attention_block // unit
+        for depth in range(start // unit + 1, min(last, len(attention) - 1) + 1):
+            if attention[depth] == level and (depth % per_block == 0 or depth == last):
+                keys.append(self._lost_key(geometry.attention_groups, level, depth, units))
+            if keys and not self.explain:
+                break
+        return tuple(keys if self.explain else keys[:1])
+
+    def _lost_key(self, groups: tuple[int, ...], level: int, depth: int,
+                  units: list[int]) -> LostKey:
+        hash_id = units[depth - 1]
+        group = next(g for g in groups if self._level(g, hash_id) == level)
+        removal = self._removals[group].get(hash_id)  # none: never stored
+        return LostKey(group, depth * self.unit, hash_id,
+                       Removal._make(removal) if removal else None)
+
+
+def attribute_trace(path: str | os.PathLike, *, request: int | str | None = None,
+                    explain: bool = False) -> TraceAttribution:
+    """Attribute every admitted lookup of the trace at ``path`` (one streaming pass)."""
+    reader = TraceReader(os.fspath(path))
+    with reader:
+        attributor = new_attributor(reader.header, reader.path, request=request, explain=explain)
+        for batch in reader.batches():
+            attributor.feed(batch)
+    return TraceAttribution(reader.path, reader.header, attributor.lookups, reader.truncated,
+                            attributor.dropped_events)
+
+
+def new_attributor(header: TraceHeader, path: str, **options) -> MissAttributor:
+    if header.config is None:
+        raise AttributionError(f"{path} has no engine config in its header, so its lookups "
+                               "cannot be attributed")
+    return MissAttributor(header.config, **options)
+
+
+# --- totals and the silent-zero warning --------------------------------------------------------
+
+
+@dataclass
+class CauseTotals:
+    """Token totals over a set of lookups (one run's first admissions, say)."""
+
+    lookups: int = 0
+    query_tokens: int = 0
+    ideal_tokens: int = 0
+    hit_tokens: int = 0
+    tokens: dict[str, int] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, lookups: Iterable[LookupAttribution]) -> CauseTotals:
+        totals = cls()
+        for lookup in lookups:
+            totals.lookups += 1
+            totals.query_tokens += lookup.query_tokens
+            totals.ideal_tokens += lookup.ideal_tokens
+            totals.hit_tokens += lookup.hit_tokens
+            for segment in lookup.segments:
+                totals.tokens[segment.cause] = totals.tokens.get(segment.cause, 0) + segment.tokens
+        return totals
+
+
+NEAR_ZERO_HIT_RATE = 0.01  # a hit rate below this reads as "prefix caching does nothing"
+IDEAL_WORTH_HITTING = 0.05  # ...which is silent when an unbounded cache would have hit this much
+STRUCTURAL_SHARE = 0.5  # ...or when this share of the missed tokens could never have hit
+
+
+def silent_zero_warning(label: str, totals: CauseTotals, unit: int) -> str | None:
+    """A warning when ``totals``' hit rate is near zero although the ideal is not, or although
+    most missed tokens were lost to something other than cold units; it names the dominant
+    cause (``unit``: the hash unit, for the sentence)."""
+    if not totals.query_tokens or totals.hit_tokens >= NEAR_ZERO_HIT_RATE * totals.query_tokens:
+        return None
+    missed = totals.query_tokens - totals.hit_tokens
+    causes = {c: t for c, t in totals.tokens.items() if c != "cold" and t > 0}
+    if not causes:
+        return None
+    ideal_rate = totals.ideal_tokens / totals.query_tokens
+    cause, tokens = max(causes.items(), key=lambda item: item[1])
+    if ideal_rate < IDEAL_WORTH_HITTING and sum(causes.values()) < STRUCTURAL_SHARE * missed:
+        return None
+    return (f"{label}: prefix-cache hit rate {totals.hit_tokens / totals.query_tokens:.1%} "
+            f"(an unbounded cache: {ideal_rate:.1%}); {_cause_phrase(cause, unit)}: "
+            f"{tokens / missed:.0%} of the missed tokens")
+
+
+def _cause_phrase(cause: str, unit: int) -> str:
+    if cause == "short_prompt":
+        return f"prompts shorter than the {unit:,}-token hash unit (the block, by default)"
+    if cause == "hit_cap":
+        return ("the last token is always recomputed (a prompt of exactly one "
+                f"{unit:,}-token unit never hits)")
+    return f"{cause.replace('_', ' ')} ({DESCRIPTIONS[cause]})"
+
+
+def iter_rows(run: int, variant: str, backend: str,
+              lookups: Iterable[LookupAttribution]) -> Iterator[tuple]:
+    """One row per lookup and cause, in ``ROW_COLUMNS`` order (the DuckDB table)."""
+    for lookup in lookups:
+        for segment in lookup.segments:
+            key = segment.keys[0] if segment.keys else None
+            removal = key.removal if key else None
+            yield (run, variant, backend, lookup.req, lookup.lookup, lookup.lookup > 1,
+                   lookup.seq, lookup.step, lookup.query_tokens, lookup.ideal_tokens,
+                   lookup.hit_tokens, lookup.attention_hit, lookup.mamba_hit, segment.cause,
+                   segment.cause in _LEVEL, segment.tokens, segment.start, segment.end,
+                   key.group if key else None, key.depth_tokens if key else None,
+                   key.hash_id if key else None,
+                   removal.block_id if removal else None, removal.seq if removal else None,
+                   removal.step if removal else None,
+                   removal.by_req if removal and removal.by_req != _NO_REQ else None,
+                   removal.transient_behind if removal else None)
+
+
+ROW_COLUMNS = (
+    ("run", "INTEGER"), ("variant", "VARCHAR"), ("backend", "VARCHAR"), ("req", "BIGINT"),
+    ("lookup", "INTEGER"), ("resumed", "BOOLEAN"), ("seq", "BIGINT"), ("step", "BIGINT"),
+    ("query_tokens", "BIGINT"), ("ideal_tokens", "BIGINT"), ("hit_tokens", "BIGINT"),
+    ("attention_hit_tokens", "BIGINT"), ("mamba_hit_tokens", "BIGINT"),
+    ("cause", f"ENUM({', '.join(map(repr, CAUSES))})"),
+    ("in_shortfall", "BOOLEAN"), ("tokens", "BIGINT"), ("from_tokens", "BIGINT"),
+    ("to_tokens", "BIGINT"), ("key_group", "INTEGER"), ("key_depth_tokens", "BIGINT"),
+    ("key_hash_id", "BIGINT"), ("removed_block_id", "BIGINT"), ("removed_seq", "BIGINT"),
+    ("removed_step", "BIGINT"), ("removed_by_req", "BIGINT"), ("transient_behind", "BIGINT"),
+)

@@ -1,0 +1,499 @@
+"""Miss attribution (kvtrace/analysis/attribution.py, `kvtrace why`, the miss_attribution table).
+
+- A property test over seeded schedules replayed on the real vLLM cache: for every admitted
+  lookup the causes partition what was missed, the ideal matches an independent SQL
+  formulation, and kvtrace's model of vLLM's hit search explains every hit (no `other`).
+- Hand-built scenarios on the real cache, one per cause: `kvtrace why` names exactly that cause.
+- The pushout split against the checkpoint_pushouts query on a pressured replay.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+import duckdb
+import msgspec
+import pytest
+from click.testing import CliRunner
+
+from kvtrace.analysis.attribution import (BEYOND_IDEAL_CAUSES, CAUSES, SHORTFALL_CAUSES,
+                                          CauseTotals, attribute_trace, iter_rows)
+from kvtrace.analysis.database import open_database
+from kvtrace.analysis.load import load_traces
+from kvtrace.analysis.queries import QueryError, run_query
+from kvtrace.analysis.report import report_database
+from kvtrace.cli import cli
+from kvtrace.engine_config import SchedulerSettings
+from kvtrace.events import ComputedBlocksFound, RemoveReason, ReplayInfo, TraceHeader
+from kvtrace.replay.run import ReplayOptions, replay
+from kvtrace.replay.scheduler import Arrival, Scheduler
+from kvtrace.replay.vllm_backend import VllmBackend
+from kvtrace.traceio import TraceWriter, read_records, write_trace
+from kvtrace.workloads.synth import synthesize
+from kvtrace.workloads.workload import EngineShape, Workload, WorkloadRequest, write_workload
+
+SECOND = 10**9
+# Hash unit 16, full attention 16, Mamba 32 (fine-grained hits), checkpoints on 16-token
+# chunks, retention 0, a pool that never evicts: the geometry of reference §6, scaled down.
+SMALL = dict(hash_unit=16, attention_block_size=16, mamba_block_size=32, checkpoint_alignment=16,
+             retention_interval=0, num_gpu_blocks=200)
+
+
+def request(arrival_s: float, prompt_len: int, hash_ids: list[int], max_tokens: int = 1):
+    return WorkloadRequest(int(arrival_s * SECOND), prompt_len, hash_ids, max_tokens, [], "")
+
+
+def units(first: int, last: int) -> list[int]:
+    return list(range(first, last + 1))
+
+
+def replay_requests(directory: Path, shape: EngineShape, requests: list[WorkloadRequest],
+                    variants: tuple[str, ...] = ("upstream",)) -> dict[str, str]:
+    """The requests as a workload, replayed on the real vLLM cache: variant -> output trace."""
+    directory.mkdir(parents=True, exist_ok=True)
+    source = directory / "workload.kvtrace"
+    write_workload(source, Workload("synth", requests, shape.hash_unit), shape)
+    result = replay(ReplayOptions(source=str(source), outdir=str(directory / "runs"),
+                                  variants=variants))
+    return {v.variant: v.output for v in result.variants}
+
+
+def why(*args) -> str:
+    result = CliRunner().invoke(cli, ["why", *map(str, args)])
+    assert result.exit_code == 0, result.output
+    return result.output
+
+
+_SEGMENT = re.compile(r"^    tokens [\d,]+-[\d,]+ \([^)]*\): (\w+) - ")
+
+
+def named_causes(output: str) -> tuple[set[str], set[str]]:
+    """The causes `kvtrace why` names for a request's lookups: (of the shortfall, beyond the
+    ideal), each as a set."""
+    shortfall, beyond, section = set(), set(), None
+    for line in output.splitlines():
+        if line.startswith("  missed "):
+            section = shortfall
+        elif line.startswith("  beyond the ideal:"):
+            section = beyond
+        elif match := _SEGMENT.match(line):
+            section.add(match.group(1))
+    return shortfall, beyond
+
+
+# --- the property test --------------------------------------------------------------------------
+
+# Seeded schedules with pressure (small pools) and preemptions (chat: long decodes).
+SCHEDULES = [("shared-prompt", 1, EngineShape()), ("agent", 2, EngineShape()),
+             ("chat", 3, EngineShape(pool_fraction=0.1)), ("agent", 4, EngineShape(
+                 hash_unit=32, attention_block_size=64, mamba_block_size=128))]
+VARIANTS = ("unfixed", "fixed", "upstream")
+
+
+@pytest.fixture(scope="module")
+def seeded_replays(tmp_path_factory):
+    """(preset, seed) -> (replay result, DuckDB connection over its variants, its path)."""
+    replays = {}
+    for preset, seed, shape in SCHEDULES:
+        directory = tmp_path_factory.mktemp(f"{preset}{seed}")
+        source = directory / "w.kvtrace"
+        write_workload(source, synthesize(preset, 40, seed, shape.hash_unit), shape)
+        result = replay(ReplayOptions(source=str(source), outdir=str(directory / "runs"),
+                                      variants=VARIANTS))
+        db = directory / "w.duckdb"
+        load_traces([directory / "runs"], db)
+        replays[(preset, seed)] = (result, open_database(db), db)
+    yield replays
+    for _, connection, _ in replays.values():
+        connection.close()
+
+
+def sql_ideals(connection) -> dict[tuple[int, int], int]:
+    """(run, lookup seq) -> ideal, from the database alone: the longest prefix of the request's
+    hash units (known at the lookup, within its num_tokens) each of which a successful
+    allocate_slots had covered, after its hash was reported, before the lookup; at least the
+    hit. Written in SQL, independently of the streaming pass."""
+    rows = connection.execute("""
+        WITH units AS (
+            SELECT a.run, a.req, c.pos AS unit, c.hash_id, a.seq AS known_seq
+            FROM request_arrived a
+            JOIN request_arrived_hash_ids c ON c.run = a.run AND c.seq = a.seq
+            UNION ALL
+            SELECT e.run, e.req, coalesce(a.num_hash_ids, 0)
+                       + row_number() OVER (PARTITION BY e.run, e.req ORDER BY e.seq, e.pos) - 1,
+                   e.hash_id, e.seq
+            FROM hashes_extended_hash_ids e
+            LEFT JOIN request_arrived a ON a.run = e.run AND a.req = e.req),
+        covers AS (
+            SELECT u.run, u.hash_id, min(s.seq) AS covered_seq
+            FROM units u
+            JOIN runs r ON r.run = u.run
+            JOIN slots_allocated s
+                ON s.run = u.run AND s.req = u.req AND s.success AND s.seq > u.known_seq
+                   AND least(s.num_computed_tokens + s.num_new_computed_tokens
+                             + s.num_external_computed_tokens + s.num_new_tokens, s.num_tokens)
+                       >= (u.unit + 1) * r.hash_block_size
+            GROUP BY ALL),
+        admitted AS (SELECT * FROM lookups WHERE admitted),
+        known AS (
+            SELECT l.run, l.seq, u.unit, c.hash_id IS NOT NULL AS covered
+            FROM admitted l
+            JOIN runs r ON r.run = l.run
+            JOIN units u ON u.run = l.run AND u.req = l.req AND u.known_seq < l.seq
+                            AND (u.unit + 1) * r.hash_block_size <= l.num_query_tokens
+            LEFT JOIN covers c ON c.run = u.run AND c.hash_id = u.hash_id AND c.covered_seq < l.seq)
+        SELECT l.run, l.seq,
+               greatest(l.num_hit_tokens, r.hash_block_size * coalesce(
+                   min(k.unit) FILTER (WHERE NOT k.covered), count(k.unit)))
+        FROM admitted l
+        JOIN runs r ON r.run = l.run
+        LEFT JOIN known k ON k.run = l.run AND k.seq = l.seq
+        GROUP BY l.run, l.seq, l.num_hit_tokens, r.hash_block_size""").fetchall()
+    return {(run, seq): ideal for run, seq, ideal in rows}
+
+
+def test_causes_partition_every_lookup_of_seeded_schedules(seeded_replays):
+    seen_causes, resumptions, lookups_checked = set(), 0, 0
+    for (preset, seed), (result, connection, _) in seeded_replays.items():
+        ideals = sql_ideals(connection)
+        runs = dict(connection.execute("SELECT path, run FROM runs").fetchall())
+        for variant in result.variants:
+            traced = attribute_trace(variant.output)
+            run = runs[os.path.abspath(variant.output)]
+            first = [lookup for lookup in traced.lookups if lookup.lookup == 1]
+            # The first admissions are the lookups the replay's hit rate counts.
+            assert sum(lookup.hit_tokens for lookup in first) == variant.summary["hit_tokens"]
+            assert len(first) == variant.summary["requests"]
+            for lookup in traced.lookups:
+                context = f"{preset} seed {seed} {variant.variant}: {lookup}"
+                assert 0 <= lookup.hit_tokens <= lookup.ideal_tokens <= lookup.query_tokens, context
+                assert all(s.tokens > 0 for s in lookup.segments), context
+                shortfall = sum(s.tokens for s in lookup.segments if s.cause in SHORTFALL_CAUSES)
+                assert shortfall == lookup.ideal_tokens - lookup.hit_tokens, context
+                assert lookup.hit_tokens + sum(s.tokens for s in lookup.segments) \
+                    == lookup.query_tokens, context
+                # The segments tile the query from the hit to its end, without overlap.
+                spans = sorted((s.start, s.end) for s in lookup.segments)
+                assert [spans[0][0]] + [end for _, end in spans] \
+                    == [lookup.hit_tokens] + [start for start, _ in spans[1:]] \
+                    + [lookup.query_tokens], context
+                # kvtrace's model of vLLM's hit search explains every real hit exactly.
+                assert "other" not in {s.cause for s in lookup.segments}, context
+                assert ideals[(run, lookup.seq)] == lookup.ideal_tokens, context
+                seen_causes.update(s.cause for s in lookup.segments)
+                resumptions += lookup.lookup > 1
+                lookups_checked += 1
+    # The schedules exercise what the property is about: pressure, preemption, many causes.
+    assert resumptions > 0 and lookups_checked > 400
+    assert {"checkpoint_pushout", "evicted", "mamba_evicted", "mamba_suppressed", "cold",
+            "partial_unit"} <= seen_causes
+
+
+def test_the_table_holds_the_streaming_pass_and_the_summary_adds_up(seeded_replays):
+    result, connection, _ = seeded_replays[("agent", 2)]
+    run_of = dict(connection.execute("SELECT variant, run FROM runs").fetchall())
+    for variant in result.variants:
+        run = run_of[variant.variant]
+        expected = sorted(iter_rows(run, variant.variant, "vllm",
+                                    attribute_trace(variant.output).lookups), key=repr)
+        stored = connection.execute("SELECT * FROM miss_attribution WHERE run = ?", [run])
+        assert sorted(stored.fetchall(), key=repr) == expected
+    summary = run_query(connection, "miss_attribution_summary")
+    rows = [dict(zip(summary.columns, r)) for r in summary.rows]
+    for variant in result.variants:
+        first = [r for r in rows if r["variant"] == variant.variant and r["lookups"] == "first"]
+        assert first[0]["hit_tokens"] == variant.summary["hit_tokens"]
+        assert first[0]["hit_tokens"] + sum(r["tokens"] for r in first) \
+            == first[0]["query_tokens"] == variant.summary["prompt_tokens"]
+        assert sum(r["tokens"] for r in first if r["in_shortfall"]) \
+            == first[0]["ideal_tokens"] - first[0]["hit_tokens"]
+
+
+def test_pushout_tokens_against_checkpoint_pushouts(seeded_replays):
+    """The unfixed run of a pressured replay. Token totals differ by definition
+    (docs/miss-attribution.md): checkpoint_pushouts sums depth - hit over every hot prefix
+    (each block of a chain) a lookup missed, for any reason; the attribution charges each
+    lookup once, for the tokens pushouts took that earlier causes had not. What must agree is
+    the eviction-time fact both rest on: how many transient checkpoints sat cached behind."""
+    _, connection, _ = seeded_replays[("agent", 2)]
+    ours = connection.execute(
+        "SELECT sum(tokens), count(DISTINCT seq) FROM miss_attribution WHERE variant = 'unfixed' "
+        "AND cause = 'checkpoint_pushout'").fetchone()
+    regret = sum(r[-1] for r in run_query(connection, "checkpoint_pushouts").rows
+                 if r[1] == "unfixed")
+    assert 0 < ours[0] < regret
+    # Every eviction the attribution names carries the count block_states gives at that
+    # moment (less the evicted block itself, when it is a transient checkpoint: the entries
+    # *behind* it).
+    mismatches = connection.execute("""
+        WITH flags AS (
+            SELECT run, seq, block_id, (NOT in_use AND transient)::INTEGER AS flag
+            FROM block_states),
+        deltas AS (
+            SELECT run, seq, block_id, flag - coalesce(lag(flag) OVER (
+                PARTITION BY run, block_id ORDER BY seq), 0) AS delta
+            FROM flags),
+        series AS (
+            SELECT run, seq, sum(delta) OVER (PARTITION BY run ORDER BY seq
+                                              ROWS UNBOUNDED PRECEDING) AS cached
+            FROM deltas WHERE delta <> 0),
+        own AS (
+            SELECT run, seq, block_id, flag FROM flags),
+        named AS (
+            SELECT DISTINCT run, removed_seq, removed_block_id, transient_behind
+            FROM miss_attribution
+            WHERE cause IN ('checkpoint_pushout', 'evicted', 'mamba_evicted'))
+        SELECT n.*, coalesce(s.cached, 0) - coalesce(o.flag, 0) AS expected
+        FROM named n
+        ASOF LEFT JOIN series s ON s.run = n.run AND s.seq < n.removed_seq
+        ASOF LEFT JOIN own o
+            ON o.run = n.run AND o.block_id = n.removed_block_id AND o.seq < n.removed_seq
+        WHERE n.transient_behind <> coalesce(s.cached, 0) - coalesce(o.flag, 0)""").fetchall()
+    named = connection.execute(
+        "SELECT count(DISTINCT removed_seq) FROM miss_attribution WHERE variant = 'unfixed' "
+        "AND cause = 'checkpoint_pushout'").fetchone()[0]
+    assert named > 5 and mismatches == []
+
+
+# --- one scenario per cause ---------------------------------------------------------------------
+
+
+def scenario_workloads() -> dict[str, tuple[dict, list, str, int]]:
+    """cause -> (shape, requests, variant, the request to ask about). Each comment says why."""
+    reuse = units(1, 6)
+    return {
+        # One request: nothing before it.
+        "cold": (SMALL, [request(0, 64, units(1, 4))], "upstream", 0),
+        # #40696: hash unit = block = 64 (vLLM's default geometry), a 40-token prompt twice:
+        # no hash covers it, so it never hits.
+        "short_prompt": (dict(SMALL, hash_unit=64, attention_block_size=64, mamba_block_size=64),
+                         [request(0, 40, []), request(1, 40, [])], "upstream", 1),
+        # A 100-token prompt twice: the second hits 96 (the checkpoint at the last hash
+        # boundary before the last token); its last 4 tokens are no hash unit.
+        "partial_unit": (SMALL, [request(0, 100, reuse), request(1, 100, reuse)], "upstream", 1),
+        # A 96-token prompt twice: ideal 96, but the last token is recomputed and the hit stops
+        # at 80.
+        "hit_cap": (SMALL, [request(0, 96, reuse), request(1, 96, reuse)], "upstream", 1),
+        # 64-token blocks; the second prompt shares 48 tokens: full attention keeps a key for
+        # the whole block 0 (the first prompt's) and for its own tail at 80, none at 48.
+        "block_quantisation": (
+            dict(SMALL, attention_block_size=64, mamba_block_size=64),
+            [request(0, 80, [1, 2, 3, 4, 5]), request(1, 80, [1, 2, 3, 14, 15])], "upstream", 1),
+        # Shares 64 tokens; the first prompt ran in one chunk: Mamba states exist only at its
+        # checkpoint (96) and end, never at 64.
+        "mamba_not_reserved": (SMALL, [request(0, 100, reuse),
+                                       request(1, 100, [1, 2, 3, 4, 15, 16])], "upstream", 1),
+        # 64-token chunks: states at 64 and 128 are computed, but retention 0 keeps only the
+        # prompt-end one (192); the second prompt shares 128 tokens.
+        "mamba_not_retained": (
+            dict(SMALL, mamba_block_size=64, max_num_batched_tokens=64),
+            [request(0, 200, units(1, 12)), request(1, 200, units(1, 8) + units(30, 33))],
+            "upstream", 1),
+        # 96-token chunks: the first chunk's transient checkpoint at 80 is kept request-local by
+        # `fixed` (#56794); the second prompt shares exactly 80 tokens.
+        "mamba_suppressed": (
+            dict(SMALL, max_num_batched_tokens=96),
+            [request(0, 200, units(1, 12)), request(1, 200, units(1, 5) + units(30, 36))],
+            "fixed", 1),
+        # 64-token Mamba blocks: the first prompt's checkpoint slot (block 0) is keyed at its
+        # block boundary 64 by the retention mask, then re-keyed to the checkpoint at 96.
+        "rekeyed": (dict(SMALL, mamba_block_size=64),
+                    [request(0, 100, reuse), request(1, 100, [1, 2, 3, 4, 15, 16])], "upstream", 1),
+        # A 40-block pool: prefix S (48 tokens) is cached, a 256-token prompt publishes
+        # transient checkpoints behind it (unfixed), a 240-token prompt evicts S; the last
+        # request needs S.
+        "checkpoint_pushout": (
+            dict(SMALL, max_num_batched_tokens=64, num_gpu_blocks=40),
+            [request(0, 64, units(1, 4)), request(1, 256, units(10, 25)),
+             request(2, 240, units(100, 114)), request(3, 80, [1, 2, 3, 60, 61])], "unfixed", 3),
+        # The same with `fixed` (no transient checkpoint cached) and a prompt big enough to
+        # evict S anyway.
+        "evicted": (
+            dict(SMALL, max_num_batched_tokens=64, num_gpu_blocks=40),
+            [request(0, 64, units(1, 4)), request(1, 256, units(10, 25)),
+             request(2, 320, units(100, 119)), request(3, 80, [1, 2, 3, 60, 61])], "fixed", 3),
+        # Dense retention, no checkpoints, 64-token chunks: a 256-token prompt retires its
+        # states at 64, 128 and 192 to the free queue while its attention blocks are still
+        # held; a 240-token prompt then evicts the oldest cached blocks: those states.
+        "mamba_evicted": (
+            dict(SMALL, checkpoint_alignment=None, retention_interval=None,
+                 max_num_batched_tokens=64, num_gpu_blocks=40),
+            [request(0, 256, units(1, 16)), request(1, 240, units(100, 114)),
+             request(2, 160, units(1, 8) + [50, 51])], "upstream", 2),
+    }
+
+
+@pytest.mark.parametrize("cause", sorted(scenario_workloads()))
+def test_why_names_exactly_the_scenarios_cause(tmp_path, cause):
+    shape, requests, variant, req = scenario_workloads()[cause]
+    outputs = replay_requests(tmp_path, EngineShape(**shape), requests, (variant,))
+    shortfall, beyond = named_causes(why(outputs[variant], "--request", req))
+    if cause in BEYOND_IDEAL_CAUSES:
+        assert (shortfall, beyond) == (set(), {cause})
+    else:
+        assert shortfall == {cause}
+
+
+def test_the_fix_turns_the_pushout_back_into_a_hit(tmp_path):
+    """The checkpoint_pushout scenario under `fixed`: the unhashed checkpoint slots are reused
+    first, S survives and the last request hits it (48 tokens, its whole ideal)."""
+    shape, requests, _, req = scenario_workloads()["checkpoint_pushout"]
+    outputs = replay_requests(tmp_path, EngineShape(**shape), requests, ("unfixed", "fixed"))
+    hits = {}
+    for variant, output in outputs.items():
+        (lookup,) = attribute_trace(output, request=req).lookups
+        hits[variant] = (lookup.ideal_tokens, lookup.hit_tokens,
+                         {s.cause: s.tokens for s in lookup.segments})
+    assert hits == {"unfixed": (48, 0, {"checkpoint_pushout": 48, "cold": 32}),
+                    "fixed": (48, 48, {"cold": 32})}
+
+
+def test_why_tells_when_and_by_what_a_pushout_was_evicted(tmp_path):
+    shape, requests, variant, req = scenario_workloads()["checkpoint_pushout"]
+    output = why(replay_requests(tmp_path, EngineShape(**shape), requests, (variant,))[variant],
+                 "--request", req)
+    evictions = [line for line in output.splitlines() if "evicted from block" in line]
+    assert evictions, output
+    # Request 2 (240 tokens) evicted S while the transient checkpoints of the 256-token prompt
+    # and its own earlier chunks sat cached behind it.
+    assert all(re.search(r"to make room for request 2, while \d+ transient checkpoints sat cached "
+                         r"in the free queue behind it, e\.g\. request [12]'s at [\d,]+ tokens",
+                         line) for line in evictions), output
+
+
+def test_mamba_eviction_scenario_holds_what_it_claims(tmp_path):
+    """Checked on the records themselves: at the last lookup the attention keys of the 128
+    shared tokens are all cached, and the Mamba state at 128 was evicted by LRU reuse."""
+    shape, requests, variant, req = scenario_workloads()["mamba_evicted"]
+    output = replay_requests(tmp_path, EngineShape(**shape), requests, (variant,))[variant]
+    _, records = read_records(output)
+    lookup_at = max(i for i, r in enumerate(records)
+                    if isinstance(r, ComputedBlocksFound) and r.req == req)
+    cached: dict[tuple[int, int], int] = {}
+    last_removal = {}
+    for record in records[:lookup_at]:
+        kind = type(record).__name__
+        if kind == "BlockStored":
+            key = (record.hash_id, record.group)
+            cached[key] = cached.get(key, 0) + 1
+        elif kind == "BlockRemoved":
+            cached[(record.hash_id, record.group)] -= 1
+            last_removal[(record.hash_id, record.group)] = record.reason
+    assert all(cached.get((h, 0)) for h in units(1, 8))
+    assert not cached.get((8, 1)) and last_removal[(8, 1)] == RemoveReason.LRU_REUSE
+
+
+def test_invalidated_by_a_prefix_cache_reset(tmp_path):
+    """A reset between two identical prompts (vLLM's reset_prefix_cache, driven directly)."""
+    shape = EngineShape(**SMALL)
+    config = shape.engine_config(shape.num_gpu_blocks)
+    path = tmp_path / "reset.kvtrace"
+    header = TraceHeader(kvtrace_version="test", created_ns=0, source="replay", config=config,
+                         replay=ReplayInfo(variant="upstream", backend="vllm", mode="reschedule"))
+    with open(path, "wb") as file:
+        writer = TraceWriter(file, header)
+        with VllmBackend(config, "upstream", writer.write) as backend:
+            settings = SchedulerSettings.from_config(config)
+            Scheduler(backend, config, settings).run([Arrival(0, 100, units(1, 6), 1)])
+            assert backend.manager.block_pool.reset_prefix_cache()
+            Scheduler(backend, config, settings).run([Arrival(1, 100, units(1, 6), 1)])
+        writer.close()
+    assert named_causes(why(path, "--request", 1)) == ({"invalidated"}, {"partial_unit"})
+
+
+def test_other_is_what_the_cache_held_but_the_hit_did_not_use(tmp_path):
+    """The partial_unit scenario with the second lookup's hit edited down to 80 (as a
+    connector's hit cap would): the cache held 96, so 16 tokens are `other`."""
+    shape, requests, variant, req = scenario_workloads()["partial_unit"]
+    output = replay_requests(tmp_path, EngineShape(**shape), requests, (variant,))[variant]
+    reader, records = read_records(output)
+    edited = [msgspec.structs.replace(r, num_hit_tokens=80)
+              if isinstance(r, ComputedBlocksFound) and r.req == req else r for r in records]
+    write_trace(tmp_path / "edited.kvtrace", reader.header, edited)
+    (lookup,) = attribute_trace(tmp_path / "edited.kvtrace", request=req).lookups
+    assert [(s.cause, s.start, s.end) for s in lookup.segments] == [
+        ("other", 80, 96), ("partial_unit", 96, 100)]
+    assert named_causes(why(tmp_path / "edited.kvtrace", "--request", req))[0] == {"other"}
+
+
+def test_every_cause_has_a_scenario():
+    covered = set(scenario_workloads()) | {"invalidated", "other"}
+    assert covered == set(CAUSES)
+
+
+# --- silent zeros, the report, the database -----------------------------------------------------
+
+
+def short_prompt_workload(directory: Path) -> Path:
+    """#40696: hash unit = block = 64, every prompt shorter than it (repeated prompts)."""
+    shape = EngineShape(**dict(SMALL, hash_unit=64, attention_block_size=64,
+                               mamba_block_size=64))
+    requests = [request(i, 40 + i % 3, [], 4) for i in range(12)]
+    source = directory / "short.kvtrace"
+    write_workload(source, Workload("synth", requests, 64), shape)
+    return source
+
+
+def test_replay_and_report_warn_of_a_silent_zero(tmp_path):
+    source = short_prompt_workload(tmp_path)
+    result = CliRunner().invoke(cli, ["replay", str(source), "--variant", "upstream", "-o",
+                                      str(tmp_path / "runs"), "--db", str(tmp_path / "s.duckdb")])
+    assert result.exit_code == 0, result.output
+    warnings = [l for l in result.output.splitlines() if l.startswith("kvtrace: warning:")]
+    assert len(warnings) == 1, result.output
+    assert ("variant upstream: prefix-cache hit rate 0.0%" in warnings[0]
+            and "prompts shorter than the 64-token hash unit" in warnings[0]
+            and "100% of the missed tokens" in warnings[0]), warnings
+    report = report_database(str(tmp_path / "s.duckdb"), str(tmp_path / "r.html"))
+    assert report.startswith("WARNING: run 0 (upstream): prefix-cache hit rate 0.0%")
+    assert "== Where the hits went ==" in report
+    html = (tmp_path / "r.html").read_text()
+    assert 'class="warning"' in html and "Where the hits went" in html
+
+
+def test_a_cold_workload_is_not_a_silent_zero(tmp_path):
+    """Unique prompts longer than a unit: nothing to hit, nothing to warn about."""
+    requests = [request(i, 200, units(100 * i + 1, 100 * i + 12), 4) for i in range(6)]
+    outputs = replay_requests(tmp_path, EngineShape(**SMALL), requests)
+    result = CliRunner().invoke(cli, ["replay", str(tmp_path / "workload.kvtrace"), "--variant",
+                                      "upstream", "-o", str(tmp_path / "again")])
+    assert result.exit_code == 0 and "warning" not in result.output, result.output
+    totals = CauseTotals.of(attribute_trace(outputs["upstream"]).lookups)
+    assert totals.hit_tokens == 0 and totals.tokens["cold"] == 6 * 192
+
+
+def test_report_shows_where_the_hits_went_per_run(seeded_replays):
+    result, _, db = seeded_replays[("shared-prompt", 1)]
+    section = report_database(str(db)).split("== Where the hits went ==")[1].split("==")[0]
+    rows = {line.split()[1]: line.split() for line in section.splitlines()
+            if re.match(r"\s*\d", line)}
+    assert set(rows) == set(VARIANTS)
+    for variant in result.variants:
+        assert float(rows[variant.variant][3]) == round(100 * variant.summary["hit_rate"], 1)
+
+
+def test_an_older_database_says_to_reload(tmp_path):
+    """A database of schema v1 has no miss_attribution table: queries say to reload, the
+    report says so in its section, and nothing else breaks."""
+    source = short_prompt_workload(tmp_path)
+    outputs = replay(ReplayOptions(source=str(source), outdir=str(tmp_path / "runs"),
+                                   variants=("upstream",)))
+    db = tmp_path / "old.duckdb"
+    load_traces([outputs.variants[0].output], db)
+    connection = duckdb.connect(str(db))
+    connection.execute("DROP TABLE miss_attribution")
+    connection.execute("UPDATE kvtrace_meta SET value = '1' WHERE key = 'db_schema_version'")
+    connection.close()
+    old = open_database(db)
+    try:
+        with pytest.raises(QueryError, match="older kvtrace .* reload its traces"):
+            run_query(old, "miss_attribution_summary")
+    finally:
+        old.close()
+    report = report_database(str(db))
+    assert "loaded by an older kvtrace and has no miss attribution: reload" in report
+    assert "WARNING" not in report
+    result = CliRunner().invoke(cli, ["sql", str(db), "--query", "miss_attribution"])
+    assert result.exit_code == 1 and "kvtrace load" in result.output
