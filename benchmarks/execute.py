@@ -145,7 +145,7 @@ def bench_traces(directory: Path, devices: list[str], state_scale: float | None,
                                                               state_scale=state_scale))
             figures["wall_s"] = time.perf_counter() - started
             results[device] = figures
-            print(f"{path.name:<28} {device:<4} {figures['kernel']:<13} "
+            print(f"{path.name:<31} {device:<4} {figures['kernel']:<13} "
                   f"state {figures['state']}: {figures['verified_hits']} verified, "
                   f"{figures['wrong_state_hits']} wrong; {figures['recomputed_tokens']:,} tok "
                   f"in {figures['measured_prefill_s']:.3f} s measured "

@@ -59,7 +59,8 @@ from kvtrace.replay.execute.model import CPU_STATE_SCALE, StateShape, get_model,
 DEFAULT_CHUNK = 64  # chunk size when the Mamba groups declare no checkpoint alignment
 MAX_INPUT_ELEMENTS = 1 << 22  # per batch of units whose inputs are derived at once
 POOL_MEMORY_SHARE = 0.5  # of free CUDA memory the pool may take at an automatic scale
-TRUE_STATE_BUDGET = 256 << 20  # bytes of memoised true states
+TRUE_STATE_BUDGET = 256 << 20  # bytes of memoised true states on CPU
+TRUE_STATE_SHARE = 0.1  # of free CUDA memory (after the pool) for memoised true states
 RELATIVE_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 2e-3}
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -186,7 +187,6 @@ class _Run:
 
     req: int
     chain: list[int]  # hash ids of its units: the prompt's, then those decode completed
-    prompt_len: int
     unit: int  # the hash unit, in tokens
     looked_up: bool = False  # a lookup waits for its admission
     target: int = 0  # tokens the current admission prefills (prompt, + outputs on resume)
@@ -220,8 +220,7 @@ class ExecuteEngine:
     recurrent state, checks every Mamba hit, and measures and prices recomputed prefill.
     ``finish()`` returns the figures (``variants.V.execute`` of the replay summary)."""
 
-    def __init__(self, config: EngineConfig, options: ExecuteOptions,
-                 true_state_budget: int = TRUE_STATE_BUDGET) -> None:
+    def __init__(self, config: EngineConfig, options: ExecuteOptions) -> None:
         self.device = resolve_device(options.device)
         model = get_model(options.model)
         self.cost = CostModel(model, gpu_throughput(options.gpu))
@@ -240,7 +239,7 @@ class ExecuteEngine:
         self.tolerance = RELATIVE_TOLERANCE[self.dtype]
         self._threads = torch.get_num_threads()
         if self.device.type == "cpu":
-            torch.set_num_threads(1)  # its tensors are tiny: threads only add waiting
+            torch.set_num_threads(1)  # many small ops: on a shared CPU, threads mostly wait
         self.pool = torch.zeros(config.num_gpu_blocks, rows, self.shape.key_dim,
                                 self.shape.value_dim, dtype=self.dtype, device=self.device)
         inputs = UnitInputs(rows * len(mamba), self.shape.key_dim, self.shape.value_dim,
@@ -248,8 +247,10 @@ class ExecuteEngine:
         self.recurrence = Recurrence(inputs, self._kernel())
         self.zeros = torch.zeros(rows * len(mamba), self.shape.key_dim, self.shape.value_dim,
                                  dtype=torch.float32, device=self.device)
+        budget = (TRUE_STATE_BUDGET if self.device.type == "cpu"
+                  else int(TRUE_STATE_SHARE * torch.cuda.mem_get_info(self.device)[0]))
         self.true_states = TrueStates(self.recurrence, self.zeros, spec.block_size // self.unit,
-                                      true_state_budget)
+                                      budget)
         self.timer = Timer(self.device)
         self._runs: dict[int, _Run] = {}
         self._block_group: dict[int, int] = {}
@@ -310,7 +311,7 @@ class ExecuteEngine:
             handler(record)
 
     def _arrived(self, r: RequestArrived) -> None:
-        run = self._runs[r.req] = _Run(r.req, list(r.hash_ids), r.prompt_len, self.unit)
+        run = self._runs[r.req] = _Run(r.req, list(r.hash_ids), self.unit)
         self.true_states.learn(run.chain, 0)
 
     def _extended(self, r: HashesExtended) -> None:
@@ -524,6 +525,8 @@ class ExecuteEngine:
                 "holds": None if first.content is None else {
                     "req": first.content[0], "num_tokens": first.content[1]}},
             "max_verified_error": max(verified, default=0.0),
+            "min_wrong_state_error": min((e for e in errors if not e <= self.tolerance),
+                                         default=None),
             "tolerance": self.tolerance,
             "recomputed_tokens": self.recomputed_tokens,
             "resumed_recomputed_tokens": self.resumed_recomputed_tokens,

@@ -57,7 +57,8 @@ class UnitInputs:
         seeds = _mix32(((ids & _MASK32) ^ ((ids >> 32) & _MASK32) ^ domain) & _MASK32)
         token_seeds = _mix32(((seeds[:, None] * _SEED_STEP) + self._index) & _MASK32)
         slots = (token_seeds[..., None] ^ self._channels) & ((1 << _TABLE_BITS) - 1)
-        uniform = self._table[slots].view(self.rows, len(hash_ids) * self.unit, self.width)
+        uniform = self._table.index_select(0, slots.view(-1)).view(
+            self.rows, len(hash_ids) * self.unit, self.width)
         k_end, g_end = self.key_dim, 2 * self.key_dim
         k = torch.nn.functional.normalize(uniform[..., :k_end] * 2 - 1, dim=-1)
         low, high = DECAY_RANGE

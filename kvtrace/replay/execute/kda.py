@@ -39,8 +39,10 @@ def chunk_kda_state(state: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: to
     Within a chunk, with ``c`` the inclusive cumulative sum of ``g``, token i's update is
     ``u_i = beta_i (v_i - S0^T (e^{c_i} k_i) - sum_{j<i} (k_i e^{c_i - c_j} . k_j) u_j)``: so
     ``U = (I + A)^-1 diag(beta) (V - K~ S0)`` with ``A_ij = beta_i k_i e^{c_i - c_j} . k_j``
-    (j < i), and the chunk's end state is
-    ``e^{c_C} S0 + sum_j (e^{c_C - c_j} k_j) u_j^T``."""
+    (j < i), and the chunk's end state is ``e^{c_C} S0 + sum_j (e^{c_C - c_j} k_j) u_j^T``.
+    That is affine in ``S0``: ``S_end = P S0 + Q`` with ``P = diag(e^{c_C}) - K_end W`` and
+    ``Q = K_end U0`` (``W = (I + A)^-1 diag(beta) K~``, ``U0 = (I + A)^-1 diag(beta) V``). The
+    chunks' maps are composed pairwise, log2(chunks) batched steps instead of one per chunk."""
     num_rows, num_tokens, key_dim = k.shape
     pad = -num_tokens % chunk_size
     if pad:
@@ -59,15 +61,19 @@ def chunk_kda_state(state: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: to
     eye = torch.eye(chunk_size, dtype=k.dtype, device=k.device)
     solve = torch.linalg.solve_triangular(a + eye, torch.diag_embed(beta), upper=False,
                                           unitriangular=True)
-    w = solve @ k_up  # [N, M, C, K]
-    u = solve @ v  # [N, M, C, V]
     end = decay[:, :, -1:, :]
-    k_end = (k * (end - decay).exp()).transpose(-1, -2).contiguous()  # [N, M, K, C]
-    end_decay = end.exp().transpose(-1, -2).contiguous()  # [N, M, K, 1]
-    for m in range(chunks):
-        update = torch.baddbmm(u[:, m], w[:, m], state, alpha=-1)
-        state = torch.baddbmm(state * end_decay[:, m], k_end[:, m], update)
-    return state
+    k_end = (k * (end - decay).exp()).transpose(-1, -2)  # [N, M, K, C]
+    maps = torch.diag_embed(end.squeeze(2).exp()) - k_end @ (solve @ k_up)  # [N, M, K, K]
+    offsets = k_end @ (solve @ v)  # [N, M, K, V]
+    while maps.shape[1] > 1:  # compose neighbours: (P2, Q2) after (P1, Q1)
+        if maps.shape[1] % 2:
+            maps = torch.cat([maps, torch.eye(key_dim, dtype=k.dtype, device=k.device).expand(
+                num_rows, 1, key_dim, key_dim)], 1)
+            offsets = torch.nn.functional.pad(offsets, (0, 0, 0, 0, 0, 1))
+        second = maps[:, 1::2]
+        offsets = second @ offsets[:, 0::2] + offsets[:, 1::2]
+        maps = second @ maps[:, 0::2]
+    return torch.baddbmm(offsets[:, 0], maps[:, 0], state)
 
 
 class TorchKernel:
