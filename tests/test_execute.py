@@ -288,6 +288,19 @@ def test_the_gpu_seconds_query_prices_the_difference_between_the_variants(execut
         estimated["unfixed"] - estimated["fixed"], abs=1e-5)
 
 
+def test_the_report_shows_the_gpu_seconds_per_variant(executed):
+    from kvtrace.analysis.report import report_database
+
+    work, _, _ = executed
+    text = report_database(str(work / "w.duckdb"))
+    section = text.partition("== GPU-seconds recomputing hits the other variant kept ==")[2]
+    section = section.partition("\n== ")[0]
+    rows = [line.split() for line in section.splitlines() if line.startswith("sha256:")]
+    assert {(row[1], row[2]) for row in rows} <= {("unfixed", "fixed"), ("fixed", "unfixed")}
+    assert rows and all(row[-1] == "execute" for row in rows)
+    assert "== Top prefixes by GPU-seconds recomputed ==" in text
+
+
 @pytest.mark.parametrize("args,message", [
     (["--device", "cpu"], "--device applies to execute mode only"),
     (["--execute", "--gpu", "a100"], "neither a device preset"),

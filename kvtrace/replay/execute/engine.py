@@ -57,7 +57,9 @@ from kvtrace.replay.execute.kda import TorchKernel, fla_kernel
 from kvtrace.replay.execute.model import CPU_STATE_SCALE, StateShape, get_model, state_shape
 
 DEFAULT_CHUNK = 64  # chunk size when the Mamba groups declare no checkpoint alignment
-MAX_INPUT_ELEMENTS = 1 << 22  # per batch of units whose inputs are derived at once
+# Inputs derived at once, per batch of units: CPU caches, GPU launches.
+MAX_INPUT_ELEMENTS = {"cpu": 1 << 22, "cuda": 1 << 25}
+FLA_DIM_MULTIPLE = 16  # fla's Triton kernels tile head dims by 16
 POOL_MEMORY_SHARE = 0.5  # of free CUDA memory the pool may take at an automatic scale
 TRUE_STATE_BUDGET = 256 << 20  # bytes of memoised true states on CPU
 TRUE_STATE_SHARE = 0.1  # of free CUDA memory (after the pool) for memoised true states
@@ -118,7 +120,7 @@ class Recurrence:
         self.inputs = inputs
         self.kernel = kernel
         per_unit = inputs.unit * inputs.rows * inputs.width
-        self.batch_units = max(1, MAX_INPUT_ELEMENTS // per_unit)
+        self.batch_units = max(1, MAX_INPUT_ELEMENTS[inputs.device.type] // per_unit)
 
     def run(self, state: torch.Tensor, hash_ids: list[int]) -> torch.Tensor:
         for start in range(0, len(hash_ids), self.batch_units):
@@ -244,6 +246,7 @@ class ExecuteEngine:
                                 self.shape.value_dim, dtype=self.dtype, device=self.device)
         inputs = UnitInputs(rows * len(mamba), self.shape.key_dim, self.shape.value_dim,
                             self.unit, torch.float32, self.device)
+        self.kernel_note = ""
         self.recurrence = Recurrence(inputs, self._kernel())
         self.zeros = torch.zeros(rows * len(mamba), self.shape.key_dim, self.shape.value_dim,
                                  dtype=torch.float32, device=self.device)
@@ -290,15 +293,27 @@ class ExecuteEngine:
             scale /= 2
 
     def _kernel(self):
-        """fla's ``chunk_kda`` on CUDA where importable, checked against the torch reference
-        on small inputs first; else the torch chunkwise recurrence."""
+        """fla's ``chunk_kda`` on CUDA where importable and the head dims suit it, checked
+        against the torch reference on small inputs of the run's head dims first; else the
+        torch chunkwise recurrence (``kernel_note`` says why)."""
         reference = TorchKernel(self.chunk_size)
         if self.device.type != "cuda":
             return reference
         fla = fla_kernel()
         if fla is None:
+            self.kernel_note = "flash-linear-attention (fla) is not importable"
             return reference
-        check_kernel(fla, reference, self.device)
+        dims = (self.shape.key_dim, self.shape.value_dim)
+        if any(dim % FLA_DIM_MULTIPLE for dim in dims):
+            self.kernel_note = f"fla needs head dims in multiples of {FLA_DIM_MULTIPLE}: {dims}"
+            return reference
+        try:
+            check_kernel(fla, reference, self.device, *dims)
+        except KvtraceError:
+            raise
+        except Exception as error:  # fla could not run here (Triton, driver): say so
+            self.kernel_note = f"fla failed on small inputs: {type(error).__name__}: {error}"
+            return reference
         return fla
 
     # --- records --------------------------------------------------------------------------------
@@ -511,6 +526,7 @@ class ExecuteEngine:
         return {
             "device": str(self.device),
             "kernel": self.recurrence.kernel.name,
+            "kernel_note": self.kernel_note,
             "chunk_size": self.chunk_size,
             "state": self.shape.describe(),
             "state_scale": self.shape.scale,
@@ -552,19 +568,19 @@ class ExecuteEngine:
         self.close()
 
 
-def check_kernel(kernel, reference, device: torch.device, rows: int = 4, dim: int = 64,
-                 num_tokens: int = 100) -> float:
+def check_kernel(kernel, reference, device: torch.device, key_dim: int = 64,
+                 value_dim: int = 64, rows: int = 4, num_tokens: int = 100) -> float:
     """Compare ``kernel`` with ``reference`` on small random inputs; raise when they differ."""
     generator = torch.Generator(device="cpu").manual_seed(0)
 
     def rand(*shape):
         return torch.rand(*shape, generator=generator).to(device)
 
-    k = torch.nn.functional.normalize(rand(rows, num_tokens, dim) * 2 - 1, dim=-1)
-    v = rand(rows, num_tokens, dim) * 2 - 1
-    g = -0.05 * rand(rows, num_tokens, dim)
+    k = torch.nn.functional.normalize(rand(rows, num_tokens, key_dim) * 2 - 1, dim=-1)
+    v = rand(rows, num_tokens, value_dim) * 2 - 1
+    g = -0.05 * rand(rows, num_tokens, key_dim)
     beta = 0.1 + 0.8 * rand(rows, num_tokens)
-    state = rand(rows, dim, dim) - 0.5
+    state = rand(rows, key_dim, value_dim) - 0.5
     expected = reference(state, k, v, g, beta)
     got = kernel(state, k, v, g, beta)
     error = ((got - expected).abs().amax() / expected.abs().amax()).item()
