@@ -456,8 +456,12 @@ class ExecuteEngine:
         through the positions in order."""
         wanted: dict[int, tuple[_Run, set[int]]] = {}
         for op in pending:
-            if op[0] == "store" and op[1] is not None:
-                wanted.setdefault(id(op[1]), (op[1], set()))[1].add(op[4])
+            if op[0] != "store":
+                continue
+            if op[1] is None:
+                self._anomaly("store_by_an_unknown_request")
+                continue
+            wanted.setdefault(id(op[1]), (op[1], set()))[1].add(op[4])
         states = {}
         for key, (run, positions) in wanted.items():
             if run.state is None:
