@@ -50,6 +50,7 @@ from kvtrace.events import (
     TraceHeader,
 )
 from kvtrace.replay.backend import BACKENDS, open_backend
+from kvtrace.replay.execute import ExecuteOptions
 from kvtrace.replay.scheduler import Scheduler, arrivals_of
 from kvtrace.traceio import TraceReader, TraceWriter
 
@@ -71,6 +72,7 @@ class ReplayOptions:
     lockstep: bool = False
     verify: bool = False
     write_traces: bool = True  # False: summaries only; outdir is not used
+    execute: ExecuteOptions | None = None  # --execute: re-execute the recurrent state
 
 
 @dataclass(frozen=True)
@@ -276,15 +278,15 @@ def replay(options: ReplayOptions,
                 replay=ReplayInfo(variant=variant, backend=options.backend, mode=mode,
                                   source_path=os.path.abspath(options.source),
                                   source_digest=source.digest),
-                params=_params(settings, mode))
+                params={**_params(settings, mode), **_execute_params(options.execute)})
             if final:
                 staged.append((partial, final))
             on_step = progress(variant, len(arrivals)) if progress else None
             keep = mode == "lockstep" and options.verify and variant == engine_variant
             summary, replayed, steps, wall_s = _run_variant(
                 partial, replay_header, options.backend, config, variant, mode, records,
-                arrivals, settings, on_step, keep)
-            result.variants.append(VariantResult(variant, final, summary.to_dict(), wall_s, steps))
+                arrivals, settings, on_step, keep, options.execute)
+            result.variants.append(VariantResult(variant, final, summary, wall_s, steps))
             if keep:
                 from kvtrace.replay.lockstep import verify
 
@@ -302,25 +304,35 @@ def replay(options: ReplayOptions,
 def _run_variant(path: str, header: TraceHeader, backend_name: str, config: EngineConfig,
                  variant: str, mode: str, records: list[Record], arrivals,
                  settings: SchedulerSettings, on_step: Callable[[int], None] | None,
-                 keep_records: bool) -> tuple[ReplaySummary, list[Record], int, float]:
+                 keep_records: bool, execute: ExecuteOptions | None
+                 ) -> tuple[dict[str, Any], list[Record], int, float]:
     """Drive one backend, writing its records to ``path`` (none: only summarised); the wall
-    time counts the replay, not building the backend (whose first construction imports vLLM)."""
+    time counts the replay (and execute mode's work, which runs in the sink), not building
+    the backend (whose first construction imports vLLM) or the execute engine."""
     summary = ReplaySummary(config)
+    engine = None
+    if execute is not None:
+        from kvtrace.replay.execute.engine import ExecuteEngine
+
+        engine = ExecuteEngine(config, execute)
     kept: list[Record] = []
     # Not atomic: the caller publishes every variant's file together, or none.
     with open(path, "wb") if path else contextlib.nullcontext() as file:
         writer = TraceWriter(file, header) if file else None
         sink: Callable[[Record], None] = summary
-        if writer is not None or keep_records:
+        if writer is not None or keep_records or engine is not None:
             def sink(record: Record) -> None:
                 if writer is not None:
                     writer.write(record)
                 summary(record)
+                if engine is not None:
+                    engine(record)
                 if keep_records:
                     kept.append(record)
 
         steps = 0
-        with open_backend(backend_name, config, variant, sink) as backend:
+        with open_backend(backend_name, config, variant, sink) as backend, \
+                engine or contextlib.nullcontext():
             started = time.perf_counter()
             if mode == "lockstep":
                 from kvtrace.replay.lockstep import replay_lockstep
@@ -328,10 +340,14 @@ def _run_variant(path: str, header: TraceHeader, backend_name: str, config: Engi
                 replay_lockstep(records, backend)
             else:
                 steps = Scheduler(backend, config, settings).run(arrivals, on_step).steps
+            executed = engine.finish() if engine is not None else None
             wall_s = time.perf_counter() - started
         if writer is not None:
             writer.close()
-    return summary, kept, steps, wall_s
+    figures = summary.to_dict()
+    if executed is not None:
+        figures["execute"] = executed
+    return figures, kept, steps, wall_s
 
 
 def _engine_variant(header: TraceHeader) -> str:
@@ -381,6 +397,16 @@ def _params(settings: SchedulerSettings, mode: str) -> dict[str, str]:
     if mode == "lockstep":
         return {}
     return {f"scheduler.{name}": str(value) for name, value in dataclasses.asdict(settings).items()}
+
+
+def _execute_params(execute: ExecuteOptions | None) -> dict[str, str]:
+    """With --execute, the cost figures the analysis side prices recomputed tokens with."""
+    if execute is None:
+        return {}
+    from kvtrace.replay.execute.cost import CostModel, gpu_throughput
+    from kvtrace.replay.execute.model import get_model
+
+    return CostModel(get_model(execute.model), gpu_throughput(execute.gpu)).header_params()
 
 
 def _digest(path: str) -> str:
