@@ -303,7 +303,9 @@ class ModelBackend:
         total = num_local if num_local < max_model_len else max_model_len
         prefill_end = 0
         if self.retention_interval == 0:
-            prefill_end = max(request.prompt_len, request.num_tokens - 1)
+            prefill_end = request.num_tokens - 1
+            if prefill_end < request.prompt_len:
+                prefill_end = request.prompt_len
         group_hits = hits if hits is not None else self.no_hits
         if full_sequence_must_fit:
             full = min(request.num_tokens, max_model_len)
@@ -314,7 +316,9 @@ class ModelBackend:
             if need > pool.num_free:
                 return False
         num_tokens_main = total + num_new_tokens
-        num_tokens = min(num_tokens_main + num_lookahead_tokens, max_model_len)
+        num_tokens = num_tokens_main + num_lookahead_tokens
+        if num_tokens > max_model_len:
+            num_tokens = max_model_len
         for manager in self.retiring_managers:
             manager.retire(request, total)
         need = 0

@@ -75,15 +75,20 @@ class FullAttentionManager:
         """``get_num_blocks_to_allocate`` (no skipped tokens in full attention)."""
         required = -(-num_tokens // self.block_size)
         table = self.tables.get(request.req)
-        num_held = len(table) if table else 0
+        num_new = required - len(table) if table else required
         if request.req in self.num_cached:  # running: no new hits
-            return max(required - num_held, 0)
-        num_new = max(required - len(hit) - num_held, 0)
-        ref = self.pool.ref
-        evictable = sum(1 for block in hit if block != NULL_BLOCK and ref[block] == 0)
-        if hit and num_local_computed % self.block_size:
+            return num_new if num_new > 0 else 0
+        if not hit:
+            return num_new if num_new > 0 else 0
+        num_new = max(num_new - len(hit), 0)
+        if num_local_computed % self.block_size:
             num_new += 1  # the copy-on-write block of a partial hit
-        return num_new + evictable
+        return num_new + self.num_evictable(hit)
+
+    def num_evictable(self, hit: list[int]) -> int:
+        """Hit blocks in the free queue: touching them takes them out of it."""
+        ref = self.pool.ref
+        return sum(1 for block in hit if block != NULL_BLOCK and ref[block] == 0)
 
     def skipped_blocks(self, total_computed: int) -> int:
         """Leading blocks of a hit that attention no longer reads (none in full attention)."""
@@ -260,9 +265,7 @@ class MambaManager(FullAttentionManager):
                 self.checkpoints.pop(req, None)
         if num_new > 0:
             num_new = min(num_new, 1 + has_partial_hit + (position > 0))
-        ref = pool.ref
-        evictable = sum(1 for block in hit if block != NULL_BLOCK and ref[block] == 0)
-        return num_new + evictable
+        return num_new + self.num_evictable(hit) if hit else num_new
 
     @staticmethod
     def checkpoint_class(request: Request, position: int, chunk_end: int) -> CheckpointClass:
