@@ -1,6 +1,7 @@
 """The ``model`` backend against the real vLLM 0.33.0 cache (the ``vllm`` backend).
 
-Differential, libCacheSim-style: seeded schedules drawn from the synth presets over varied
+Both twins of the model - pure Python (the reference) and its optional C core - are held to
+vLLM. Differential, libCacheSim-style: seeded schedules drawn from the synth presets over varied
 engines (geometry, Mamba groups, checkpoint settings, retention 0 / N / dense, pool pressure,
 preemption, caching off, every variant) are replayed on both backends by the same scheduler
 model, and the record streams must be equal record for record; a mismatch reports the first
@@ -23,6 +24,7 @@ from pathlib import Path
 import pytest
 
 from kvtrace.engine_config import SchedulerSettings
+from kvtrace.errors import KvtraceError
 from kvtrace.events import (
     BlockAllocated,
     BlockFreed,
@@ -36,9 +38,9 @@ from kvtrace.events import (
     StaleKeyLeft,
     StoreKind,
 )
-from kvtrace.replay.backend import BACKENDS, open_backend
+from kvtrace.replay.backend import open_backend
 from kvtrace.replay.lockstep import replay_lockstep
-from kvtrace.replay.model import ModelBackend
+from kvtrace.replay.model import ModelBackend, NativeModelBackend, native, open_model_backend
 from kvtrace.replay.model.pool import BlockPool
 from kvtrace.replay.scheduler import Arrival, Scheduler
 from kvtrace.replay.variants import VARIANTS, CheckpointAction, CheckpointFacts
@@ -48,6 +50,8 @@ from vllm_support import (  # noqa: F401 (vllm_backend_class is a fixture)
     vllm_backend_class)
 
 NUM_CASES = 208
+# The model's twins: the reference in Python, and the C core where it is built.
+TWINS = {"python": ModelBackend, **({"native": NativeModelBackend} if native.built else {})}
 # (hash unit, full-attention block sizes, Mamba block size or None): the old test geometries,
 # equal attention and Mamba blocks with the hash unit at the block or finer, a Mamba block at
 # the hash unit (no fine-grained hits), a scheduler block above the Mamba block, two
@@ -103,12 +107,19 @@ def schedule_case(seed: int) -> tuple[EngineConfig, str, list[Arrival]]:
     return config, variant, arrivals
 
 
+def open_cache(backend: str, config: EngineConfig, variant: str, sink):
+    """``backend``: "vllm", or a twin of the model ("python", "native")."""
+    if backend in TWINS:
+        return TWINS[backend](config, variant, sink)
+    return open_backend(backend, config, variant, sink)
+
+
 def reschedule(backend: str, config: EngineConfig, variant: str,
                arrivals: list[Arrival]) -> list:
     """The records of one backend under the scheduler model; an error ends the stream."""
     records: list = []
     try:
-        with open_backend(backend, config, variant, records.append) as cache:
+        with open_cache(backend, config, variant, records.append) as cache:
             Scheduler(cache, config, SchedulerSettings.from_config(config)).run(arrivals)
     except Exception as error:  # the same error at the same point is part of agreeing
         records.append(("error", type(error).__name__, str(error)))
@@ -139,9 +150,9 @@ def vllm_stream(seed: int) -> tuple:
 def test_both_backends_write_the_same_records(vllm_backend_class, seed):
     config, variant, arrivals = schedule_case(seed)
     reference = list(vllm_stream(seed))
-    replayed = reschedule("model", config, variant, arrivals)
-    divergence = first_divergence(reference, replayed)
-    assert divergence is None, f"seed {seed}, variant {variant}, {config}:\n{divergence}"
+    for twin in TWINS:
+        divergence = first_divergence(reference, reschedule(twin, config, variant, arrivals))
+        assert divergence is None, f"{twin} twin, seed {seed}, {variant}, {config}:\n{divergence}"
 
 
 @pytest.mark.parametrize("seed", range(0, NUM_CASES, 8))
@@ -150,9 +161,9 @@ def test_lockstep_reissues_agree(vllm_backend_class, seed):
     vLLM stream: both backends reproduce it exactly."""
     config, variant, _ = schedule_case(seed)
     captured = [r for r in vllm_stream(seed) if not isinstance(r, tuple)]
-    for backend in BACKENDS:
+    for backend in ["vllm", *TWINS]:
         replayed: list = []
-        with open_backend(backend, config, variant, replayed.append) as cache:
+        with open_cache(backend, config, variant, replayed.append) as cache:
             replay_lockstep(captured, cache)
         assert first_divergence(captured, replayed) is None, backend
 
@@ -179,7 +190,7 @@ def direct_stream(backend: str, variant: str, retention: int | None, scenario: s
     """The records of calls made directly on a backend (no scheduler model)."""
     records: list = []
     config = seed_config(retention, num_gpu_blocks=48 if scenario == "mixed" else 64)
-    with open_backend(backend, config, variant, records.append) as cache:
+    with open_cache(backend, config, variant, records.append) as cache:
         if scenario == "mixed":
             run_mixed_workload(cache)
         else:
@@ -191,9 +202,11 @@ def direct_stream(backend: str, variant: str, retention: int | None, scenario: s
 def test_direct_calls_write_the_same_records(vllm_backend_class, variant, retention, scenario):
     """Hand-made schedules: the seed scenarios, and a mixed one with a preemption, an abort and
     decode that completes hash units."""
-    divergence = first_divergence(list(direct_stream("vllm", variant, retention, scenario)),
-                                  list(direct_stream("model", variant, retention, scenario)))
-    assert divergence is None, divergence
+    reference = list(direct_stream("vllm", variant, retention, scenario))
+    for twin in TWINS:
+        divergence = first_divergence(reference,
+                                      list(direct_stream(twin, variant, retention, scenario)))
+        assert divergence is None, f"{twin} twin: {divergence}"
 
 
 def record_name(record) -> str:
@@ -249,9 +262,9 @@ def test_the_mooncake_trace_in_full(vllm_backend_class, tmp_path, variant):
     config, _ = derive(reader.header.config, str(path))
     arrivals = arrivals_of(records)
     reference = reschedule("vllm", config, variant, arrivals)
-    replayed = reschedule("model", config, variant, arrivals)
     assert len(reference) > 5_000_000
-    assert first_divergence(reference, replayed) is None
+    for twin in TWINS:
+        assert first_divergence(reference, reschedule(twin, config, variant, arrivals)) is None
 
 
 # --- the model alone: the variants' table and hand-computed pool behaviour ---------------------
@@ -383,6 +396,32 @@ def test_the_seed_junction_scenario_on_the_model(variant, published, stripped, s
     key_96 = backend.cached_block_id(seed_hash_id(96), 1)
     assert (key_96 is not None) is (variant == "naive")  # only naive leaves the wrong key
     assert step == 2
+
+
+@pytest.mark.parametrize("backend", ["vllm", *TWINS])
+def test_inconsistent_calls_are_refused_alike(vllm_backend_class, backend):
+    """A hit the last lookup did not find, a release of blocks not held, a duplicate or
+    ill-hashed request: the same KvtraceError on every backend, and nothing recorded."""
+    records: list = []
+    with open_cache(backend, seed_config(0), "fixed", records.append) as cache:
+        cache.add_request(0, 240, SEED_HASH_IDS, 4)
+        with pytest.raises(KvtraceError, match="last lookup found 0"):
+            cache.allocate_slots(0, 128, 64)
+        with pytest.raises(KvtraceError, match=r"releases block\(s\) \[3\]"):
+            cache.release_blocks([3])
+        with pytest.raises(KvtraceError, match="added twice"):
+            cache.add_request(0, 240, SEED_HASH_IDS, 4)
+        with pytest.raises(KvtraceError, match="15 hash ids for a 256-token prompt"):
+            cache.add_request(1, 256, SEED_HASH_IDS, 4)
+    assert records == []
+
+
+def test_the_registered_model_backend_is_the_c_twin_where_built(monkeypatch):
+    config = seed_config(0)
+    expected = NativeModelBackend if native.built else ModelBackend
+    assert type(open_backend("model", config, "fixed", print)) is expected
+    monkeypatch.setattr(native, "core", None)  # KVTRACE_NATIVE=0
+    assert type(open_model_backend(config, "fixed", print)) is ModelBackend
 
 
 def test_the_model_imports_no_vllm():

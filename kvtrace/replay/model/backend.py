@@ -13,6 +13,8 @@ Scope: the engines ``kvtrace.engine_config.validate`` accepts (full-attention an
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from kvtrace.engine_config import check_pool_fits, validate
 from kvtrace.errors import ConfigError, KvtraceError
 from kvtrace.events import (
@@ -33,16 +35,73 @@ from kvtrace.replay.variants import get_variant
 from kvtrace.replay.vllm_backend import UNLIMITED_MODEL_LEN, MadeUpHashIds
 
 Hits = tuple[list[int], ...]  # per KV-cache group: the hit blocks (null blocks included)
+SpecGroups = list[tuple[tuple[bool, int], list[int]]]  # ((is Mamba, block size), group ids)
+
+
+@dataclass(frozen=True)
+class CachePlan:
+    """What vLLM's coordinator derives from an engine (both twins build from it): hybrid
+    (several groups), unitary, or no prefix cache; fine-grained partial hits (a Mamba "align"
+    block coarser than the hash unit); the hit alignment; the hit search's spec groups (groups
+    of one kind and block size look up together, full attention first)."""
+
+    hybrid: bool
+    partial_hits: bool
+    alignment: int
+    spec_groups: SpecGroups
+    simple_hybrid: bool  # one full-attention spec and one other: one pass of the fixed point
+
+    @classmethod
+    def of(cls, config: EngineConfig) -> CachePlan:
+        groups = config.kv_cache_groups
+        hybrid = config.enable_caching and len(groups) > 1
+        partial_hits = hybrid and any(
+            g.kind == "mamba" and g.block_size > config.hash_block_size for g in groups)
+        specs: dict[tuple[bool, int], list[int]] = {}
+        for index, group in enumerate(groups):
+            specs.setdefault((group.kind == "mamba", group.block_size), []).append(index)
+        spec_groups = sorted(specs.items(), key=lambda item: item[0][0])
+        return cls(hybrid, partial_hits,
+                   config.hash_block_size if partial_hits else config.scheduler_block_size,
+                   spec_groups, len(spec_groups) == 2 and not spec_groups[0][0][0])
+
+
+def check_request(config: EngineConfig, req: int, prompt_len: int, hash_ids: list[int],
+                  max_tokens: int, known: bool) -> None:
+    """Refuse a request as the ``vllm`` backend does: hash ids per full unit, a new number, a
+    sequence the pool can hold."""
+    unit = config.hash_block_size
+    if len(hash_ids) != prompt_len // unit:
+        raise KvtraceError(
+            f"request {req}: {len(hash_ids)} hash ids for a {prompt_len}-token prompt "
+            f"(hash unit {unit} needs {prompt_len // unit})",
+            "Each full hash unit of the prompt needs exactly one hash id.")
+    if known:
+        raise KvtraceError(f"request {req} was added twice",
+                           "Request numbers must be unique within a trace.")
+    check_pool_fits(config, req, prompt_len + max_tokens)
+
+
+def check_release(block_ids: list[int], num_blocks: int, ref_count) -> None:
+    """Refuse to release blocks the cache does not hold (``ref_count(block)`` > 0)."""
+    held = [block for block in block_ids if 0 <= block < num_blocks and ref_count(block) > 0]
+    if held != block_ids:
+        unheld = sorted(set(block_ids) - set(held))
+        raise KvtraceError(
+            f"the trace releases block(s) {unheld[:5]} that the replayed cache does not hold",
+            "The trace's inputs are inconsistent with its engine config; was it edited, or "
+            "captured from a different engine?")
 
 
 class ModelBackend:
-    """``CacheBackend`` on kvtrace's model of vLLM 0.33's prefix cache (see module docstring)."""
+    """``CacheBackend`` on kvtrace's model of vLLM 0.33's prefix cache (see module docstring):
+    the pure-Python twin, the reference for ``NativeModelBackend``."""
 
     backend_name = "model"
 
     def __init__(self, config: EngineConfig, variant: str, sink: RecordSink) -> None:
         validate(config)
-        _check_vllm_accepts(config)
+        check_vllm_accepts(config)
         self.config = config
         self.variant = get_variant(variant)
         self.sink = sink
@@ -57,11 +116,10 @@ class ModelBackend:
         self.depth: dict[int, int] = {}  # hash id -> the prefix length it was reported at
         self.pool = BlockPool(config.num_gpu_blocks, len(groups), unit, caching, self.depth,
                               self.records)
-        # The coordinator vLLM builds: hybrid (several groups), unitary, or none without caching.
-        self.hybrid = caching and len(groups) > 1
-        self.partial_hits = self.hybrid and any(
-            g.kind == "mamba" and g.block_size > unit for g in groups)
-        alignment = unit if self.partial_hits else self.scheduler_block_size
+        plan = CachePlan.of(config)
+        self.hybrid, self.partial_hits = plan.hybrid, plan.partial_hits
+        self.spec_groups, self.simple_hybrid = plan.spec_groups, plan.simple_hybrid
+        alignment = plan.alignment
         self.managers: list[FullAttentionManager] = []
         for index, group in enumerate(groups):
             if group.kind == "mamba":
@@ -75,14 +133,6 @@ class ModelBackend:
         self.mamba_managers = [m for m in self.managers if m.is_mamba]
         self.retiring_managers = self.mamba_managers  # full attention keeps every block
         self.no_hits: Hits = tuple([] for _ in self.managers)
-        # The hit search's spec groups: groups of one kind and block size are looked up
-        # together, full attention first.
-        spec_groups: dict[tuple[bool, int], list[int]] = {}
-        for manager in self.managers:
-            spec_groups.setdefault((manager.is_mamba, manager.block_size), []).append(
-                manager.group)
-        self.spec_groups = sorted(spec_groups.items(), key=lambda item: item[0][0])
-        self.simple_hybrid = len(self.spec_groups) == 2 and not self.spec_groups[0][0][0]
         self.requests: dict[int, Request] = {}
         self.pending_hits: dict[int, tuple[Hits | None, int]] = {}
         self.made_up_hash_id = MadeUpHashIds()
@@ -97,20 +147,12 @@ class ModelBackend:
 
     def add_request(self, req: int, prompt_len: int, hash_ids: list[int], max_tokens: int,
                     output_hash_ids: list[int] | None = None) -> None:
-        unit = self.hash_block_size
-        if len(hash_ids) != prompt_len // unit:
-            raise KvtraceError(
-                f"request {req}: {len(hash_ids)} hash ids for a {prompt_len}-token prompt "
-                f"(hash unit {unit} needs {prompt_len // unit})",
-                "Each full hash unit of the prompt needs exactly one hash id.")
-        if req in self.requests:
-            raise KvtraceError(f"request {req} was added twice",
-                               "Request numbers must be unique within a trace.")
-        check_pool_fits(self.config, req, prompt_len + max_tokens)
+        check_request(self.config, req, prompt_len, hash_ids, max_tokens, req in self.requests)
         known_ids = [*hash_ids, *(output_hash_ids or ())]
         if known_ids:
             self.made_up_hash_id.skip_past(max(known_ids))
-        self.requests[req] = Request(req, prompt_len, max(1, max_tokens), known_ids, unit)
+        self.requests[req] = Request(req, prompt_len, max(1, max_tokens), known_ids,
+                                     self.hash_block_size)
 
     def get_computed_blocks(self, req: int) -> tuple[int, int]:
         request = self.requests[req]
@@ -218,14 +260,7 @@ class ModelBackend:
             self.append_tokens(request, missing)
 
     def release_blocks(self, block_ids: list[int]) -> None:
-        ref = self.pool.ref
-        held = [block for block in block_ids if 0 <= block < len(ref) and ref[block] > 0]
-        if held != block_ids:
-            unheld = sorted(set(block_ids) - set(held))
-            raise KvtraceError(
-                f"the trace releases block(s) {unheld[:5]} that the replayed cache does not hold",
-                "The trace's inputs are inconsistent with its engine config; was it edited, or "
-                "captured from a different engine?")
+        check_release(block_ids, self.num_gpu_blocks, self.pool.ref.__getitem__)
         self.pool.free_blocks(block_ids, released=True)
         self.flush()
 
@@ -252,13 +287,15 @@ class ModelBackend:
     # --- requests and records -------------------------------------------------------------------
 
     def flush(self) -> None:
-        """Hand the records made so far to the sink, in order."""
+        """Hand the records made so far to the sink, in order (they are dropped either way)."""
         records = self.records
         if records:
             sink = self.sink
-            for record in records:
-                sink(record)
-            records.clear()
+            try:
+                for record in records:
+                    sink(record)
+            finally:
+                records.clear()
 
     def report_request(self, request: Request) -> None:
         """As the probes on a request's first lookup: its arrival; later, hash units decode
@@ -471,7 +508,7 @@ class ModelBackend:
         return hits, hit_length
 
 
-def _check_vllm_accepts(config: EngineConfig) -> None:
+def check_vllm_accepts(config: EngineConfig) -> None:
     """What vLLM 0.33's ``KVCacheManager`` refuses beyond ``validate``, refused alike."""
     groups = config.kv_cache_groups
     if (config.enable_caching and len(groups) == 1
