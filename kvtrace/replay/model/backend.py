@@ -131,7 +131,6 @@ class ModelBackend:
                                                alignment)
             self.managers.append(manager)
         self.mamba_managers = [m for m in self.managers if m.is_mamba]
-        self.retiring_managers = self.mamba_managers  # full attention keeps every block
         self.no_hits: Hits = tuple([] for _ in self.managers)
         self.requests: dict[int, Request] = {}
         self.pending_hits: dict[int, tuple[Hits | None, int]] = {}
@@ -356,7 +355,7 @@ class ModelBackend:
         num_tokens = num_tokens_main + num_lookahead_tokens
         if num_tokens > max_model_len:
             num_tokens = max_model_len
-        for manager in self.retiring_managers:
+        for manager in self.mamba_managers:  # full attention keeps every block
             manager.retire(request, total)
         need = 0
         for manager, hit in zip(managers, group_hits):

@@ -139,9 +139,6 @@ class FullAttentionManager:
         if num_new > 0:
             table.extend(self.pool.get_new_blocks(num_new, req))
 
-    def retire(self, request: Request, num_processed: int) -> None:
-        """``remove_skipped_blocks``: full attention keeps every block."""
-
     # --- caching -------------------------------------------------------------------------------
 
     def mask(self, start: int, end: int, retention_interval: int | None,
@@ -198,9 +195,6 @@ class FullAttentionManager:
         while start < len(table) and table[start] == NULL_BLOCK:
             start += 1  # the leading null blocks are not handed back
         self.pool.free_blocks(table[start:][::-1])
-
-    def new_step(self) -> None:
-        """``new_step_starts``."""
 
 
 class MambaManager(FullAttentionManager):
@@ -503,4 +497,5 @@ class MambaManager(FullAttentionManager):
         super().release(req)
 
     def new_step(self) -> None:
+        """``new_step_starts``: states keyed last step are computed now."""
         self.cached_this_step.clear()
