@@ -13,7 +13,7 @@ alternating within a repeat so both see the same machine load:
 * ``replay``: ``kvtrace replay`` as the CLI runs it (``wall_s``): it also writes the replay
   trace and computes the summary, record by record;
 
-and two floors, measured in the same run, that bound what any backend can reach:
+and two floors, measured in the same repeats, that bound what any backend can reach:
 
 * ``scheduler``: the scheduler model alone, answered from a recording of the cache's answers;
 * ``sink``: the replay's per-record work (trace writer + summary) over the model's records.
@@ -131,65 +131,64 @@ def text(figure: dict, unit: str = "s") -> str:
 
 def measure_variant(variant: str, trace: Path, config, settings, arrivals, repeats: int,
                     outdir: Path) -> dict:
-    times: dict[str, dict[str, list[float]]] = {mode: {b: [] for b in BACKENDS}
-                                                 for mode in ("cache", "replay")}
+    """Each repeat runs both backends and the floors back to back, so every ratio (and every
+    ceiling) compares runs under the same machine load."""
+    times: dict[str, list[float]] = {key: [] for key in (
+        "cache vllm", "cache model", "scheduler", "replay vllm", "replay model", "sink")}
     problems: list[str] = []
+    answers = cache_run("model", config, settings, variant, arrivals, Recorder)[2].answers
+    header = read_records(trace)[0].header
     records: dict[str, list] = {}
     for repeat in range(repeats):
         for backend in BACKENDS:
             seconds, kept, _ = cache_run(backend, config, settings, variant, arrivals)
-            times["cache"][backend].append(seconds)
-            if repeat == repeats - 1:
-                records[backend] = kept
+            times[f"cache {backend}"].append(seconds)
+            records[backend] = kept if repeat == repeats - 1 else []
             del kept
-    answers = cache_run("model", config, settings, variant, arrivals, Recorder)[2].answers
+        started = time.perf_counter()
+        Scheduler(Answers(answers, config.num_gpu_blocks), config, settings).run(arrivals)
+        times["scheduler"].append(time.perf_counter() - started)
     divergence = first_divergence(records["vllm"], records["model"])
     if divergence:
         problems.append(f"record streams differ: {divergence}")
     summaries = {backend: summary_of(config, records[backend]) for backend in BACKENDS}
-    del records["vllm"]
     if summaries["vllm"] != summaries["model"]:
         problems.append("cache-run summaries differ")
-    # The floors: the scheduler without a cache, the replay's per-record sink.
-    scheduler_floor = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        Scheduler(Answers(answers, config.num_gpu_blocks), config, settings).run(arrivals)
-        scheduler_floor.append(time.perf_counter() - started)
-    started = time.perf_counter()
-    with open(os.devnull, "wb") as devnull:
-        writer = TraceWriter(devnull, read_records(trace)[0].header)
-        summary = ReplaySummary(config)
-        for record in records["model"]:
-            writer.write(record)
-            summary(record)
-        writer.close()
-    sink_floor = time.perf_counter() - started
-    num_records = len(records.pop("model"))
-    # `kvtrace replay` itself, on each backend.
+    model_records = records.pop("model")
+    del records["vllm"]
     replay_summaries = {}
     for _ in range(repeats):
-        for backend in BACKENDS:
+        for backend in BACKENDS:  # `kvtrace replay` itself
             result = replay(ReplayOptions(source=str(trace), outdir=str(outdir / backend),
                                           variants=(variant,), backend=backend))
-            times["replay"][backend].append(result.variants[0].wall_s)
+            times[f"replay {backend}"].append(result.variants[0].wall_s)
             replay_summaries[backend] = result.variants[0].summary
+        started = time.perf_counter()  # the replay's per-record sink alone
+        with open(os.devnull, "wb") as devnull:
+            writer = TraceWriter(devnull, header)
+            summary = ReplaySummary(config)
+            for record in model_records:
+                writer.write(record)
+                summary(record)
+            writer.close()
+        times["sink"].append(time.perf_counter() - started)
     if replay_summaries["vllm"] != replay_summaries["model"]:
         problems.append("`kvtrace replay` summaries differ")
     if replay_summaries["vllm"] != summaries["vllm"]:
         problems.append("the replay summary differs from the cache run's")
-    figures = {mode: {backend: spread(values) for backend, values in by_backend.items()}
-               for mode, by_backend in times.items()}
-    for mode in times:
-        figures[mode]["ratio"] = spread([v / m for v, m in zip(times[mode]["vllm"],
-                                                                 times[mode]["model"])])
-    vllm_cache = figures["cache"]["vllm"]["median"]
-    vllm_replay = figures["replay"]["vllm"]["median"]
-    floor = statistics.median(scheduler_floor)
-    return {"variant": variant, "records": num_records, "figures": figures,
-            "scheduler_floor": spread(scheduler_floor), "sink_floor": sink_floor,
-            "best_cache_ratio": vllm_cache / floor,
-            "best_replay_ratio": vllm_replay / (floor + sink_floor),
+
+    def paired(numerators: list[float], denominators: list[float]) -> dict:
+        return spread([top / bottom for top, bottom in zip(numerators, denominators)])
+
+    figures = {mode: {backend: spread(times[f"{mode} {backend}"]) for backend in BACKENDS}
+               for mode in ("cache", "replay")}
+    for mode in ("cache", "replay"):
+        figures[mode]["ratio"] = paired(times[f"{mode} vllm"], times[f"{mode} model"])
+    floor_plus_sink = [floor + sink for floor, sink in zip(times["scheduler"], times["sink"])]
+    return {"variant": variant, "records": len(model_records), "figures": figures,
+            "scheduler_floor": spread(times["scheduler"]), "sink_floor": spread(times["sink"]),
+            "best_cache_ratio": paired(times["cache vllm"], times["scheduler"]),
+            "best_replay_ratio": paired(times["replay vllm"], floor_plus_sink),
             "summary": summaries["model"], "problems": problems}
 
 
@@ -232,9 +231,9 @@ def main() -> int:
                       f"{text(figures[mode]['model'])}  ratio {text(ratio, 'x')}  "
                       f"{verdict} (target {TARGET:.0f}x)")
             print(f"  floors  scheduler model alone {text(result['scheduler_floor'])}, replay "
-                  f"sink {result['sink_floor']:.2f}s: a cache costing nothing would reach "
-                  f"{result['best_cache_ratio']:.1f}x (cache), "
-                  f"{result['best_replay_ratio']:.1f}x (replay)", flush=True)
+                  f"sink {text(result['sink_floor'])}: a cache costing nothing would reach "
+                  f"{text(result['best_cache_ratio'], 'x')} (cache), "
+                  f"{text(result['best_replay_ratio'], 'x')} (replay)", flush=True)
     if args.json:
         print(json.dumps(results, indent=2, default=str))
     return 1 if any(result["problems"] for result in results) else 0
