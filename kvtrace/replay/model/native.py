@@ -12,8 +12,10 @@ from __future__ import annotations
 import os
 
 from kvtrace import events
+from kvtrace.engine_config import validate
 from kvtrace.errors import KvtraceError
 from kvtrace.events import EngineConfig
+from kvtrace.replay import variants
 from kvtrace.replay.backend import RecordSink
 from kvtrace.replay.model.backend import (
     CachePlan,
@@ -21,8 +23,6 @@ from kvtrace.replay.model.backend import (
     check_request,
     check_vllm_accepts,
 )
-from kvtrace.engine_config import validate
-from kvtrace.replay import variants
 from kvtrace.replay.variants import get_variant
 from kvtrace.replay.vllm_backend import UNLIMITED_MODEL_LEN
 
