@@ -13,7 +13,9 @@ import click
               help="Checkpoint variant: unfixed, fixed, naive, upstream. Repeat to compare "
                    "(default: unfixed and fixed; with --verify: the engine's own).")
 @click.option("--backend", default="vllm", show_default=True,
-              help="Cache implementation: vllm (the installed vLLM's KVCacheManager).")
+              help="Cache implementation: vllm (the installed vLLM's KVCacheManager, the "
+                   "fidelity reference) or model (kvtrace's re-implementation of it: the same "
+                   "records, several times faster; see docs/replay-backends.md).")
 @click.option("--num-gpu-blocks", type=click.IntRange(min=1), default=None,
               help="Block pool size (default: the source's).")
 @click.option("--retention", default=None, metavar="none|0|N",

@@ -82,6 +82,7 @@ BackendFactory = Callable[[EngineConfig, str, RecordSink], CacheBackend]
 # vllm backend imports vLLM).
 BACKENDS: dict[str, str] = {
     "vllm": "kvtrace.replay.vllm_backend:VllmBackend",
+    "model": "kvtrace.replay.model:open_model_backend",
 }
 
 
