@@ -21,7 +21,8 @@ Three figures, each against bare runs in the same invocation:
   thread's interleaving) shows as the range of the pair ratios, which is reported. The
   capture's timers (writer poll, the hand-over's encode delay, the interpreter's switch
   interval) are stretched by valgrind's measured slowdown, so that they fire as often per step
-  as they do natively. Under valgrind the workload is smaller (``--count-requests``).
+  as they do natively. Instructions do not see what cache misses cost: where the capture's
+  extra memory traffic slows the CPU down, the time ratios come out higher.
 * CPU time of the scheduler thread over the loop (the figure the per-call target is judged
   on): what the probes cost the thread that steps, without the time other processes take from
   it; the writer thread's CPU time is not in it.
@@ -40,7 +41,7 @@ On an idle 2-core machine a run takes about 4 minutes, most of it valgrind (load
 under valgrind alone takes about a minute of CPU).
 
     .venv/bin/python benchmarks/capture_overhead.py [--requests 20] [--blocks 30]
-        [--count-requests 10] [--count-pairs 4] [--no-count] [--arrival-scale 1] [--json]
+        [--count-pairs 4] [--no-count] [--arrival-scale 1] [--json]
 """
 
 from __future__ import annotations
@@ -172,20 +173,17 @@ def engine_run(workload: Workload, variant: str, directory: str,
     return RunTimes(step_s, cpu_s, engine.num_steps)
 
 
-def count_wrapped_calls(workload: Workload) -> int:
+def count_wrapped_calls(workload: Workload, directory: str) -> int:
     """Calls of the methods the probes wrap, in one run: the vLLM class attributes that arming
     replaces, each counted by a wrapper around its wrapper while the run lasts."""
     from kvtrace.engine.core import VllmScheduler
-    from kvtrace.events import HashInterner
-    from kvtrace.probes import CacheProbes
 
     engine = VllmScheduler(workload.config, workload.settings, "upstream")
     classes = {id(value): value for name, module in list(sys.modules.items())
                if name.startswith("vllm.") for value in vars(module).values()
                if isinstance(value, type)}.values()
     before = {cls: dict(vars(cls)) for cls in classes}
-    records: list = []
-    probes = CacheProbes(records.append, HashInterner(), sink_many=records.extend).arm()
+    disarm = arm(PROBES_ONLY, directory)
     wrapped = [(cls, name, value) for cls in classes for name, value in vars(cls).items()
                if name in before[cls] and value is not before[cls][name] and callable(value)]
     calls = 0
@@ -204,7 +202,7 @@ def count_wrapped_calls(workload: Workload) -> int:
     finally:
         for cls, name, wrapper in wrapped:
             setattr(cls, name, wrapper)
-        probes.disarm()
+        disarm()
     if not wrapped:
         raise RuntimeError("arming the probes replaced no vLLM method: nothing to count")
     return calls
@@ -255,31 +253,32 @@ def stretch_capture_timers(factor: float) -> None:
 
 
 def count_child(args: argparse.Namespace) -> None:
-    """The instruction count's side under callgrind: one calibration region (bare, timed, for
-    valgrind's slowdown), then ``--count-pairs`` pairs of regions, bare and captured, ABBA."""
+    """The instruction count's side, under callgrind: ``--count-pairs`` pairs of regions, bare
+    and captured, in ABBA order. The first (bare) region is also timed: valgrind's slowdown,
+    by which the capture's timers are stretched before the first captured region."""
     regions = callgrind.Regions()
     directory = tempfile.mkdtemp(prefix="kvtrace-bench-count-")
     workload = build_workload(args.preset, args.requests, args.arrival_scale, directory)
     for variant in (BARE, CAPTURED):  # warm-up, not instrumented
         engine_run(workload, variant, directory)
     freeze_start_up_heap()
-    calibration = engine_run(workload, BARE, directory, lambda: regions.count("calibration"))
-    slowdown = calibration.step_s / calibration.steps / (args.native_step_us * 1e-6)
-    stretch_capture_timers(slowdown)
+    slowdown = None
     for pair in range(args.count_pairs):
         for variant in (BARE, CAPTURED) if pair % 2 == 0 else (CAPTURED, BARE):
-            engine_run(workload, variant, directory,
-                       lambda: regions.count(f"{variant} {pair}"))
-    print(json.dumps({"slowdown": slowdown, "steps": calibration.steps}))
+            run = engine_run(workload, variant, directory,
+                             lambda: regions.count(f"{variant} {pair}"))
+            if slowdown is None:
+                slowdown = run.step_s / run.steps / (args.native_step_us * 1e-6)
+                stretch_capture_timers(slowdown)
+    print(json.dumps({"slowdown": slowdown, "steps": run.steps}))
 
 
-def measure_instructions(args: argparse.Namespace, directory: str) -> dict[str, Any]:
-    """Instructions of the engine loop, bare and captured, counted by callgrind in a child."""
-    workload = build_workload(args.preset, args.count_requests, args.arrival_scale, directory)
-    native_runs = [engine_run(workload, BARE, directory) for _ in range(3)]
-    native_step_s = statistics.median(run.step_s / run.steps for run in native_runs)
+def measure_instructions(args: argparse.Namespace, native_step_s: float,
+                         directory: str) -> dict[str, Any]:
+    """Instructions of the engine loop, bare and captured, counted by callgrind in a child
+    that runs the same workload; ``native_step_s``: a bare step's time here, without valgrind."""
     child = [sys.executable, os.path.abspath(__file__), "--count-child",
-             "--requests", str(args.count_requests), "--preset", args.preset,
+             "--requests", str(args.requests), "--preset", args.preset,
              "--arrival-scale", repr(args.arrival_scale), "--count-pairs", str(args.count_pairs),
              "--native-step-us", repr(native_step_s * 1e6)]
     # A fixed hash seed: string hashing then orders sets and dicts the same way in every run.
@@ -293,7 +292,7 @@ def measure_instructions(args: argparse.Namespace, directory: str) -> dict[str, 
     bare = [bare for bare, _ in pairs]
     captured = [captured for _, captured in pairs]
     return {
-        "requests": args.count_requests, "pairs": args.count_pairs, "steps": steps,
+        "pairs": args.count_pairs, "steps": steps,
         "valgrind_slowdown": child_result["slowdown"],
         "bare_per_step": statistics.median(bare) / steps,
         "captured_per_step": statistics.median(captured) / steps,
@@ -334,10 +333,11 @@ def summarize_times(runs: dict[str, list[RunTimes]], calls: int,
     return summary
 
 
-def interval(stats: dict[str, float], digits: int) -> str:
-    """``median (95% CI low-high; IQR q1-q3)``."""
-    return (f"{stats['median']:.{digits}f} (CI {stats['ci_low']:.{digits}f}-"
-            f"{stats['ci_high']:.{digits}f}; IQR {stats['q1']:.{digits}f}-"
+def interval(stats: dict[str, float], digits: int, signed: bool = False) -> str:
+    """``median (CI low to high; IQR q1 to q3)``: the 95% interval and the quartiles."""
+    sign = "+" if signed else ""
+    return (f"{stats['median']:{sign}.{digits}f} (CI {stats['ci_low']:.{digits}f} to "
+            f"{stats['ci_high']:.{digits}f}; IQR {stats['q1']:.{digits}f} to "
             f"{stats['q3']:.{digits}f})")
 
 
@@ -347,7 +347,7 @@ def print_report(results: dict[str, Any]) -> None:
           f"{results['minutes']['instructions']:.1f} counting instructions)")
     counts = results["instructions"]
     if counts is not None:
-        print(f"instructions (callgrind), {counts['requests']} requests, {counts['steps']:,} "
+        print(f"instructions (callgrind), {results['requests']} requests, {counts['steps']:,} "
               f"steps, {counts['pairs']} bare/captured pairs in ABBA order; all threads, first "
               f"step to end of disarm; capture timers stretched x{counts['valgrind_slowdown']:.0f}")
         print(f"  per step       {counts['bare_per_step']:,.0f} bare, "
@@ -355,7 +355,7 @@ def print_report(results: dict[str, Any]) -> None:
               f"spread of the counts {counts['bare_spread'] * 100:.2f}% bare, "
               f"{counts['captured_spread'] * 100:.2f}% captured")
         print(f"  ratio          {counts['ratio']:.3f} (range of the {counts['pairs']} pair "
-              f"ratios {counts['ratio_low']:.3f}-{counts['ratio_high']:.3f})"
+              f"ratios {counts['ratio_low']:.3f} to {counts['ratio_high']:.3f})"
               "   <- judged: step-time ratio")
     else:
         print("instructions   not counted (--no-count)")
@@ -371,16 +371,16 @@ def print_report(results: dict[str, Any]) -> None:
             if variant in figures:
                 judged = ("   <- judged: per wrapped call"
                           if (clock, variant) == ("cpu", PROBES_ONLY) else "")
+                per_call = interval(figures[variant]["ns_per_wrapped_call"], 0, True)
                 print(f"    {variant:22} ratio {interval(figures[variant]['ratio'], 3)}, "
-                      f"+{interval(figures[variant]['ns_per_wrapped_call'], 0)} ns per wrapped "
-                      f"call{judged}")
+                      f"{per_call} ns per wrapped call{judged}")
     if results["native_core"]:
         print("  (captured, pure Python: the same capture without the native core)")
     else:
         print("  native core    not built (or KVTRACE_NATIVE=0): the capture above is pure Python")
     extra = results["times"]["wall"][CAPTURED]["extra_per_step_us"]
-    print(f"  on a GPU step  +{interval(extra, 1)} us per step (wall) = "
-          f"{extra['median'] * 1e-6 / GPU_STEP_S * 100:.3f}% of a 30 ms step")
+    print(f"  on a GPU step  {interval(extra, 1, True)} us per step (wall) = "
+          f"{extra['median'] * 1e-6 / GPU_STEP_S * 100:+.3f}% of a 30 ms step")
     for name, ok in results["checks"].items():
         print(f"  {'PASS' if ok else 'FAIL' if ok is not None else '----'}  {name}")
 
@@ -388,11 +388,10 @@ def print_report(results: dict[str, Any]) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=20,
-                        help="requests of the timed workload (one trial runs them all)")
+                        help="requests of the workload (one trial, or one counted region, runs "
+                             "them all)")
     parser.add_argument("--blocks", type=int, default=30,
                         help="timed blocks: each runs every variant once")
-    parser.add_argument("--count-requests", type=int, default=10,
-                        help="requests of the instruction count's workload (under valgrind)")
     parser.add_argument("--count-pairs", type=int, default=4,
                         help="bare/captured pairs counted under valgrind")
     parser.add_argument("--no-count", action="store_true",
@@ -418,13 +417,15 @@ def main() -> int:
     workload = build_workload(args.preset, args.requests, args.arrival_scale, directory)
     variants = [BARE, PROBES_ONLY, CAPTURED] + ([PURE_PYTHON] if native.core is not None else [])
     runs = measure_times(workload, variants, args.blocks, directory, rng)
-    calls = count_wrapped_calls(workload)
+    calls = count_wrapped_calls(workload, directory)
     times = summarize_times(runs, calls, rng)
     timed = time.monotonic()
     counts = None
     if not args.no_count:
         try:
-            counts = measure_instructions(args, tempfile.mkdtemp(prefix="kvtrace-bench-count-"))
+            native_step_s = statistics.median(run.step_s / run.steps for run in runs[BARE])
+            counts = measure_instructions(args, native_step_s,
+                                          tempfile.mkdtemp(prefix="kvtrace-bench-count-"))
         except callgrind.CallgrindUnavailable as error:
             print(f"error: cannot count instructions: {error}\n"
                   "hint: install valgrind, or pass --no-count (the ratio target is then not "
