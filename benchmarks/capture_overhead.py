@@ -39,7 +39,7 @@ shown, not judged.
 
 Targets (issue "Capture"): step-time ratio <= 1.10 on this CPU engine, judged on the captured
 instruction ratio; <= 1 us per wrapped call, judged on the probes' instructions per wrapped
-call at the bare step's rate. A run costs about 2.5 CPU-minutes, most of it under valgrind
+call at the bare step's rate. A run costs about 3 CPU-minutes, most of it under valgrind
 (loading vLLM there alone takes about one).
 
     .venv/bin/python benchmarks/capture_overhead.py [--requests 20] [--blocks 30]
