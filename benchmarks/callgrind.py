@@ -62,12 +62,8 @@ class Regions:
             self._client.end_region(name.encode())
 
 
-def count_regions(argv: list[str], directory: str, env: dict[str, str] | None = None
-                  ) -> tuple[dict[str, int], str]:
-    """Run ``argv`` under callgrind; the instructions of each region it marked, by name, in
-    the order they ran, and the child's standard output. Raises ``CallgrindUnavailable`` when
-    this machine cannot count, and ``RuntimeError`` (with the child's last output) when the
-    child fails."""
+def tools() -> tuple[str, str]:
+    """Paths of valgrind and of a C compiler; ``CallgrindUnavailable`` when one is missing."""
     valgrind = shutil.which("valgrind")
     compiler = shutil.which("cc") or shutil.which("gcc")
     if valgrind is None or not os.path.exists(HEADER):
@@ -75,6 +71,16 @@ def count_regions(argv: list[str], directory: str, env: dict[str, str] | None = 
                                    "apt-get install valgrind)")
     if compiler is None:
         raise CallgrindUnavailable("no C compiler (cc) to build callgrind's client requests")
+    return valgrind, compiler
+
+
+def count_regions(argv: list[str], directory: str, env: dict[str, str] | None = None
+                  ) -> tuple[dict[str, int], str]:
+    """Run ``argv`` under callgrind; the instructions of each region it marked, by name, in
+    the order they ran, and the child's standard output. Raises ``CallgrindUnavailable`` when
+    this machine cannot count, and ``RuntimeError`` (with the child's last output) when the
+    child fails."""
+    valgrind, compiler = tools()
     source = os.path.join(directory, "callgrind_regions.c")
     library = os.path.join(directory, "callgrind_regions.so")
     with open(source, "w") as file:

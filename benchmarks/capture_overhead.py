@@ -263,7 +263,7 @@ def count_child(args: argparse.Namespace) -> None:
     (bare) region is also timed: valgrind's slowdown, by which the capture's timers are
     stretched before the first captured region."""
     regions = callgrind.Regions()
-    directory = tempfile.mkdtemp(prefix="kvtrace-bench-count-")
+    directory = args.count_child
     workload = build_workload(args.preset, args.requests, args.arrival_scale, directory)
     for variant in COUNTED:  # warm-up, not instrumented
         engine_run(workload, variant, directory)
@@ -286,10 +286,11 @@ def measure_instructions(args: argparse.Namespace, calls: int, native_step_s: fl
     rounds, with their range. ``native_step_s``: a bare step's wall time here, without
     valgrind; ``cpu_step_s``: its CPU time, which turns instructions into time at the bare
     engine's rate on this machine."""
-    child = [sys.executable, os.path.abspath(__file__), "--count-child",
+    child = [sys.executable, os.path.abspath(__file__), "--count-child", directory,
              "--requests", str(args.requests), "--preset", args.preset,
              "--arrival-scale", repr(args.arrival_scale), "--count-rounds", str(args.count_rounds),
              "--native-step-us", repr(native_step_s * 1e6)]
+    os.mkdir(directory)
     # A fixed hash seed: string hashing then orders sets and dicts the same way in every run.
     counts, output = callgrind.count_regions(child, directory,
                                              {**os.environ, "PYTHONHASHSEED": "0"})
@@ -426,7 +427,7 @@ def main() -> int:
                              "once, full batches)")
     parser.add_argument("--seed", type=int, default=0, help="trial order and bootstrap")
     parser.add_argument("--json", action="store_true")
-    parser.add_argument("--count-child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--count-child", metavar="DIRECTORY", help=argparse.SUPPRESS)
     parser.add_argument("--native-step-us", type=float, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.blocks < 2 or args.count_rounds < 1:
@@ -434,12 +435,24 @@ def main() -> int:
     if args.count_child:
         count_child(args)
         return 0
+    with tempfile.TemporaryDirectory(prefix="kvtrace-bench-") as directory:
+        return benchmark(args, directory)
 
+
+def benchmark(args: argparse.Namespace, directory: str) -> int:
+    """Measure, report, judge; exit status 0 when the targets are met."""
     from kvtrace import native
 
+    if not args.no_count:
+        try:
+            callgrind.tools()
+        except callgrind.CallgrindUnavailable as error:
+            print(f"error: cannot count instructions: {error}\n"
+                  "hint: install valgrind, or pass --no-count (the targets are then not judged)",
+                  file=sys.stderr)
+            return 2
     started = time.monotonic()
     rng = random.Random(args.seed)
-    directory = tempfile.mkdtemp(prefix="kvtrace-bench-")
     workload = build_workload(args.preset, args.requests, args.arrival_scale, directory)
     variants = [BARE, PROBES_ONLY, CAPTURED] + ([PURE_PYTHON] if native.core is not None else [])
     runs = measure_times(workload, variants, args.blocks, directory, rng)
@@ -448,16 +461,10 @@ def main() -> int:
     timed = time.monotonic()
     counts = None
     if not args.no_count:
-        try:
-            counts = measure_instructions(
-                args, calls, statistics.median(run.step_s / run.steps for run in runs[BARE]),
-                statistics.median(run.cpu_s / run.steps for run in runs[BARE]),
-                tempfile.mkdtemp(prefix="kvtrace-bench-count-"))
-        except callgrind.CallgrindUnavailable as error:
-            print(f"error: cannot count instructions: {error}\n"
-                  "hint: install valgrind, or pass --no-count (the targets are then not "
-                  "judged)", file=sys.stderr)
-            return 2
+        counts = measure_instructions(
+            args, calls, statistics.median(run.step_s / run.steps for run in runs[BARE]),
+            statistics.median(run.cpu_s / run.steps for run in runs[BARE]),
+            os.path.join(directory, "count"))
     finished = time.monotonic()
     checks = {
         "wrapper <= 1 us per wrapped call (probes' instructions at the bare step's rate)":
