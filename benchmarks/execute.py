@@ -43,7 +43,7 @@ def write_demo_workload(path: Path) -> None:
     from kvtrace.workloads.workload import EngineShape, write_workload
 
     shape = EngineShape(num_gpu_blocks=DEMO_BLOCKS)
-    write_workload(path, synthesize("shared-prompt", DEMO_REQUESTS, 0, shape.hash_unit,
+    write_workload(path, synthesize("shared-prompt", DEMO_REQUESTS, 0, shape.hash_block_size,
                                     DEMO_WORKLOAD), shape, cmdline=["benchmarks/execute.py"])
 
 

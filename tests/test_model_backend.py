@@ -257,12 +257,12 @@ def test_the_mooncake_trace_in_full(vllm_backend_class, tmp_path, variant):
 
     path = tmp_path / "mooncake.kvtrace"
     shape = EngineShape()
-    write_workload(path, import_mooncake(MOONCAKE_SYNTHETIC, shape.hash_unit), shape)
+    write_workload(path, import_mooncake(MOONCAKE_SYNTHETIC, shape.hash_block_size), shape)
     reader, records = read_records(path)
     config, _ = derive(reader.header.config, str(path))
     arrivals = arrivals_of(records)
     reference = reschedule("vllm", config, variant, arrivals)
-    assert len(reference) > 5_000_000
+    assert len(reference) > 1_000_000
     for twin in TWINS:
         assert first_divergence(reference, reschedule(twin, config, variant, arrivals)) is None
 
