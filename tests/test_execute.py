@@ -377,3 +377,21 @@ def test_a_kernel_that_disagrees_is_refused():
 
     with pytest.raises(KvtraceError, match="disagrees with the torch reference"):
         check_kernel(Wrong(), TorchKernel(16), torch.device("cpu"))
+
+
+def test_kimi_shapes_come_from_the_model_configs():
+    """The shape read from Kimi-Linear's bundled config.json is the hand-written one the FLOPs
+    test checks by hand; Kimi-K3 (the seed's model) reads its own; other families are refused
+    with the reason."""
+    from kvtrace.errors import ConfigError
+    from kvtrace.replay.execute.model import KIMI_LINEAR_48B_A3B, get_model, kimi_family_shape
+    from kvtrace.geometry.presets import resolve_model
+
+    config = resolve_model("kimi-linear-48b-a3b").text_config
+    assert kimi_family_shape("kimi-linear-48b-a3b", config) == KIMI_LINEAR_48B_A3B
+    k3 = get_model("kimi-k3")
+    assert (k3.num_kda_layers, k3.num_mla_layers, k3.kda_heads, k3.hidden_size) == (69, 24, 96,
+                                                                                     7168)
+    assert k3.kda_gate_rank == 96 * 128  # use_full_rank_gate
+    with pytest.raises(ConfigError, match="covers the Kimi family"):
+        get_model("nemotron-h-8b")

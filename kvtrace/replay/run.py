@@ -243,6 +243,11 @@ def replay(options: ReplayOptions,
     source = source or read_source(options.source)
     records = source.records
     header = source.header
+    if options.execute is not None and options.execute.model is None:
+        # The model the workload was written for (a capture or an older trace names none:
+        # execute mode's default then).
+        options = dataclasses.replace(options, execute=dataclasses.replace(
+            options.execute, model=header.params.get("model")))
     if options.verify and options.overrides.changes_cache:
         raise ConfigError("--verify compares with the captured run, so the cache must be the "
                           "captured one", "Drop --num-gpu-blocks / --retention with --verify.")

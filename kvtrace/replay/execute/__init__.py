@@ -24,9 +24,10 @@ TORCH_DEVICES = ("auto", "cpu", "cuda")
 class ExecuteOptions:
     """What ``--execute`` runs on. ``state_scale`` None: full size on CUDA when the pool fits in
     memory, ``model.CPU_STATE_SCALE`` on CPU. ``gpu``: a device preset (``cost.GPU_PRESETS``) or an
-    effective throughput in TFLOP/s, for the GPU-time estimate."""
+    effective throughput in TFLOP/s, for the GPU-time estimate. ``model``: the Kimi-family model
+    whose state shapes and FLOPs apply (``model.get_model``)."""
 
     device: str = "auto"
     state_scale: float | None = None
     gpu: str = "h200"
-    model: str = "kimi-linear-48b-a3b"
+    model: str | None = None  # None: the model the source names (kvtrace synth --model)

@@ -63,6 +63,28 @@ class ModelShape:
         return self.num_kda_layers + self.num_mla_layers
 
 
+def kimi_family_shape(name: str, config: dict) -> ModelShape:
+    """The shape of a Kimi-family model (MLA + KDA + MoE: Kimi-Linear, Kimi-K3) from its
+    ``config.json`` (``text_config`` for Kimi-K3): the fields named in the module docstring.
+    A full-rank KDA gate (``use_full_rank_gate``) projects to heads x head_dim."""
+    linear = config["linear_attn_config"]
+    heads, head_dim = linear["num_heads"], linear["head_dim"]
+    return ModelShape(
+        name=name, hidden_size=config["hidden_size"],
+        num_kda_layers=len(linear["kda_layers"]), num_mla_layers=len(linear["full_attn_layers"]),
+        kda_heads=heads, kda_key_head_dim=head_dim, kda_value_head_dim=head_dim,
+        kda_conv_kernel=linear.get("short_conv_kernel_size", 4),
+        kda_gate_rank=heads * head_dim if linear.get("use_full_rank_gate") else head_dim,
+        mla_heads=config["num_attention_heads"], q_lora_rank=config.get("q_lora_rank"),
+        kv_lora_rank=config["kv_lora_rank"], qk_nope_head_dim=config["qk_nope_head_dim"],
+        qk_rope_head_dim=config["qk_rope_head_dim"], v_head_dim=config["v_head_dim"],
+        num_dense_layers=config.get("first_k_dense_replace", 0),
+        dense_intermediate_size=config["intermediate_size"],
+        num_experts=config["num_experts"], experts_per_token=config["num_experts_per_token"],
+        num_shared_experts=config.get("num_shared_experts", 0),
+        moe_intermediate_size=config["moe_intermediate_size"])
+
+
 KIMI_LINEAR_48B_A3B = ModelShape(
     name="kimi-linear-48b-a3b", hidden_size=2304, num_kda_layers=20, num_mla_layers=7,
     kda_heads=32, kda_key_head_dim=128, kda_value_head_dim=128, kda_conv_kernel=4,
@@ -71,14 +93,26 @@ KIMI_LINEAR_48B_A3B = ModelShape(
     num_experts=256, experts_per_token=8, num_shared_experts=1, moe_intermediate_size=1024)
 
 MODELS = {KIMI_LINEAR_48B_A3B.name: KIMI_LINEAR_48B_A3B}
+# For a source that names no model (a capture, an older trace).
+DEFAULT_MODEL = KIMI_LINEAR_48B_A3B.name
 
 
-def get_model(name: str) -> ModelShape:
-    try:
+def get_model(name: str | None) -> ModelShape:
+    """A model's shape: a Kimi-family preset of ``kvtrace geometry`` (or config.json path);
+    None: ``DEFAULT_MODEL``."""
+    name = name or DEFAULT_MODEL
+    if name in MODELS:
         return MODELS[name]
-    except KeyError:
-        raise ConfigError(f"unknown model {name!r} for execute mode",
-                          f"Known models: {', '.join(MODELS)}.") from None
+    from kvtrace.geometry.presets import resolve_model
+
+    source = resolve_model(name)  # a ConfigError naming the presets when unknown
+    config = source.text_config
+    if "linear_attn_config" not in config or "kv_lora_rank" not in config:
+        raise ConfigError(
+            f"execute mode's state and FLOPs model covers the Kimi family (MLA + KDA + MoE); "
+            f"{name} ({source.architecture}) is not one",
+            "Use --execute on a Kimi-Linear or Kimi-K3 workload (its header names the model).")
+    return kimi_family_shape(name, config)
 
 
 @dataclass(frozen=True)
