@@ -67,11 +67,13 @@ def process_title() -> str:
 
 
 def vllm_version() -> str:
-    try:
-        import vllm
+    """The installed vLLM's version, read from its package metadata: answering a ping must not
+    import vLLM (tens of seconds in a process that has not; an engine already has)."""
+    from importlib.metadata import PackageNotFoundError, version
 
-        return getattr(vllm, "__version__", "")
-    except ImportError:
+    try:
+        return version("vllm")
+    except PackageNotFoundError:
         return ""
 
 
