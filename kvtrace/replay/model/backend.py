@@ -110,6 +110,8 @@ class ModelBackend:
                  summary: ReplaySummary | None = None) -> None:
         """Records go to ``sink``; given ``summary`` instead, no record is made: the backend
         counts the summary's figures itself (``reports.Tally``) and sets them on close."""
+        if (sink is None) == (summary is None):
+            raise TypeError("a model backend reports to a sink or counts into a summary")
         validate(config)
         check_vllm_accepts(config)
         self.config = config

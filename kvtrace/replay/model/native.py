@@ -83,6 +83,8 @@ if built is not None:
         def __init__(self, config: EngineConfig, variant: str, sink: RecordSink | None = None,
                      summary: ReplaySummary | None = None) -> None:
             """As ``ModelBackend``: records to ``sink``, or counted into ``summary``."""
+            if (sink is None) == (summary is None):
+                raise TypeError("a model backend reports to a sink or counts into a summary")
             validate(config)
             check_vllm_accepts(config)
             self.config = config
@@ -95,8 +97,7 @@ if built is not None:
                       for group in config.kv_cache_groups]
             specs = [(is_mamba, block_size, tuple(ids))
                      for (is_mamba, block_size), ids in plan.spec_groups]
-            super().__init__(None if summary is not None else sink, self.variant,
-                             config.num_gpu_blocks, config.hash_block_size,
+            super().__init__(sink, self.variant, config.num_gpu_blocks, config.hash_block_size,
                              config.scheduler_block_size,
                              config.max_model_len or UNLIMITED_MODEL_LEN,
                              config.retention_interval, config.enable_caching, plan.hybrid,
