@@ -5,21 +5,29 @@ Target (issue "Fast model backend, what-if sweeps, Parquet export"): the model b
 faster than the vllm backend per variant, with identical summaries. Checked here too: the two
 record streams are equal record for record (else the first divergence is printed).
 
+The trace is imported as ``kvtrace import mooncake`` does (the default model's geometry), or
+given ready with ``--trace`` (a workload imported with other engine flags, e.g. a finer one).
+
 Figures per variant and backend, median (min-max) over ``--repeats`` runs, the two backends
 alternating within a repeat so both see the same machine load:
 
 * ``cache``: kvtrace's scheduler model driving the backend, records collected in a list: what
-  the backends themselves cost (the target's figure);
+  the backends themselves cost;
+* ``summary``: time to summary, ``kvtrace replay`` writing no trace (``wall_s``; what each
+  configuration of ``kvtrace sweep`` costs): on ``vllm`` the records feed ``ReplaySummary``
+  one by one, the ``model`` backend counts the figures itself and makes no record;
 * ``replay``: ``kvtrace replay`` as the CLI runs it (``wall_s``): it also writes the replay
   trace and computes the summary, record by record;
 
 and two floors, measured in the same repeats, that bound what any backend can reach:
 
-* ``scheduler``: the scheduler model alone, answered from a recording of the cache's answers;
-* ``sink``: the replay's per-record work (trace writer + summary) over the model's records.
+* ``scheduler``: the scheduler model alone, answered from a recording of the cache's answers
+  (the ceiling of ``cache`` and ``summary``);
+* ``sink``: the replay's per-record work (trace writer + summary) over the model's records
+  (with the scheduler, the ceiling of ``replay``).
 
     .venv/bin/python benchmarks/replay_backends.py [--variant unfixed --variant fixed]
-        [--repeats 3] [--requests N] [--json]
+        [--repeats 3] [--requests N | --trace WORKLOAD] [--json]
 
 Exit status 1 if the streams or summaries differ (the speed target is reported, not enforced).
 """
@@ -47,13 +55,14 @@ TARGET = 20.0
 MOONCAKE_LOG = (Path(__file__).resolve().parents[2] / "shared" / "data" / "mooncake"
                 / "synthetic_trace.jsonl")
 BACKENDS = ("vllm", "model")
+MODES = ("cache", "summary", "replay")
 
 
 def import_trace(log: Path, directory: Path, num_requests: int | None) -> Path:
     """``kvtrace import mooncake LOG`` with the default engine (optionally the first N)."""
     path = directory / "mooncake.kvtrace"
     shape = EngineShape()
-    write_workload(path, import_mooncake(log, shape.hash_unit), shape)
+    write_workload(path, import_mooncake(log, shape.hash_block_size), shape)
     if num_requests:
         reader, records = read_records(path)
         kept = set(sorted(r.req for r in arrivals_of(records))[:num_requests])
@@ -133,8 +142,9 @@ def measure_variant(variant: str, trace: Path, config, settings, arrivals, repea
                     outdir: Path) -> dict:
     """Each repeat runs both backends and the floors back to back, so every ratio (and every
     ceiling) compares runs under the same machine load."""
-    times: dict[str, list[float]] = {key: [] for key in (
-        "cache vllm", "cache model", "scheduler", "replay vllm", "replay model", "sink")}
+    times: dict[str, list[float]] = {f"{mode} {backend}": [] for mode in MODES
+                                     for backend in BACKENDS}
+    times.update(scheduler=[], sink=[])
     problems: list[str] = []
     answers = cache_run("model", config, settings, variant, arrivals, Recorder)[2].answers
     header = read_records(trace)[0].header
@@ -158,11 +168,13 @@ def measure_variant(variant: str, trace: Path, config, settings, arrivals, repea
     del records["vllm"]
     replay_summaries = {}
     for _ in range(repeats):
-        for backend in BACKENDS:  # `kvtrace replay` itself
-            result = replay(ReplayOptions(source=str(trace), outdir=str(outdir / backend),
-                                          variants=(variant,), backend=backend))
-            times[f"replay {backend}"].append(result.variants[0].wall_s)
-            replay_summaries[backend] = result.variants[0].summary
+        for backend in BACKENDS:  # `kvtrace replay` itself, without and with the trace
+            for mode, write_traces in (("summary", False), ("replay", True)):
+                result = replay(ReplayOptions(source=str(trace), outdir=str(outdir / backend),
+                                              variants=(variant,), backend=backend,
+                                              write_traces=write_traces))
+                times[f"{mode} {backend}"].append(result.variants[0].wall_s)
+                replay_summaries[mode, backend] = result.variants[0].summary
         started = time.perf_counter()  # the replay's per-record sink alone
         with open(os.devnull, "wb") as devnull:
             writer = TraceWriter(devnull, header)
@@ -172,23 +184,24 @@ def measure_variant(variant: str, trace: Path, config, settings, arrivals, repea
                 summary(record)
             writer.close()
         times["sink"].append(time.perf_counter() - started)
-    if replay_summaries["vllm"] != replay_summaries["model"]:
-        problems.append("`kvtrace replay` summaries differ")
-    if replay_summaries["vllm"] != summaries["vllm"]:
-        problems.append("the replay summary differs from the cache run's")
+    for (mode, backend), summary in replay_summaries.items():
+        if summary != summaries["vllm"]:
+            problems.append(f"`kvtrace replay` ({mode}, {backend}) differs from the cache run's "
+                            "summary")
 
     def paired(numerators: list[float], denominators: list[float]) -> dict:
         return spread([top / bottom for top, bottom in zip(numerators, denominators)])
 
     figures = {mode: {backend: spread(times[f"{mode} {backend}"]) for backend in BACKENDS}
-               for mode in ("cache", "replay")}
-    for mode in ("cache", "replay"):
+               for mode in MODES}
+    for mode in MODES:
         figures[mode]["ratio"] = paired(times[f"{mode} vllm"], times[f"{mode} model"])
     floor_plus_sink = [floor + sink for floor, sink in zip(times["scheduler"], times["sink"])]
+    floors = {"cache": times["scheduler"], "summary": times["scheduler"],
+              "replay": floor_plus_sink}
     return {"variant": variant, "records": len(model_records), "figures": figures,
             "scheduler_floor": spread(times["scheduler"]), "sink_floor": spread(times["sink"]),
-            "best_cache_ratio": paired(times["cache vllm"], times["scheduler"]),
-            "best_replay_ratio": paired(times["replay vllm"], floor_plus_sink),
+            "best_ratio": {mode: paired(times[f"{mode} vllm"], floors[mode]) for mode in MODES},
             "summary": summaries["model"], "problems": problems}
 
 
@@ -201,6 +214,8 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--requests", type=int, default=None,
                         help="only the first N requests (a quick look; the target is the full)")
+    parser.add_argument("--trace", type=Path, default=None,
+                        help="a workload trace to replay instead of importing --log")
     parser.add_argument("--json", action="store_true", help="print the results as JSON too")
     args = parser.parse_args()
     import vllm.v1.core.kv_cache_manager  # noqa: F401 (the slow import, outside any timing)
@@ -208,11 +223,11 @@ def main() -> int:
     results = []
     with tempfile.TemporaryDirectory() as scratch:
         directory = Path(scratch)
-        trace = import_trace(args.log, directory, args.requests)
+        trace = args.trace or import_trace(args.log, directory, args.requests)
         reader, records = read_records(trace)
         config, settings = derive(reader.header.config, str(trace))
         arrivals = arrivals_of(records)
-        print(f"{args.log.name}: {len(arrivals)} requests, {config.num_gpu_blocks} blocks, "
+        print(f"{trace.name}: {len(arrivals)} requests, {config.num_gpu_blocks} blocks, "
               f"groups {[(g.kind, g.block_size) for g in config.kv_cache_groups]}, hash unit "
               f"{config.hash_block_size}; {args.repeats} repeats", flush=True)
         for variant in args.variants or ["unfixed", "fixed"]:
@@ -224,16 +239,15 @@ def main() -> int:
                   f"{'yes' if not result['problems'] else 'NO'}")
             for problem in result["problems"]:
                 print(f"  FAIL {problem}")
-            for mode in ("cache", "replay"):
+            for mode in MODES:
                 ratio = figures[mode]["ratio"]
                 verdict = "PASS" if ratio["median"] >= TARGET else "FAIL"
-                print(f"  {mode:6}  vllm {text(figures[mode]['vllm'])}  model "
+                print(f"  {mode:7}  vllm {text(figures[mode]['vllm'])}  model "
                       f"{text(figures[mode]['model'])}  ratio {text(ratio, 'x')}  "
-                      f"{verdict} (target {TARGET:.0f}x)")
-            print(f"  floors  scheduler model alone {text(result['scheduler_floor'])}, replay "
-                  f"sink {text(result['sink_floor'])}: a cache costing nothing would reach "
-                  f"{text(result['best_cache_ratio'], 'x')} (cache), "
-                  f"{text(result['best_replay_ratio'], 'x')} (replay)", flush=True)
+                      f"{verdict} (target {TARGET:.0f}x; a free cache: "
+                      f"{text(result['best_ratio'][mode], 'x')})")
+            print(f"  floors   scheduler model alone {text(result['scheduler_floor'])}, replay "
+                  f"sink {text(result['sink_floor'])}", flush=True)
     if args.json:
         print(json.dumps(results, indent=2, default=str))
     return 1 if any(result["problems"] for result in results) else 0

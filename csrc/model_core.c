@@ -5,7 +5,9 @@
  * counts, primary and secondary keys, the free queue, one hash map per KV-cache group), the
  * full-attention and Mamba "align" managers, and the coordinator's hit search, allocation and
  * caching. It makes the same records (the kvtrace.events types handed to configure()) in the
- * same order. The checkpoint decision is the shared Python table: Variant.checkpoint_action is
+ * same order; or, built without a sink (a summary-only replay), it makes none and counts what
+ * kvtrace.replay.run.ReplaySummary would count over them (the Tally; reports.Tally in Python).
+ * The checkpoint decision is the shared Python table: Variant.checkpoint_action is
  * called back with a CheckpointFacts. Built only where a C compiler is found (setup.py, optional);
  * kvtrace.replay.model uses it unless KVTRACE_NATIVE=0. tests/test_model_backend.py holds both
  * twins to vLLM record for record.
@@ -44,6 +46,7 @@ static const char *configured_names[NUM_CONFIGURED] = {
     "PROMPT_END", "JUNCTION", "FINISHED", "ABORTED", "STRIP", "KEEP_LOCAL",
 };
 static PyObject *configured[NUM_CONFIGURED];
+static long configured_value[NUM_CONFIGURED];  /* the enum members' int values */
 
 static inline i64 floordiv(i64 a, i64 b) {
     i64 q = a / b;
@@ -201,6 +204,20 @@ typedef struct {
 
 typedef struct { int is_mamba, block_size, num_groups; int groups[64]; } SpecGroup;
 
+#define NUM_STORE_KINDS 3     /* events.StoreKind */
+#define NUM_REMOVE_REASONS 6  /* events.RemoveReason */
+
+/* ReplaySummary's figures, counted from the reports (reports.Tally, field for field). */
+typedef struct {
+    int32_t *block_group;  /* per block: the group of its last stored key, -1 before any */
+    i64 *hit_blocks, *evicted, *stored;  /* per group; stored: group x StoreKind */
+    i64 removed[NUM_REMOVE_REASONS];
+    i64 hit_tokens, resumed_hit_tokens, suppressed, stale, preemptions;
+    Map arrived;  /* req -> the prompt length of its first arrival */
+    Map lookups;  /* req -> the hit of its last lookup, until an allocation succeeds */
+    Map admitted;  /* req -> 1 once admitted */
+} Tally;
+
 typedef struct {
     PyObject_HEAD
     PyObject *sink, *records, *variant, *checkpoint_action;
@@ -226,38 +243,13 @@ typedef struct {
     i64 next_made_up;
     IVec scratch, scratch2;
     IVec *hits;  /* per group: the last lookup's result */
+    int counting;  /* no sink: count into tally, make no record */
+    Tally tally;
 } Core;
 
 /* --- records ---------------------------------------------------------------------------------- */
 
-/* spec letters: q = i64, d = int, b = truth (int), o = borrowed object, n = new reference */
-static int emit(Core *c, int type, const char *spec, ...) {
-    PyObject *args[12];
-    int n = 0, failed = 0;
-    va_list ap;
-    va_start(ap, spec);
-    for (const char *p = spec; *p; p++) {
-        PyObject *arg = NULL;
-        switch (*p) {
-        case 'q': arg = PyLong_FromLongLong(va_arg(ap, i64)); break;
-        case 'd': arg = PyLong_FromLong(va_arg(ap, int)); break;
-        case 'b': arg = va_arg(ap, int) ? Py_True : Py_False; Py_INCREF(arg); break;
-        case 'o': arg = va_arg(ap, PyObject *); Py_XINCREF(arg); break;
-        case 'n': arg = va_arg(ap, PyObject *); break;
-        }
-        if (!arg) failed = 1;
-        args[n++] = arg;
-    }
-    va_end(ap);
-    PyObject *record = failed ? NULL : PyObject_Vectorcall(configured[type], args, n, NULL);
-    for (int i = 0; i < n; i++) Py_XDECREF(args[i]);
-    if (!record) return -1;
-    int rc = PyList_Append(c->records, record);
-    Py_DECREF(record);
-    return rc;
-}
-
-static PyObject *ids_list(const i64 *values, Py_ssize_t n) {
+static PyObject *i64_list(const i64 *values, Py_ssize_t n) {
     PyObject *list = PyList_New(n);
     if (!list) return NULL;
     for (Py_ssize_t i = 0; i < n; i++) {
@@ -266,6 +258,113 @@ static PyObject *ids_list(const i64 *values, Py_ssize_t n) {
         PyList_SET_ITEM(list, i, value);
     }
     return list;
+}
+
+/* The ids of the blocks that are not the null block. */
+static PyObject *blocks_list(const int32_t *blocks, Py_ssize_t n) {
+    PyObject *list = PyList_New(0);
+    if (!list) return NULL;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (blocks[i] == NULL_BLOCK) continue;
+        PyObject *id = PyLong_FromLong(blocks[i]);
+        if (!id || PyList_Append(list, id)) { Py_XDECREF(id); Py_DECREF(list); return NULL; }
+        Py_DECREF(id);
+    }
+    return list;
+}
+
+/* A report's fields, by spec letter: q = i64, d = int, b = truth (int), e = enum member (its
+   configured index, int), o = borrowed object, L = ids (const i64 *, Py_ssize_t), B = block ids
+   without the null block (const int32_t *, Py_ssize_t), r = a request id (i64, as str). */
+static int make_record(Core *c, int type, const char *spec, va_list ap) {
+    PyObject *args[12];
+    int n = 0, failed = 0;
+    for (const char *p = spec; *p; p++) {
+        PyObject *arg = NULL;
+        switch (*p) {
+        case 'q': arg = PyLong_FromLongLong(va_arg(ap, i64)); break;
+        case 'd': arg = PyLong_FromLong(va_arg(ap, int)); break;
+        case 'b': arg = va_arg(ap, int) ? Py_True : Py_False; Py_INCREF(arg); break;
+        case 'e': arg = configured[va_arg(ap, int)]; Py_INCREF(arg); break;
+        case 'o': arg = va_arg(ap, PyObject *); Py_XINCREF(arg); break;
+        case 'L': {
+            const i64 *values = va_arg(ap, const i64 *);
+            arg = i64_list(values, va_arg(ap, Py_ssize_t));
+            break;
+        }
+        case 'B': {
+            const int32_t *blocks = va_arg(ap, const int32_t *);
+            arg = blocks_list(blocks, va_arg(ap, Py_ssize_t));
+            break;
+        }
+        case 'r': arg = PyUnicode_FromFormat("%lld", va_arg(ap, i64)); break;
+        }
+        if (!arg) failed = 1;
+        args[n++] = arg;
+    }
+    PyObject *record = failed ? NULL : PyObject_Vectorcall(configured[type], args, n, NULL);
+    for (int i = 0; i < n; i++) Py_XDECREF(args[i]);
+    if (!record) return -1;
+    int rc = PyList_Append(c->records, record);
+    Py_DECREF(record);
+    return rc;
+}
+
+/* Count a report as ReplaySummary counts its record (reports.Tally does the same). */
+static int count_report(Core *c, int type, const char *spec, va_list ap) {
+    i64 v[12];
+    int n = 0;
+    for (const char *p = spec; *p; p++) {
+        switch (*p) {
+        case 'q': case 'r': v[n++] = va_arg(ap, i64); break;
+        case 'd': case 'b': v[n++] = va_arg(ap, int); break;
+        case 'e': v[n++] = configured_value[va_arg(ap, int)]; break;
+        case 'o': (void)va_arg(ap, PyObject *); v[n++] = 0; break;
+        case 'L': (void)va_arg(ap, const i64 *); v[n++] = va_arg(ap, Py_ssize_t); break;
+        case 'B': (void)va_arg(ap, const int32_t *); v[n++] = va_arg(ap, Py_ssize_t); break;
+        }
+    }
+    Tally *t = &c->tally;
+    i64 value;
+    switch (type) {
+    case T_BLOCK_STORED:  /* block, hash, group, num_tokens, kind, req */
+        t->block_group[v[0]] = (int32_t)v[2];
+        if (0 <= v[4] && v[4] < NUM_STORE_KINDS) t->stored[v[2] * NUM_STORE_KINDS + v[4]]++;
+        return 0;
+    case T_BLOCK_REMOVED:  /* block, hash, group, num_tokens, reason */
+        if (0 <= v[4] && v[4] < NUM_REMOVE_REASONS) t->removed[v[4]]++;
+        if (v[4] == configured_value[E_LRU_REUSE]) t->evicted[v[2]]++;
+        return 0;
+    case T_BLOCK_TOUCHED:  /* block, req */
+        if (t->block_group[v[0]] >= 0) t->hit_blocks[t->block_group[v[0]]]++;
+        return 0;
+    case T_COMPUTED_BLOCKS_FOUND:  /* req, hit, junction */
+        return map_set(&t->lookups, v[0], v[1]);
+    case T_SLOTS_ALLOCATED:  /* req, ..., success (8th) */
+        if (!v[7] || !map_get(&t->lookups, v[0], &value)) return 0;
+        map_del(&t->lookups, v[0]);
+        if (map_find(&t->admitted, v[0]) >= 0) {
+            t->resumed_hit_tokens += value;
+            return 0;
+        }
+        t->hit_tokens += value;
+        return map_set(&t->admitted, v[0], 1);
+    case T_REQUEST_ARRIVED:  /* req, prompt_len, ... */
+        return map_find(&t->arrived, v[0]) >= 0 ? 0 : map_set(&t->arrived, v[0], v[1]);
+    case T_REQUEST_PREEMPTED: t->preemptions++; return 0;
+    case T_CHECKPOINT_SUPPRESSED: t->suppressed++; return 0;
+    case T_STALE_KEY_LEFT: t->stale++; return 0;
+    }
+    return 0;
+}
+
+/* Report an effect or input: a record for the sink, or a count. */
+static int emit(Core *c, int type, const char *spec, ...) {
+    va_list ap;
+    va_start(ap, spec);
+    int rc = c->counting ? count_report(c, type, spec, ap) : make_record(c, type, spec, ap);
+    va_end(ap);
+    return rc;
 }
 
 /* Hand the records made so far to the sink, in order (they are dropped either way). */
@@ -386,8 +485,8 @@ static int insert_key(Core *c, i64 hash_id, int group, int32_t block, i64 num_to
         extra->group[extra->n++] = group;
     }
     if (map_block(c, hash_id, group, block)) return -1;
-    return emit(c, T_BLOCK_STORED, "dqdqoq", block, hash_id, group,
-                depth_get(c, hash_id, num_tokens), configured[kind], req);
+    return emit(c, T_BLOCK_STORED, "dqdqeq", block, hash_id, group,
+                depth_get(c, hash_id, num_tokens), kind, req);
 }
 
 /* Take every key off ``block`` and report the removed ones; their keys go to ``removed`` (hash,
@@ -406,8 +505,8 @@ static int strip_keys(Core *c, int32_t block, int reason, LVec *removed) {
         i64 hash_id = k ? extra->hash[k - 1] : first_hash;
         int group = k ? extra->group[k - 1] : first_group;
         if (!unmap(c, hash_id, group, block)) continue;
-        rc = emit(c, T_BLOCK_REMOVED, "dqdqo", block, hash_id, group, depth_get(c, hash_id, 0),
-                  configured[reason]);
+        rc = emit(c, T_BLOCK_REMOVED, "dqdqe", block, hash_id, group, depth_get(c, hash_id, 0),
+                  reason);
         if (!rc && removed) rc = lvec_push(removed, hash_id) || lvec_push(removed, group);
         count++;
     }
@@ -475,17 +574,7 @@ static int touch(Core *c, const int32_t *blocks, Py_ssize_t n, i64 req) {
 }
 
 static int free_blocks(Core *c, const int32_t *blocks, Py_ssize_t n, int released) {
-    if (released) {
-        PyObject *ids = PyList_New(0);
-        if (!ids) return -1;
-        for (Py_ssize_t i = 0; i < n; i++) {
-            if (blocks[i] == NULL_BLOCK) continue;
-            PyObject *id = PyLong_FromLong(blocks[i]);
-            if (!id || PyList_Append(ids, id)) { Py_XDECREF(id); Py_DECREF(ids); return -1; }
-            Py_DECREF(id);
-        }
-        if (emit(c, T_BLOCKS_RELEASED, "n", ids)) return -1;
-    }
+    if (released && emit(c, T_BLOCKS_RELEASED, "B", blocks, n)) return -1;
     /* Unkeyed blocks go to the head in the given order, keyed ones to the tail. */
     int32_t previous = c->head, old_first = c->next_free[c->head];
     IVec *keyed = &c->scratch2;
@@ -638,8 +727,8 @@ static int blocks_to_allocate(Core *c, Manager *m, Request *r, i64 num_tokens, I
             s->checkpoint_index = (int32_t)(required - 2);
             int kind = position == r->junction ? E_JUNCTION
                 : num_main < r->prompt_len ? E_TRANSIENT : E_PROMPT_END;
-            if (emit(c, T_CHECKPOINT_RECORDED, "qdqdo", r->req, m->group, position,
-                     (int)(required - 2), configured[kind]))
+            if (emit(c, T_CHECKPOINT_RECORDED, "qdqde", r->req, m->group, position,
+                     (int)(required - 2), kind))
                 return -1;
         } else {
             s->has_checkpoint = 0;
@@ -1049,11 +1138,8 @@ static int report_request(Core *c, Request *r) {
     if (r->num_reported < 0) {
         i64 units = r->prompt_len / unit;
         if (units > r->num_hashes) units = r->num_hashes;
-        PyObject *ids = ids_list(r->hash_ids.v, units);
-        PyObject *request_id = PyUnicode_FromFormat("%lld", r->req);
-        if (!ids || !request_id) { Py_XDECREF(ids); Py_XDECREF(request_id); return -1; }
-        if (emit(c, T_REQUEST_ARRIVED, "qqnqddn", r->req, r->prompt_len, ids, r->max_tokens, 0,
-                 0, request_id))
+        if (emit(c, T_REQUEST_ARRIVED, "qqLqddr", r->req, r->prompt_len, r->hash_ids.v,
+                 (Py_ssize_t)units, r->max_tokens, 0, 0, r->req))
             return -1;
         for (i64 i = 0; i < units; i++)
             if (map_set(&c->depth, r->hash_ids.v[i], (i + 1) * unit)) return -1;
@@ -1061,8 +1147,9 @@ static int report_request(Core *c, Request *r) {
     }
     if (r->num_hashes > r->num_reported) {
         i64 start = r->num_reported, stop = r->num_hashes;
-        PyObject *ids = ids_list(r->hash_ids.v + start, stop - start);
-        if (!ids || emit(c, T_HASHES_EXTENDED, "qn", r->req, ids)) return -1;
+        if (emit(c, T_HASHES_EXTENDED, "qL", r->req, r->hash_ids.v + start,
+                 (Py_ssize_t)(stop - start)))
+            return -1;
         for (i64 i = start; i < stop; i++)
             if (map_set(&c->depth, r->hash_ids.v[i], (i + 1) * unit)) return -1;
         r->num_reported = stop;
@@ -1379,6 +1466,10 @@ static void Core_dealloc(Core *c) {
     PyMem_Free(c->key_group); PyMem_Free(c->key_hash); PyMem_Free(c->key_tokens);
     PyMem_Free(c->has_key);
     ivec_free(&c->scratch); ivec_free(&c->scratch2);
+    Tally *t = &c->tally;
+    PyMem_Free(t->block_group); PyMem_Free(t->hit_blocks); PyMem_Free(t->evicted);
+    PyMem_Free(t->stored);
+    map_clear(&t->arrived); map_clear(&t->lookups); map_clear(&t->admitted);
     Core_clear(c);
     Py_TYPE(c)->tp_free((PyObject *)c);  /* a subclass's type is released by subtype_dealloc */
 }
@@ -1386,7 +1477,8 @@ static void Core_dealloc(Core *c) {
 /* Core(sink, variant, num_blocks, hash_block_size, scheduler_block_size, max_model_len,
         retention_interval, enable_caching, hybrid, partial_hits, alignment, simple_hybrid,
         groups, specs): groups = [(is_mamba, block_size, num_checkpoint_blocks,
-        checkpoint_alignment or None)], specs = [(is_mamba, block_size, (group ids...))]. */
+        checkpoint_alignment or None)], specs = [(is_mamba, block_size, (group ids...))].
+   A sink of None: count (_counts()), make no record. */
 static int Core_init(Core *c, PyObject *args, PyObject *kwargs) {
     PyObject *sink, *variant, *retention, *groups, *specs;
     int num_blocks, hash_block_size, enable_caching, hybrid, partial_hits, alignment, simple;
@@ -1488,6 +1580,19 @@ static int Core_init(Core *c, PyObject *args, PyObject *kwargs) {
         return -1;
     }
     for (size_t b = 0; b < n; b++) c->key_tokens[b] = -1;
+    c->counting = sink == Py_None;
+    if (c->counting) {
+        Tally *t = &c->tally;
+        t->block_group = PyMem_Malloc(n * sizeof(int32_t));
+        t->hit_blocks = PyMem_Calloc((size_t)num_groups, sizeof(i64));
+        t->evicted = PyMem_Calloc((size_t)num_groups, sizeof(i64));
+        t->stored = PyMem_Calloc((size_t)num_groups * NUM_STORE_KINDS, sizeof(i64));
+        if (!t->block_group || !t->hit_blocks || !t->evicted || !t->stored) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        for (size_t b = 0; b < n; b++) t->block_group[b] = -1;
+    }
     c->head = num_blocks;
     c->tail = num_blocks + 1;
     for (size_t b = 0; b < n + 2; b++) c->next_free[b] = c->prev_free[b] = -1;
@@ -1710,12 +1815,13 @@ static PyObject *Core_advance(Core *c, PyObject *const *args, Py_ssize_t nargs,
     Py_RETURN_NONE;
 }
 
-static PyObject *release(Core *c, i64 req, int record_type, PyObject *status) {
+/* status: the FinishStatus member's configured index, for RequestFinished. */
+static PyObject *release(Core *c, i64 req, int record_type, int status) {
     Request *r = find_request(c, req);
     if (!r) return NULL;
     r->has_pending = 0;
     if (r->num_reported >= 0
-        && emit(c, record_type, status ? "qo" : "q", req, status))
+        && emit(c, record_type, record_type == T_REQUEST_FINISHED ? "qe" : "q", req, status))
         return NULL;
     int error = 0;
     for (int g = 0; g < c->num_groups && !error; g++)
@@ -1738,7 +1844,7 @@ static PyObject *Core_free(Core *c, PyObject *const *args, Py_ssize_t nargs,
     int aborted = values[1]
         ? PyObject_RichCompareBool(values[1], configured[E_ABORTED], Py_EQ) : 0;
     if (aborted < 0) return NULL;
-    return release(c, req, T_REQUEST_FINISHED, configured[aborted ? E_ABORTED : E_FINISHED]);
+    return release(c, req, T_REQUEST_FINISHED, aborted ? E_ABORTED : E_FINISHED);
 }
 
 static PyObject *Core_preempt(Core *c, PyObject *const *args, Py_ssize_t nargs,
@@ -1749,7 +1855,7 @@ static PyObject *Core_preempt(Core *c, PyObject *const *args, Py_ssize_t nargs,
     if (parse_args("preempt", args, nargs, kwnames, names, 1, 1, &value)
         || as_i64(value, &req))
         return NULL;
-    return release(c, req, T_REQUEST_PREEMPTED, NULL);
+    return release(c, req, T_REQUEST_PREEMPTED, 0);
 }
 
 static PyObject *Core_num_free_blocks(Core *c, PyObject *unused) {
@@ -1826,6 +1932,37 @@ static PyObject *Core_request_counters(Core *c, PyObject *arg) {
     return Py_BuildValue("LLL", r->num_tokens, r->num_computed, r->prompt_len);
 }
 
+/* _counts(): the Tally as reports.Counts' fields (prompt_tokens, hit_tokens,
+   resumed_hit_tokens, removed, checkpoints_suppressed, stale_key_hazards, preemptions,
+   hit_blocks, stored, evicted). */
+static PyObject *Core_counts(Core *c, PyObject *unused) {
+    if (!c->counting) {
+        PyErr_SetString(PyExc_RuntimeError, "a model core with a sink counts nothing");
+        return NULL;
+    }
+    Tally *t = &c->tally;
+    PyObject *arrived = PyDict_New(), *stored = PyList_New(c->num_groups);
+    if (!arrived || !stored) { Py_XDECREF(arrived); Py_XDECREF(stored); return NULL; }
+    for (size_t i = 0; i < t->arrived.cap; i++) {
+        if (!t->arrived.used[i]) continue;
+        PyObject *req = PyLong_FromLongLong(t->arrived.keys[i]);
+        PyObject *prompt_len = PyLong_FromLongLong(t->arrived.vals[i]);
+        int rc = req && prompt_len ? PyDict_SetItem(arrived, req, prompt_len) : -1;
+        Py_XDECREF(req);
+        Py_XDECREF(prompt_len);
+        if (rc) { Py_DECREF(arrived); Py_DECREF(stored); return NULL; }
+    }
+    for (int g = 0; g < c->num_groups; g++) {
+        PyObject *kinds = i64_list(t->stored + g * NUM_STORE_KINDS, NUM_STORE_KINDS);
+        if (!kinds) { Py_DECREF(arrived); Py_DECREF(stored); return NULL; }
+        PyList_SET_ITEM(stored, g, kinds);
+    }
+    return Py_BuildValue("NLLNLLLNNN", arrived, t->hit_tokens, t->resumed_hit_tokens,
+                         i64_list(t->removed, NUM_REMOVE_REASONS), t->suppressed, t->stale,
+                         t->preemptions, i64_list(t->hit_blocks, c->num_groups), stored,
+                         i64_list(t->evicted, c->num_groups));
+}
+
 static PyObject *Core_close(Core *c, PyObject *unused) {
     Py_INCREF(Py_None);
     return Core_flushed(c, Py_None);
@@ -1848,6 +1985,7 @@ static PyMethodDef Core_methods[] = {
     {"_ref_count", (PyCFunction)Core_ref_count, METH_O, NULL},
     {"cached_block_id", FAST(Core_cached_block_id), NULL},
     {"_request_counters", (PyCFunction)Core_request_counters, METH_O, NULL},
+    {"_counts", (PyCFunction)Core_counts, METH_NOARGS, NULL},
     {"close", (PyCFunction)Core_close, METH_NOARGS, NULL},
     {NULL, NULL, 0, NULL},
 };
@@ -1873,6 +2011,10 @@ static PyObject *configure(PyObject *module, PyObject *objects) {
         PyObject *value = PyMapping_GetItemString(objects, configured_names[i]);
         if (!value) return NULL;
         Py_XSETREF(configured[i], value);
+        if (PyLong_Check(value)) {  /* the IntEnum members of kvtrace.events */
+            configured_value[i] = PyLong_AsLong(value);
+            if (configured_value[i] == -1 && PyErr_Occurred()) return NULL;
+        }
     }
     Py_RETURN_NONE;
 }

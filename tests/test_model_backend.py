@@ -42,6 +42,8 @@ from kvtrace.replay.backend import open_backend
 from kvtrace.replay.lockstep import replay_lockstep
 from kvtrace.replay.model import ModelBackend, NativeModelBackend, native, open_model_backend
 from kvtrace.replay.model.pool import BlockPool
+from kvtrace.replay.model.reports import Records
+from kvtrace.replay.run import ReplaySummary
 from kvtrace.replay.scheduler import Arrival, Scheduler
 from kvtrace.replay.variants import VARIANTS, CheckpointAction, CheckpointFacts
 from kvtrace.workloads.synth import synthesize
@@ -209,6 +211,80 @@ def test_direct_calls_write_the_same_records(vllm_backend_class, variant, retent
         assert divergence is None, f"{twin} twin: {divergence}"
 
 
+def summaries_both_ways(twin: str, config: EngineConfig, variant: str, drive) -> tuple:
+    """(ReplaySummary over the twin's records, the twin's own counts, no record made) of
+    ``drive(cache)``, as figures; an error (the same at the same point is part of agreeing) as
+    its text."""
+    results = []
+    for counting in (False, True):
+        summary = ReplaySummary(config)
+        try:
+            with (TWINS[twin](config, variant, summary=summary) if counting
+                  else TWINS[twin](config, variant, summary)) as cache:
+                drive(cache)
+        except Exception as error:
+            results.append(("error", type(error).__name__, str(error)))
+        else:
+            results.append(summary.to_dict())
+    return tuple(results)
+
+
+@lru_cache(maxsize=None)
+def counted_figures(case: int | tuple) -> dict:
+    """Per twin, ``summaries_both_ways`` of a seeded schedule or a direct case."""
+    if isinstance(case, int):
+        config, variant, arrivals = schedule_case(case)
+
+        def drive(cache):
+            Scheduler(cache, config, SchedulerSettings.from_config(config)).run(arrivals)
+    else:
+        variant, retention, scenario = case
+        config = seed_config(retention, num_gpu_blocks=48 if scenario == "mixed" else 64)
+
+        def drive(cache):
+            if scenario == "mixed":
+                run_mixed_workload(cache)
+            else:
+                seed_scenario(cache, scenario == "junction")
+    return {twin: summaries_both_ways(twin, config, variant, drive) for twin in TWINS}
+
+
+COUNTING_CASES = [*range(NUM_CASES), *DIRECT_CASES]
+
+
+@pytest.mark.parametrize("case", COUNTING_CASES)
+def test_counting_twins_sum_up_as_their_records_do(case):
+    """Summary-only replays: each twin, making no record, counts what ``ReplaySummary`` counts
+    over its full record stream."""
+    for twin, (from_records, counted) in counted_figures(case).items():
+        assert counted == from_records, f"{twin} twin, case {case}"
+
+
+def test_the_counted_figures_are_not_trivial():
+    """Guards the comparison above: over the cases, every figure counted is nonzero somewhere
+    (resumed hits, each removal reason and store kind, hits in every kind of group...)."""
+    seen: Counter = Counter()
+    for case in COUNTING_CASES:
+        figures = counted_figures(case)["python"][0]
+        if isinstance(figures, tuple):
+            continue
+        for name in ("hit_tokens", "resumed_hit_tokens", "checkpoints_published",
+                     "checkpoints_suppressed", "stale_key_hazards", "preemptions"):
+            seen[name] += figures[name] > 0
+        seen.update(f"evictions.{reason}" for reason in figures["evictions"])
+        for group in figures["groups"].values():
+            seen[f"{group['kind']}.hit_blocks"] += group["hit_blocks"] > 0
+            seen[f"{group['kind']}.evicted"] += group["evicted"] > 0
+            seen.update(f"{group['kind']}.stored.{kind}" for kind in group["stored"])
+    for name in ("hit_tokens", "resumed_hit_tokens", "checkpoints_published",
+                 "checkpoints_suppressed", "stale_key_hazards", "preemptions",
+                 "evictions.lru_reuse", "evictions.rekey", "evictions.stale_checkpoint",
+                 "full_attention.hit_blocks", "mamba.hit_blocks", "full_attention.evicted",
+                 "mamba.evicted", "full_attention.stored.full", "mamba.stored.partial",
+                 "mamba.stored.checkpoint"):
+        assert seen[name] > 0, (name, seen)
+
+
 def record_name(record) -> str:
     """A record's kind, with the reason / store kind where those matter."""
     if isinstance(record, tuple):
@@ -247,7 +323,7 @@ def test_the_cases_exercise_what_the_caches_must_agree_on(vllm_backend_class):
 @pytest.mark.parametrize("variant", ["unfixed", "fixed"])
 def test_the_mooncake_trace_in_full(vllm_backend_class, tmp_path, variant):
     """The bundled Mooncake FAST'25 trace, every request, as `kvtrace import mooncake` makes it:
-    millions of records, equal one for one."""
+    over a million records, equal one for one."""
     from shared_data import MOONCAKE_SYNTHETIC
     from kvtrace.engine_config import derive
     from kvtrace.replay.scheduler import arrivals_of
@@ -295,7 +371,7 @@ def test_the_variants_decision_table(case, expected):
 
 
 def pool_of(num_blocks: int) -> tuple[BlockPool, list]:
-    records: list = []
+    records = Records()
     return BlockPool(num_blocks, 2, 16, True, {}, records), records
 
 

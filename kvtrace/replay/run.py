@@ -6,8 +6,8 @@ arrivals; ``lockstep``: the captured calls re-issued) and writes every record th
 reports into ``OUTDIR/<source>.<variant>.kvtrace``. Everything is checked before the first
 backend is built, and outputs appear only when every variant succeeded: a failed run leaves
 nothing in OUTDIR. With ``write_traces`` off, the records only feed the summaries (a sweep runs
-many configurations and keeps their figures, not their traces), and a ``Source`` read once can
-serve many runs.
+many configurations and keeps their figures, not their traces; a backend that can counts the
+figures itself and makes no record), and a ``Source`` read once can serve many runs.
 
 The summary is computed from the records themselves (``ReplaySummary``), so it reads the same
 for any trace in the schema, a live capture included.
@@ -49,7 +49,7 @@ from kvtrace.events import (
     StoreKind,
     TraceHeader,
 )
-from kvtrace.replay.backend import BACKENDS, open_backend
+from kvtrace.replay.backend import BACKENDS, open_backend, open_counting_backend
 from kvtrace.replay.execute import ExecuteOptions
 from kvtrace.replay.scheduler import Scheduler, arrivals_of
 from kvtrace.traceio import TraceReader, TraceWriter
@@ -336,8 +336,10 @@ def _run_variant(path: str, header: TraceHeader, backend_name: str, config: Engi
                     kept.append(record)
 
         steps = 0
-        with open_backend(backend_name, config, variant, sink) as backend, \
-                engine or contextlib.nullcontext():
+        # Nothing but the summary wants the records: a counting backend makes none.
+        opened = (open_counting_backend(backend_name, config, variant, summary)
+                  if sink is summary else open_backend(backend_name, config, variant, sink))
+        with opened as backend, engine or contextlib.nullcontext():
             started = time.perf_counter()
             if mode == "lockstep":
                 from kvtrace.replay.lockstep import replay_lockstep

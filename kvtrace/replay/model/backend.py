@@ -5,7 +5,9 @@ It implements what replay drives of vLLM's ``KVCacheManager`` and ``HybridKVCach
 over the pool and managers of this package, and reports every call as the ``vllm`` backend's
 probes do: the same records, in the same order, for the same calls (held to it by
 ``tests/test_model_backend.py``). The checkpoint variants' two decisions come from
-``kvtrace.replay.variants``, the table the ``vllm`` backend uses too. No vLLM import.
+``kvtrace.replay.variants``, the table the ``vllm`` backend uses too. No vLLM import. A replay
+that only wants its summary gets a counting backend: no record is made, the figures are counted
+as the reports are made (``reports.Tally``).
 
 Scope: the engines ``kvtrace.engine_config.validate`` accepts (full-attention and Mamba
 "align" groups, no EAGLE, no KV connector, no speculative or lookahead blocks in Mamba).
@@ -14,6 +16,7 @@ Scope: the engines ``kvtrace.engine_config.validate`` accepts (full-attention an
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from kvtrace.engine_config import check_pool_fits, validate
 from kvtrace.errors import ConfigError, KvtraceError
@@ -31,8 +34,12 @@ from kvtrace.events import (
 from kvtrace.replay.backend import RecordSink
 from kvtrace.replay.model.managers import FullAttentionManager, MambaManager, Request
 from kvtrace.replay.model.pool import NULL_BLOCK, BlockPool
+from kvtrace.replay.model.reports import Records, Tally
 from kvtrace.replay.variants import get_variant
 from kvtrace.replay.vllm_backend import UNLIMITED_MODEL_LEN, MadeUpHashIds
+
+if TYPE_CHECKING:
+    from kvtrace.replay.run import ReplaySummary
 
 Hits = tuple[list[int], ...]  # per KV-cache group: the hit blocks (null blocks included)
 SpecGroups = list[tuple[tuple[bool, int], list[int]]]  # ((is Mamba, block size), group ids)
@@ -99,12 +106,18 @@ class ModelBackend:
 
     backend_name = "model"
 
-    def __init__(self, config: EngineConfig, variant: str, sink: RecordSink) -> None:
+    def __init__(self, config: EngineConfig, variant: str, sink: RecordSink | None = None,
+                 summary: ReplaySummary | None = None) -> None:
+        """Records go to ``sink``; given ``summary`` instead, no record is made: the backend
+        counts the summary's figures itself (``reports.Tally``) and sets them on close."""
+        if (sink is None) == (summary is None):
+            raise TypeError("a model backend reports to a sink or counts into a summary")
         validate(config)
         check_vllm_accepts(config)
         self.config = config
         self.variant = get_variant(variant)
         self.sink = sink
+        self.summary = summary
         self.num_gpu_blocks = config.num_gpu_blocks
         self.max_model_len = config.max_model_len or UNLIMITED_MODEL_LEN
         self.retention_interval = config.retention_interval
@@ -112,7 +125,8 @@ class ModelBackend:
         self.scheduler_block_size = config.scheduler_block_size
         groups = config.kv_cache_groups
         caching = config.enable_caching
-        self.records: list = []
+        self.records = (Records() if summary is None
+                        else Tally(config.num_gpu_blocks, len(groups)))
         self.depth: dict[int, int] = {}  # hash id -> the prefix length it was reported at
         self.pool = BlockPool(config.num_gpu_blocks, len(groups), unit, caching, self.depth,
                               self.records)
@@ -139,7 +153,7 @@ class ModelBackend:
     # --- CacheBackend ---------------------------------------------------------------------------
 
     def new_step(self, step: int, ts_ns: int) -> None:
-        self.records.append(StepStarted(step, ts_ns))
+        self.records.report(StepStarted, step, ts_ns)
         for manager in self.mamba_managers:
             manager.new_step()
         self.flush()
@@ -165,7 +179,7 @@ class ModelBackend:
         # As vLLM's scheduler does on admission: the junction steers the Mamba retention mask.
         request.shared_prefix_boundary = junction
         self.pending_hits[req] = (hits, num_hit)
-        self.records.append(ComputedBlocksFound(req, num_hit, junction))
+        self.records.report(ComputedBlocksFound, req, num_hit, junction)
         self.flush()
         return num_hit, junction
 
@@ -184,7 +198,7 @@ class ModelBackend:
         records = self.records
         if request.num_reported is None or request.num_hashes != request.num_reported:
             self.report_request(request)
-        first_effect = len(records)
+        first_effect = records.mark()
         num_computed_tokens, num_tokens = request.num_computed_tokens, request.num_tokens
         success = False
         try:
@@ -195,10 +209,10 @@ class ModelBackend:
                                     num_lookahead_tokens, full_sequence_must_fit,
                                     reserved_blocks)
         finally:
-            records.insert(first_effect, SlotsAllocated(
-                req, num_new_tokens, num_computed_tokens, num_new_computed_tokens,
-                num_lookahead_tokens, 0, num_tokens, success, full_sequence_must_fit,
-                reserved_blocks, has_scheduled_reqs))
+            records.report_at(first_effect, SlotsAllocated, req, num_new_tokens,
+                              num_computed_tokens, num_new_computed_tokens,
+                              num_lookahead_tokens, 0, num_tokens, success,
+                              full_sequence_must_fit, reserved_blocks, has_scheduled_reqs)
             self.flush()
         if success:
             self.pending_hits.pop(req, None)
@@ -227,9 +241,8 @@ class ModelBackend:
         request = self.requests.pop(req)
         self.pending_hits.pop(req, None)
         if request.num_reported is not None:
-            self.records.append(RequestFinished(
-                req, FinishStatus.ABORTED if status == FinishStatus.ABORTED
-                else FinishStatus.FINISHED))
+            self.records.report(RequestFinished, req, FinishStatus.ABORTED
+                                if status == FinishStatus.ABORTED else FinishStatus.FINISHED)
         for manager in self.managers:
             manager.release(req)
         self.flush()
@@ -238,7 +251,7 @@ class ModelBackend:
         request = self.requests[req]
         self.pending_hits.pop(req, None)
         if request.num_reported is not None:
-            self.records.append(RequestPreempted(req))
+            self.records.report(RequestPreempted, req)
         for manager in self.managers:
             manager.release(req)
         request.num_computed_tokens = 0
@@ -265,6 +278,8 @@ class ModelBackend:
 
     def close(self) -> None:
         self.flush()
+        if self.summary is not None:
+            self.records.fill(self.summary)
 
     def __enter__(self) -> ModelBackend:
         return self
@@ -286,9 +301,10 @@ class ModelBackend:
     # --- requests and records -------------------------------------------------------------------
 
     def flush(self) -> None:
-        """Hand the records made so far to the sink, in order (they are dropped either way)."""
+        """Hand the records made so far to the sink, in order (they are dropped either way);
+        a counting backend makes none."""
         records = self.records
-        if records:
+        if self.summary is None and records:
             sink = self.sink
             try:
                 for record in records:
@@ -304,14 +320,14 @@ class ModelBackend:
         if request.num_reported is None:
             num_units = min(request.prompt_len // unit, request.num_hashes)
             hash_ids = request.hash_ids[:num_units]
-            self.records.append(RequestArrived(request.req, request.prompt_len, hash_ids,
-                                               request.max_tokens, 0, 0, str(request.req)))
+            self.records.report(RequestArrived, request.req, request.prompt_len, hash_ids,
+                                request.max_tokens, 0, 0, str(request.req))
             depth.update(zip(hash_ids, range(unit, (num_units + 1) * unit, unit)))
             request.num_reported = num_units
         start, stop = request.num_reported, request.num_hashes
         if stop > start:
             hash_ids = request.hash_ids[start:stop]
-            self.records.append(HashesExtended(request.req, hash_ids))
+            self.records.report(HashesExtended, request.req, hash_ids)
             depth.update(zip(hash_ids, range((start + 1) * unit, (stop + 1) * unit, unit)))
             request.num_reported = stop
 

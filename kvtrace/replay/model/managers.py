@@ -19,6 +19,7 @@ from kvtrace.events import (
     StaleKeyLeft,
 )
 from kvtrace.replay.model.pool import CHECKPOINT, NULL_BLOCK, PARTIAL, STALE_CHECKPOINT, BlockPool
+from kvtrace.replay.model.reports import Records, Tally
 from kvtrace.replay.scheduler import MambaAlignedSplit, mamba_checkpoint_position
 from kvtrace.replay.variants import CheckpointAction, CheckpointFacts, Variant
 
@@ -206,7 +207,7 @@ class MambaManager(FullAttentionManager):
 
     def __init__(self, group: int, block_size: int, pool: BlockPool, enable_caching: bool,
                  alignment: int, variant: Variant, num_checkpoint_blocks: int,
-                 checkpoint_alignment: int | None, records: list) -> None:
+                 checkpoint_alignment: int | None, records: Records | Tally) -> None:
         super().__init__(group, block_size, pool, enable_caching, alignment)
         self.variant = variant
         self.records = records
@@ -252,9 +253,9 @@ class MambaManager(FullAttentionManager):
             if position > 0:
                 checkpoint = (position, required - 2)
                 self.checkpoints[req] = checkpoint
-                self.records.append(CheckpointRecorded(
-                    req, self.group, position, checkpoint[1],
-                    self.checkpoint_class(request, position, num_tokens_main)))
+                self.records.report(CheckpointRecorded, req, self.group, position,
+                                    checkpoint[1],
+                                    self.checkpoint_class(request, position, num_tokens_main))
             else:
                 self.checkpoints.pop(req, None)
         if num_new > 0:
@@ -316,7 +317,7 @@ class MambaManager(FullAttentionManager):
                 pool.ref[source] += 1
                 tail = self.producer_tails.pop(req, None)
                 if tail is not None:
-                    self.records.append(BoundaryStateOffloaded(req, self.group, copy, tail[1]))
+                    self.records.report(BoundaryStateOffloaded, req, self.group, copy, tail[1])
                 if pool.key_hash[copy] is not None:
                     self.cached_this_step.add(pool.key_hash[copy])
             else:
@@ -406,12 +407,11 @@ class MambaManager(FullAttentionManager):
                 if block == NULL_BLOCK or key_hash[block] is None:
                     continue
                 self.cached_this_step.add(key_hash[block])
-                offloads.append(BoundaryStateOffloaded(req, self.group, block,
-                                                       key_tokens[block]))
+                offloads.append((block, key_tokens[block]))
         if checkpoint is not None:
             self.report_decision(request, checkpoint, num_stripped)
-        if offloads:
-            self.records.extend(offloads)
+        for block, boundary in offloads:
+            self.records.report(BoundaryStateOffloaded, req, self.group, block, boundary)
 
     def decide_checkpoint(self, request: Request, num_tokens: int,
                           retention_interval: int | None,
@@ -478,13 +478,13 @@ class MambaManager(FullAttentionManager):
         depth = self.pool.depth
         hash_ids = [hash_id for hash_id, _ in self.pool.keys_on(slot)]
         if not any(depth.get(hash_id) == position for hash_id in hash_ids):
-            self.records.append(CheckpointSuppressed(request.req, self.group, position, slot,
-                                                     num_stripped))
+            self.records.report(CheckpointSuppressed, request.req, self.group, position, slot,
+                                num_stripped)
         for hash_id in hash_ids:
             key_num_tokens = depth.get(hash_id, 0)
             if key_num_tokens != position:
-                self.records.append(StaleKeyLeft(request.req, self.group, slot, hash_id,
-                                                 key_num_tokens, position))
+                self.records.report(StaleKeyLeft, request.req, self.group, slot, hash_id,
+                                    key_num_tokens, position)
 
     # --- release -------------------------------------------------------------------------------
 

@@ -4,12 +4,14 @@
 optional: no C compiler) or turned off with ``KVTRACE_NATIVE=0``. ``NativeModelBackend`` checks
 and derives everything in Python, as the pure-Python ``ModelBackend`` does (the same functions),
 and leaves the cache itself to the C core; the checkpoint decision stays the shared Python
-table (the core calls ``Variant.checkpoint_action``).
+table (the core calls ``Variant.checkpoint_action``). Counting a summary, the core makes no
+record and keeps the counters in C (``_counts()``, in the shape of ``reports.Counts``).
 """
 
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
 from kvtrace import events
 from kvtrace.engine_config import validate
@@ -23,8 +25,12 @@ from kvtrace.replay.model.backend import (
     check_request,
     check_vllm_accepts,
 )
+from kvtrace.replay.model.reports import Counts
 from kvtrace.replay.variants import get_variant
 from kvtrace.replay.vllm_backend import UNLIMITED_MODEL_LEN
+
+if TYPE_CHECKING:
+    from kvtrace.replay.run import ReplaySummary
 
 try:
     from kvtrace import _model_core as built
@@ -74,10 +80,15 @@ if built is not None:
 
         backend_name = "model"
 
-        def __init__(self, config: EngineConfig, variant: str, sink: RecordSink) -> None:
+        def __init__(self, config: EngineConfig, variant: str, sink: RecordSink | None = None,
+                     summary: ReplaySummary | None = None) -> None:
+            """As ``ModelBackend``: records to ``sink``, or counted into ``summary``."""
+            if (sink is None) == (summary is None):
+                raise TypeError("a model backend reports to a sink or counts into a summary")
             validate(config)
             check_vllm_accepts(config)
             self.config = config
+            self.summary = summary
             self.variant = get_variant(variant)
             self.num_gpu_blocks = config.num_gpu_blocks
             plan = CachePlan.of(config)
@@ -113,6 +124,11 @@ if built is not None:
             """A request's counters (``num_tokens``, ``num_computed_tokens``...)."""
             self._request_counters(req)  # KeyError for an unknown one
             return RequestCounters(self, req)
+
+        def close(self) -> None:
+            super().close()
+            if self.summary is not None:
+                Counts(*self._counts()).fill(self.summary)
 
         def __enter__(self) -> NativeModelBackend:
             return self

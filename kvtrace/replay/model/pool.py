@@ -12,7 +12,8 @@ Behaviour, as vLLM's: the free queue's head is reused (and evicted) first; freed
 carry a key go to its tail (LRU), others to its head; a prefix hit takes a block out of the
 queue without moving it otherwise. Every operation reports the same records, in the same
 order, as kvtrace's probes report for the real pool (``kvtrace/probes/cache_probes.py``):
-records go to ``out`` (a list the backend hands to its sink after each call).
+reports go to ``out`` (``reports.Records``, which the backend hands to its sink after each call,
+or ``reports.Tally``).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from kvtrace.events import (
     RemoveReason,
     StoreKind,
 )
+from kvtrace.replay.model.reports import Records, Tally
 
 NULL_BLOCK = 0
 NO_TOKENS = -1  # ``key_tokens`` of a block without a key
@@ -41,7 +43,7 @@ class BlockPool:
     records report (the probes' own: the lengths the requests' hash ids were reported at)."""
 
     def __init__(self, num_blocks: int, num_groups: int, hash_block_size: int,
-                 enable_caching: bool, depth: dict[int, int], out: list) -> None:
+                 enable_caching: bool, depth: dict[int, int], out: Records | Tally) -> None:
         self.num_blocks = num_blocks
         self.hash_block_size = hash_block_size
         self.enable_caching = enable_caching
@@ -127,8 +129,8 @@ class BlockPool:
             table[hash_id] = [holder, block]
         else:
             holder.append(block)
-        self.out.append(BlockStored(block, hash_id, group, self.depth.get(hash_id, num_tokens),
-                                    kind, req))
+        self.out.report(BlockStored, block, hash_id, group, self.depth.get(hash_id, num_tokens),
+                        kind, req)
 
     def strip_keys(self, block: int, reason: RemoveReason) -> list[tuple[int, int]]:
         """``_remove_cached_block_hashes`` (+ its events): take every key off ``block``, report
@@ -146,7 +148,7 @@ class BlockPool:
         removed = []
         for hash_id, group in keys:
             if self._unmap(hash_id, group, block):
-                out.append(BlockRemoved(block, hash_id, group, depth.get(hash_id, 0), reason))
+                out.report(BlockRemoved, block, hash_id, group, depth.get(hash_id, 0), reason)
                 removed.append((hash_id, group))
         return removed
 
@@ -182,7 +184,7 @@ class BlockPool:
                     self.strip_keys(block, LRU_REUSE)
         for block in blocks:
             ref[block] = 1
-            out.append(BlockAllocated(block, req))
+            out.report(BlockAllocated, block, req)
         return blocks
 
     def touch(self, blocks: list[int], req: int) -> None:
@@ -200,7 +202,7 @@ class BlockPool:
             ref[block] += 1
         for block in blocks:
             if block != NULL_BLOCK:
-                out.append(BlockTouched(block, req))
+                out.report(BlockTouched, block, req)
 
     def free_blocks(self, blocks: list[int], released: bool = False) -> None:
         """Drop one reference of each block, in eviction order: unreferenced keyed blocks go to
@@ -208,7 +210,7 @@ class BlockPool:
         ``released``: the engine frees them itself, outside any cache-manager call."""
         out = self.out
         if released:
-            out.append(BlocksReleased([block for block in blocks if block != NULL_BLOCK]))
+            out.report(BlocksReleased, [block for block in blocks if block != NULL_BLOCK])
         ref, key_hash = self.ref, self.key_hash
         first, last = [], []
         caching = self.enable_caching
@@ -242,7 +244,7 @@ class BlockPool:
         self.num_free += len(first) + len(last)
         for block in blocks:
             if block != NULL_BLOCK:
-                out.append(BlockFreed(block, ref[block], key_hash[block] is not None))
+                out.report(BlockFreed, block, ref[block], key_hash[block] is not None)
 
     def free_queue(self) -> list[int]:
         """The free queue from head (reused first) to tail (for tests and inspection)."""
