@@ -15,8 +15,9 @@ can (``COUNTING_BACKENDS``); any other backend feeds the summary its records.
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING, Callable, Protocol
+from typing import TYPE_CHECKING, Callable, Protocol, TypeVar
 
+from kvtrace.errors import KvtraceError
 from kvtrace.events import EngineConfig, FinishStatus, Record
 
 if TYPE_CHECKING:
@@ -81,6 +82,25 @@ class CacheBackend(Protocol):
     def __enter__(self) -> CacheBackend: ...
 
     def __exit__(self, *exc: object) -> None: ...
+
+
+Hit = TypeVar("Hit")
+
+
+def take_pending_hit(pending_hits: dict[int, tuple[Hit | None, int]], req: int,
+                     num_new_computed_tokens: int) -> Hit | None:
+    """The blocks a request's last lookup found, for the allocation that uses them. Both backends
+    keep ``get_computed_blocks``' result until then, as vLLM's scheduler does, and a computed
+    count the lookup did not find is a caller's bug, not a cache state."""
+    if num_new_computed_tokens <= 0:
+        return None
+    hits, num_hit_tokens = pending_hits.pop(req, (None, 0))
+    if num_hit_tokens != num_new_computed_tokens:
+        raise KvtraceError(
+            f"request {req}: allocate_slots with {num_new_computed_tokens} computed "
+            f"tokens, but its last lookup found {num_hit_tokens}",
+            "Call get_computed_blocks first and pass its hit (or 0).")
+    return hits
 
 
 BackendFactory = Callable[[EngineConfig, str, RecordSink], CacheBackend]

@@ -18,7 +18,7 @@ from kvtrace.engine_config import check_pool_fits, validate
 from kvtrace.errors import ConfigError, KvtraceError
 from kvtrace.events import EngineConfig, FinishStatus, HashInterner
 from kvtrace.probes import CacheProbes
-from kvtrace.replay.backend import RecordSink
+from kvtrace.replay.backend import RecordSink, take_pending_hit
 from kvtrace.replay.variants import get_variant
 
 _HASH_ID_BYTES = 8
@@ -142,14 +142,7 @@ class VllmBackend:
         from vllm.v1.request import RequestStatus
 
         request = self._requests[req]
-        hit_blocks = None
-        if num_new_computed_tokens > 0:
-            hit_blocks, num_hit_tokens = self._pending_hits.pop(req, (None, 0))
-            if num_hit_tokens != num_new_computed_tokens:
-                raise KvtraceError(
-                    f"request {req}: allocate_slots with {num_new_computed_tokens} computed "
-                    f"tokens, but its last lookup found {num_hit_tokens}",
-                    "Call get_computed_blocks first and pass its hit (or 0).")
+        hit_blocks = take_pending_hit(self._pending_hits, req, num_new_computed_tokens)
         blocks = self.manager.allocate_slots(request, num_new_tokens, num_new_computed_tokens,
                                              hit_blocks, num_lookahead_tokens,
                                              full_sequence_must_fit=full_sequence_must_fit,

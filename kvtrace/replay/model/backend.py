@@ -31,7 +31,7 @@ from kvtrace.events import (
     SlotsAllocated,
     StepStarted,
 )
-from kvtrace.replay.backend import RecordSink
+from kvtrace.replay.backend import RecordSink, take_pending_hit
 from kvtrace.replay.model.managers import FullAttentionManager, MambaManager, Request
 from kvtrace.replay.model.pool import NULL_BLOCK, BlockPool
 from kvtrace.replay.model.reports import Records, Tally
@@ -187,14 +187,7 @@ class ModelBackend:
                        num_lookahead_tokens: int = 0, *, full_sequence_must_fit: bool = False,
                        reserved_blocks: int = 0, has_scheduled_reqs: bool = False) -> bool:
         request = self.requests[req]
-        hits = None
-        if num_new_computed_tokens > 0:
-            hits, num_hit_tokens = self.pending_hits.pop(req, (None, 0))
-            if num_hit_tokens != num_new_computed_tokens:
-                raise KvtraceError(
-                    f"request {req}: allocate_slots with {num_new_computed_tokens} computed "
-                    f"tokens, but its last lookup found {num_hit_tokens}",
-                    "Call get_computed_blocks first and pass its hit (or 0).")
+        hits = take_pending_hit(self.pending_hits, req, num_new_computed_tokens)
         records = self.records
         if request.num_reported is None or request.num_hashes != request.num_reported:
             self.report_request(request)
