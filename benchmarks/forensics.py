@@ -1,8 +1,9 @@
 """Forensics at scale: load a 10,000,000-event trace into DuckDB and run checkpoint_pushouts.
 
-The trace comes from a small free-queue simulation (a pool of 4,096 blocks, zipf-popular
-system prompts, one published transient checkpoint per request), so evictions, hits and
-pushouts are all present. It is generated once, in a child process (so that its memory does
+The trace comes from a small free-queue simulation on the default model's geometry (Kimi-K3:
+384-token blocks, one MLA and three KDA groups; a pool of 4,096 blocks, zipf-popular system
+prompts, one published transient checkpoint per request), so evictions, hits and pushouts are
+all present. It is generated once, in a child process (so that its memory does
 not count), and cached beside the output. Target: load + query <= 30 s on 2 cores.
 
     .venv/bin/python benchmarks/forensics.py [--events 10000000] [--trace PATH]
@@ -22,21 +23,23 @@ from collections import OrderedDict
 
 POOL_BLOCKS = 4096
 SYSTEM_PROMPTS = 256
-UNIT = 16
 
 
 def generate(path: str, num_events: int, seed: int = 0) -> None:
     from kvtrace.events import (BlockAllocated, BlockFreed, BlockRemoved, BlockStored,
                                 BlockTouched, CheckpointClass, CheckpointRecorded,
-                                ComputedBlocksFound, EngineConfig, KVCacheGroup, RemoveReason,
-                                RequestArrived, RequestFinished, SlotsAllocated, StepStarted,
-                                StoreKind, TraceHeader)
+                                ComputedBlocksFound, RemoveReason, RequestArrived,
+                                RequestFinished, SlotsAllocated, StepStarted, StoreKind,
+                                TraceHeader)
     from kvtrace.traceio import TraceWriter
+    from kvtrace.workloads.workload import EngineShape
 
-    config = EngineConfig(
-        kv_cache_groups=[KVCacheGroup(kind="full_attention", block_size=UNIT),
-                         KVCacheGroup(kind="mamba", block_size=UNIT, mamba_cache_mode="align")],
-        hash_block_size=UNIT, num_gpu_blocks=POOL_BLOCKS + 1, retention_interval=0)
+    shape = EngineShape()  # the default model, at its shipped deployment
+    config = shape.engine_config(num_gpu_blocks=POOL_BLOCKS + 1)
+    unit = shape.attention_block
+    kinds = [group.kind for group in config.kv_cache_groups]
+    attention, mamba = kinds.index("full_attention"), kinds.index("mamba")
+    prompt_len = 4 * unit
     header = TraceHeader(kvtrace_version="bench", created_ns=time.time_ns(), source="synth",
                          config=config)
     rng = random.Random(seed)
@@ -52,10 +55,11 @@ def generate(path: str, num_events: int, seed: int = 0) -> None:
             system_prompt = int(SYSTEM_PROMPTS * rng.random() ** 3)
             units = [system_prompt, next_hash, next_hash + 1, next_hash + 2]
             next_hash += 3
-            out = [StepStarted(step, step), RequestArrived(req, 64, units, 1)]
-            hit_block = cached.get((system_prompt, 0))
-            hit = UNIT if hit_block is not None else 0
-            out += [ComputedBlocksFound(req, hit, 0), SlotsAllocated(req, 64 - hit, 0, hit, 0, 0, 64, True)]
+            out = [StepStarted(step, step), RequestArrived(req, prompt_len, units, 1)]
+            hit_block = cached.get((system_prompt, attention))
+            hit = unit if hit_block is not None else 0
+            out += [ComputedBlocksFound(req, hit, 0), SlotsAllocated(req, prompt_len - hit, 0, hit, 0, 0, prompt_len,
+                                                            True)]
             if hit_block is not None:
                 out.append(BlockTouched(hit_block, req))
                 free_queue.pop(hit_block, None)
@@ -71,14 +75,15 @@ def generate(path: str, num_events: int, seed: int = 0) -> None:
             *full_blocks, checkpoint_block = blocks
             first_unit = 0 if hit_block is None else 1
             for offset, block in enumerate(full_blocks):
-                unit = first_unit + offset
-                keys[block] = (units[unit], 0, (unit + 1) * UNIT)
-                cached[(units[unit], 0)] = block
-                out.append(BlockStored(block, units[unit], 0, (unit + 1) * UNIT, full, req))
-            out.append(CheckpointRecorded(req, 1, 32, 1, CheckpointClass.TRANSIENT))
-            keys[checkpoint_block] = (units[1], 1, 32)
-            cached[(units[1], 1)] = checkpoint_block
-            out.append(BlockStored(checkpoint_block, units[1], 1, 32, checkpoint, req))
+                index = first_unit + offset
+                keys[block] = (units[index], attention, (index + 1) * unit)
+                cached[(units[index], attention)] = block
+                out.append(BlockStored(block, units[index], attention, (index + 1) * unit, full,
+                                       req))
+            out.append(CheckpointRecorded(req, mamba, 2 * unit, 1, CheckpointClass.TRANSIENT))
+            keys[checkpoint_block] = (units[1], mamba, 2 * unit)
+            cached[(units[1], mamba)] = checkpoint_block
+            out.append(BlockStored(checkpoint_block, units[1], mamba, 2 * unit, checkpoint, req))
             out.append(RequestFinished(req, 0))
             held = ([hit_block] if hit_block is not None else []) + blocks
             for block in reversed(held):  # vLLM frees a request's tail first
@@ -94,7 +99,7 @@ def main() -> None:
     parser.add_argument("--trace", help="trace path (generated if missing)")
     parser.add_argument("--generate-only", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    trace = args.trace or os.path.join(tempfile.gettempdir(), f"kvtrace-bench-{args.events}.kvtrace")
+    trace = args.trace or os.path.join(tempfile.gettempdir(), f"kvtrace-bench-{args.events}-kimi-k3.kvtrace")
     if args.generate_only:
         generate(trace, args.events)
         return

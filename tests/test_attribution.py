@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import dataclasses
+import multiprocessing
 
 import os
 import re
@@ -21,13 +22,16 @@ import pytest
 from click.testing import CliRunner
 
 from kvtrace.analysis.attribution import (BEYOND_IDEAL_CAUSES, CAUSES, SHORTFALL_CAUSES,
-                                          CauseTotals, attribute_trace, iter_rows)
+                                          AttributionError, CauseTotals, attribute_trace,
+                                          iter_rows)
 from kvtrace.analysis.database import open_database
+from kvtrace.analysis import load
 from kvtrace.analysis.load import load_traces
 from kvtrace.analysis.queries import QueryError, run_query
 from kvtrace.analysis.report import report_database
 from kvtrace.cli import cli
 from kvtrace.engine_config import SchedulerSettings
+from kvtrace.errors import TraceFormatError
 from kvtrace.events import ComputedBlocksFound, RemoveReason, ReplayInfo, TraceHeader
 from kvtrace.replay.run import ReplayOptions, replay
 from kvtrace.replay.scheduler import Arrival, Scheduler
@@ -220,6 +224,35 @@ def test_the_table_holds_the_streaming_pass_and_the_summary_adds_up(seeded_repla
             == first[0]["query_tokens"] == variant.summary["prompt_tokens"]
         assert sum(r["tokens"] for r in first if r["in_shortfall"]) \
             == first[0]["ideal_tokens"] - first[0]["hit_tokens"]
+
+
+def test_a_large_trace_is_attributed_aside_to_the_same_rows(seeded_replays, tmp_path,
+                                                             monkeypatch):
+    """Above the size threshold the attribution runs in a child process while the records
+    load: the same table, and a damaged trace still fails as itself with no child left."""
+    _, connection, db = seeded_replays[("agent", 2)]
+    in_process = sorted(connection.execute("SELECT * FROM miss_attribution").fetchall(),
+                        key=repr)
+    runs = [row[0] for row in connection.execute("SELECT path FROM runs ORDER BY run").fetchall()]
+    monkeypatch.setattr(load, "PARALLEL_ATTRIBUTION_BYTES", 0)
+    load_traces(runs, tmp_path / "aside.duckdb")
+    with duckdb.connect(str(tmp_path / "aside.duckdb"), read_only=True) as aside:
+        assert sorted(aside.execute("SELECT * FROM miss_attribution").fetchall(),
+                      key=repr) == in_process != []
+    damaged = tmp_path / "damaged.kvtrace"
+    data = bytearray(Path(runs[0]).read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    damaged.write_bytes(bytes(data))
+    with pytest.raises(TraceFormatError):
+        load_traces([damaged], tmp_path / "damaged.duckdb")
+    assert multiprocessing.active_children() == []
+    assert not (tmp_path / "damaged.duckdb").exists()
+
+
+def test_an_error_in_the_child_arrives_as_its_own_class():
+    with pytest.raises(AttributionError, match="no engine config") as raised:
+        load._rows_or_raise(("AttributionError", "x.kvtrace has no engine config", "do this"))
+    assert raised.value.hint == "do this"
 
 
 def test_pushout_tokens_against_checkpoint_pushouts(seeded_replays):

@@ -550,13 +550,16 @@ class MissAttributor:
     def _levels(self, groups: tuple[int, ...], units: list[int], depth: int) -> list[int]:
         """Per unit depth 1..depth: the first restriction that takes the key from any of
         ``groups`` (vLLM looks groups of one kind up together: all must hold it)."""
-        if len(groups) == 1:
-            level, group = self._level, groups[0]
-            copies = self._copies[group]
-            return [0] + [_PRESENT if copies.get(hash_id) else level(group, hash_id)
-                          for hash_id in units[:depth]]
-        return [0] + [min((self._level(g, hash_id) for g in groups), default=_PRESENT)
-                      for hash_id in units[:depth]]
+        held_by = [self._copies[group].get for group in groups]
+        levels = [0]
+        for hash_id in units[:depth]:
+            for held in held_by:  # the common case first: every group holds the key
+                if not held(hash_id):
+                    levels.append(min(self._level(group, hash_id) for group in groups))
+                    break
+            else:
+                levels.append(_PRESENT)
+        return levels
 
     def _attribute(self, req: int, admission: int, lookup: _PendingLookup,
                    num_tokens: int) -> LookupAttribution:
@@ -581,11 +584,13 @@ class MissAttributor:
         # The waterfall: the hit after each restriction, clamped to [hit, the previous one].
         # First the last-token cap, then vLLM's hit search over the keys left after removing
         # each class in turn (block quantisation always: the search itself quantises). A
-        # class no key carries changes nothing and is skipped.
-        carried = set(attention) | set(mamba)
-        hits = [("hit_cap", min(ideal, cap // unit * unit))]
-        hits += [(SHORTFALL_CAUSES[level], level) for level in _KEY_CLASSES
-                 if level in carried or level == _LEVEL["block_quantisation"]]
+        # class no key carries changes nothing and is skipped. (Most lookups get the ideal hit.)
+        hits = []
+        if ideal > hit:
+            carried = set(attention) | set(mamba)
+            hits = [("hit_cap", min(ideal, cap // unit * unit))]
+            hits += [(SHORTFALL_CAUSES[level], level) for level in _KEY_CLASSES
+                     if level in carried or level == _LEVEL["block_quantisation"]]
         previous = ideal
         for cause, level_or_hit in hits:
             if previous == hit:

@@ -5,11 +5,14 @@ fixed-width int columns, which ``numpy.frombuffer`` views without copying. Rows 
 gathered into chunks of about a million and handed to DuckDB as a dict of numpy arrays (its
 replacement scan reads them in bulk), so no record is ever turned into a Python object.
 The same pass feeds the miss attribution (``kvtrace.analysis.attribution``), whose rows go to
-the ``miss_attribution`` table.
+the ``miss_attribution`` table. For a large trace the attribution (Python, a few microseconds
+a record) runs in a child process reading the same file while this one loads the records, so
+on two cores the two overlap instead of adding up.
 """
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import time
 from dataclasses import dataclass, field
@@ -37,11 +40,15 @@ from kvtrace.analysis.database import (
     record_fields,
     schema_statements,
 )
+from kvtrace.errors import KvtraceError, error_class
 from kvtrace.events import RECORD_TYPES, StepStarted, TraceHeader, tag_of
 from kvtrace.traceio import ListColumn, TraceReader
 
 TRACE_SUFFIX = ".kvtrace"
 CHUNK_ROWS = 1 << 20
+# Traces at least this large are attributed in a child process (starting one costs about a
+# second; a trace of this size takes several to attribute).
+PARALLEL_ATTRIBUTION_BYTES = 16 << 20
 
 
 @dataclass
@@ -175,29 +182,45 @@ def run_labels(header: TraceHeader) -> tuple[str, str, str]:
 def _load_trace(connection, run: int, path: str) -> LoadedRun:
     reader = TraceReader(path)
     variant, backend, mode = run_labels(reader.header)
-    sink = _RunSink(connection, run, variant, backend)
-    attributor = new_attributor(reader.header, path) if reader.header.config else None
-    steps_before = 0
-    for batch in reader.batches():
-        if attributor is not None:
-            attributor.feed(batch)
-        kinds = np.frombuffer(batch.kinds, dtype=np.uint8)
-        seqs = batch.first_seq + np.arange(len(kinds), dtype=np.int64)
-        steps = np.full(len(kinds), steps_before, dtype=np.int64)
-        for index, record_type in enumerate(batch.types):
-            if record_type is StepStarted:
-                steps += np.cumsum(kinds == index)
-                steps_before = int(steps[-1])
-        for index, record_type in enumerate(batch.types):
-            if record_type is None:
-                continue
-            rows = slice(None) if len(batch.types) == 1 else np.flatnonzero(kinds == index)
-            sink.add(record_type, seqs[rows], steps[rows], batch.columns[index])
-    sink.flush_all()
-    if attributor is not None:
-        _insert_attribution(connection, list(iter_rows(run, variant, backend, attributor.lookups)))
+    attribute = (attribution_rows, (path, run, variant, backend))
+    aside = None  # a child process attributing while this one loads
+    if reader.header.config is not None and os.path.getsize(path) >= PARALLEL_ATTRIBUTION_BYTES:
+        aside = multiprocessing.get_context("spawn").Pool(1)
+    try:
+        pending = aside.apply_async(*attribute) if aside is not None else None
+        sink = _RunSink(connection, run, variant, backend)
+        for batch in reader.batches():
+            sink.add_batch(batch)
+        sink.flush_all()
+        if reader.header.config is not None:
+            rows = pending.get() if pending is not None else attribute[0](*attribute[1])
+            _insert_attribution(connection, _rows_or_raise(rows))
+    finally:
+        if aside is not None:
+            aside.terminate()
     _insert_run_row(connection, run, path, reader, variant, backend, mode)
     return LoadedRun(run, path, variant, backend, reader.num_records, reader.truncated)
+
+
+def attribution_rows(path: str, run: int, variant: str, backend: str) -> bytes | tuple:
+    """The miss-attribution rows of one trace, msgpack-encoded; or, for a ``KvtraceError``, its
+    class name, message and hint (so that a child process hands back the same error)."""
+    try:
+        reader = TraceReader(path)
+        attributor = new_attributor(reader.header, path)
+        for batch in reader.batches():
+            attributor.feed(batch)
+        return msgspec.msgpack.encode(list(iter_rows(run, variant, backend,
+                                                     attributor.lookups)))
+    except KvtraceError as error:
+        return type(error).__name__, str(error), error.hint
+
+
+def _rows_or_raise(result: bytes | tuple) -> list[tuple]:
+    if isinstance(result, tuple):
+        name, message, hint = result
+        raise error_class(name)(message, hint=hint)
+    return msgspec.msgpack.decode(result, type=list[tuple])
 
 
 def _insert_attribution(connection, rows: list[tuple]) -> None:
@@ -242,6 +265,22 @@ class _RunSink:
         self.pending: dict[str, list[dict[str, np.ndarray]]] = {}
         self.pending_rows: dict[str, int] = {}
         self.child_tables: set[str] = set()
+        self.steps_before = 0
+
+    def add_batch(self, batch) -> None:
+        """A batch's records, each kind as columns, with its sequence number and step."""
+        kinds = np.frombuffer(batch.kinds, dtype=np.uint8)
+        seqs = batch.first_seq + np.arange(len(kinds), dtype=np.int64)
+        steps = np.full(len(kinds), self.steps_before, dtype=np.int64)
+        for index, record_type in enumerate(batch.types):
+            if record_type is StepStarted:
+                steps += np.cumsum(kinds == index)
+                self.steps_before = int(steps[-1])
+        for index, record_type in enumerate(batch.types):
+            if record_type is None:
+                continue
+            rows = slice(None) if len(batch.types) == 1 else np.flatnonzero(kinds == index)
+            self.add(record_type, seqs[rows], steps[rows], batch.columns[index])
 
     def add(self, record_type, seqs: np.ndarray, steps: np.ndarray, columns: list) -> None:
         tag = tag_of(record_type)
