@@ -10,10 +10,11 @@
 from __future__ import annotations
 
 import dataclasses
-import multiprocessing
 
 import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import duckdb
@@ -243,16 +244,25 @@ def test_a_large_trace_is_attributed_aside_to_the_same_rows(seeded_replays, tmp_
     data = bytearray(Path(runs[0]).read_bytes())
     data[len(data) // 2] ^= 0xFF
     damaged.write_bytes(bytes(data))
+    children = []
+    popen = subprocess.Popen
+    monkeypatch.setattr(subprocess, "Popen", lambda *a, **k: children.append(popen(*a, **k))
+                        or children[-1])
     with pytest.raises(TraceFormatError):
         load_traces([damaged], tmp_path / "damaged.duckdb")
-    assert multiprocessing.active_children() == []
+    assert len(children) == 1 and children[0].returncode is not None  # not left running
     assert not (tmp_path / "damaged.duckdb").exists()
 
 
-def test_an_error_in_the_child_arrives_as_its_own_class():
+def test_an_error_in_the_child_arrives_as_its_own_class(tmp_path):
+    """What the child writes for a KvtraceError is raised again, class and hint intact."""
+    headerless = tmp_path / "headerless.kvtrace"
+    write_trace(headerless, TraceHeader(kvtrace_version="test", created_ns=0, source="synth"), [])
+    child = subprocess.run([sys.executable, "-m", "kvtrace.analysis.load", str(headerless), "0",
+                            "unfixed", "vllm"], capture_output=True, check=True)
     with pytest.raises(AttributionError, match="no engine config") as raised:
-        load._rows_or_raise(("AttributionError", "x.kvtrace has no engine config", "do this"))
-    assert raised.value.hint == "do this"
+        load._rows_or_raise(child.stdout)
+    assert raised.value.hint == AttributionError.default_hint
 
 
 def test_pushout_tokens_against_checkpoint_pushouts(seeded_replays):

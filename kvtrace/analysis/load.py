@@ -6,14 +6,15 @@ gathered into chunks of about a million and handed to DuckDB as a dict of numpy 
 replacement scan reads them in bulk), so no record is ever turned into a Python object.
 The same pass feeds the miss attribution (``kvtrace.analysis.attribution``), whose rows go to
 the ``miss_attribution`` table. For a large trace the attribution (Python, a few microseconds
-a record) runs in a child process reading the same file while this one loads the records, so
-on two cores the two overlap instead of adding up.
+a record) runs in a child interpreter (``python -m kvtrace.analysis.load``) reading the same
+file while this one loads the records, so on two cores the two overlap instead of adding up.
 """
 
 from __future__ import annotations
 
-import multiprocessing
 import os
+import subprocess
+import sys
 import time
 from dataclasses import dataclass, field
 from enum import IntEnum
@@ -46,8 +47,8 @@ from kvtrace.traceio import ListColumn, TraceReader
 
 TRACE_SUFFIX = ".kvtrace"
 CHUNK_ROWS = 1 << 20
-# Traces at least this large are attributed in a child process (starting one costs about a
-# second; a trace of this size takes several to attribute).
+# Traces at least this large are attributed in a child process (starting one costs about
+# 0.3 s; a trace of this size takes seconds to attribute).
 PARALLEL_ATTRIBUTION_BYTES = 16 << 20
 
 
@@ -182,45 +183,59 @@ def run_labels(header: TraceHeader) -> tuple[str, str, str]:
 def _load_trace(connection, run: int, path: str) -> LoadedRun:
     reader = TraceReader(path)
     variant, backend, mode = run_labels(reader.header)
-    attribute = (attribution_rows, (path, run, variant, backend))
-    aside = None  # a child process attributing while this one loads
+    labels = (run, variant, backend)
+    aside = None  # a child interpreter attributing while this one loads
     if reader.header.config is not None and os.path.getsize(path) >= PARALLEL_ATTRIBUTION_BYTES:
-        aside = multiprocessing.get_context("spawn").Pool(1)
+        aside = subprocess.Popen(
+            [sys.executable, "-m", __name__, path, *map(str, labels)],
+            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE)
     try:
-        pending = aside.apply_async(*attribute) if aside is not None else None
         sink = _RunSink(connection, run, variant, backend)
         for batch in reader.batches():
             sink.add_batch(batch)
         sink.flush_all()
         if reader.header.config is not None:
-            rows = pending.get() if pending is not None else attribute[0](*attribute[1])
+            rows = (attribution_rows(path, *labels) if aside is None
+                    else _collect(aside, path))
             _insert_attribution(connection, _rows_or_raise(rows))
     finally:
-        if aside is not None:
-            aside.terminate()
+        if aside is not None and aside.poll() is None:
+            aside.kill()
+            aside.wait()
     _insert_run_row(connection, run, path, reader, variant, backend, mode)
     return LoadedRun(run, path, variant, backend, reader.num_records, reader.truncated)
 
 
-def attribution_rows(path: str, run: int, variant: str, backend: str) -> bytes | tuple:
+def attribution_rows(path: str, run: int, variant: str, backend: str) -> bytes:
     """The miss-attribution rows of one trace, msgpack-encoded; or, for a ``KvtraceError``, its
-    class name, message and hint (so that a child process hands back the same error)."""
+    class name, message and hint (so that a child hands back the same error)."""
     try:
         reader = TraceReader(path)
         attributor = new_attributor(reader.header, path)
         for batch in reader.batches():
             attributor.feed(batch)
-        return msgspec.msgpack.encode(list(iter_rows(run, variant, backend,
-                                                     attributor.lookups)))
+        rows = list(iter_rows(run, variant, backend, attributor.lookups))
     except KvtraceError as error:
-        return type(error).__name__, str(error), error.hint
+        return msgspec.msgpack.encode({"error": [type(error).__name__, str(error), error.hint]})
+    return msgspec.msgpack.encode({"rows": rows})
 
 
-def _rows_or_raise(result: bytes | tuple) -> list[tuple]:
-    if isinstance(result, tuple):
-        name, message, hint = result
+def _collect(aside: subprocess.Popen, path: str) -> bytes:
+    output, _ = aside.communicate()
+    if aside.returncode != 0:
+        raise DatabaseError(
+            f"attributing the misses of {path} failed in a child process "
+            f"(exit status {aside.returncode})",
+            hint="Its error is printed above; run with -vv, or report it with the trace.")
+    return output
+
+
+def _rows_or_raise(encoded: bytes) -> list[tuple]:
+    result = msgspec.msgpack.decode(encoded)
+    if "error" in result:
+        name, message, hint = result["error"]
         raise error_class(name)(message, hint=hint)
-    return msgspec.msgpack.decode(result, type=list[tuple])
+    return [tuple(row) for row in result["rows"]]
 
 
 def _insert_attribution(connection, rows: list[tuple]) -> None:
@@ -366,3 +381,7 @@ def _insert_sql(table: str, columns: tuple[str, ...], labelled: bool) -> str:
     target = "run, " + ("variant, backend, " if labelled else "") + ", ".join(columns)
     return (f"INSERT INTO {table} ({target}) SELECT $run, {run_columns}{', '.join(expressions)} "
             f"FROM kvtrace_chunk")
+
+
+if __name__ == "__main__":  # the child of ``_load_trace``: PATH RUN VARIANT BACKEND
+    sys.stdout.buffer.write(attribution_rows(sys.argv[1], int(sys.argv[2]), *sys.argv[3:5]))
