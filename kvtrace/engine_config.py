@@ -3,7 +3,8 @@
 Every stage that builds a cache from an ``EngineConfig`` (``kvtrace replay``, ``kvtrace engine``,
 the workload writers) goes through ``derive`` / ``validate`` here, so a configuration vLLM
 cannot build is refused with the same message whichever command met it first. Each rule has
-one message (``RULES`` lists them) and a hint that says what to change.
+one message and a hint that says what to change. One rule is this machine's: a replay's block
+pool must fit its available memory (``check_pool_memory``, ``REPLAY_BYTES_PER_BLOCK`` a block).
 
 ``SchedulerSettings`` are the scheduler limits of an engine (what vLLM's ``SchedulerConfig``
 holds, read from the trace's config, then overridden), plus the virtual clock that orders
@@ -29,6 +30,11 @@ DEFAULT_MAX_NUM_SEQS = 1024
 SUPPORTED_GROUP_KINDS = ("full_attention", "mamba")
 # "Keep the source's value" for an override (None is a value: dense retention).
 KEEP = object()
+# Memory a replay's block pool takes per block: vLLM's KVCacheBlock and free-queue links (about
+# 140 bytes measured at 10^6 blocks), and the prefix-cache entry of a keyed block.
+# tests/test_hardening.py holds the real vLLM pool to it.
+REPLAY_BYTES_PER_BLOCK = 256
+MAX_INT64 = (1 << 63) - 1  # the largest value of a trace's integer fields
 
 
 @dataclass(frozen=True)
@@ -109,6 +115,7 @@ def derive(config: EngineConfig | None, source: str,
 def validate(config: EngineConfig) -> None:
     """Refuse an engine vLLM 0.33 would not build, or that kvtrace's replay cannot: one
     ``ConfigError`` per rule, naming the value and what to change."""
+    _check_fits_int64(config)
     groups = config.kv_cache_groups
     unit = config.hash_block_size
     if not groups:
@@ -147,6 +154,7 @@ def validate(config: EngineConfig) -> None:
     if config.num_gpu_blocks < 2:
         raise ConfigError(f"num_gpu_blocks is {config.num_gpu_blocks}, which leaves no usable "
                           "block", "vLLM reserves one block as the null block; use at least 2.")
+    check_pool_memory(config.num_gpu_blocks)
     block = lcm(*(g.block_size for g in groups))
     retention = config.retention_interval
     if retention is not None and (retention < 0 or retention % block):
@@ -154,6 +162,61 @@ def validate(config: EngineConfig) -> None:
             f"retention interval {retention} is not 0 or a multiple of the scheduler block "
             f"size {block}",
             "vLLM accepts none (dense), 0 (latest-only) or a multiple of the scheduler block.")
+
+
+def available_memory() -> int | None:
+    """Bytes this machine can still give a process (``MemAvailable``, within a cgroup's
+    limit); None where the kernel does not say."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            fields = dict(line.split(":", 1) for line in meminfo)
+        available = int(fields["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        return None
+    for limit_file in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            with open(limit_file) as limit:
+                available = min(available, int(limit.read()))
+        except (OSError, ValueError):
+            pass  # absent, or "max"
+    return available
+
+
+def check_pool_memory(num_gpu_blocks: int, subject: str = "", hint: str = "") -> None:
+    """Refuse a pool of ``num_gpu_blocks`` (what ``subject`` needs; default: the pool itself)
+    that a replay on this machine could not hold in memory, rather than run into the limit."""
+    available = available_memory()
+    need = num_gpu_blocks * REPLAY_BYTES_PER_BLOCK
+    if available is None or need <= available:
+        return
+    raise ConfigError(
+        f"{subject or f'a pool of {num_gpu_blocks:,} blocks'} needs about {_bytes(need)} of "
+        f"memory to replay ({REPLAY_BYTES_PER_BLOCK} bytes a block), more than the "
+        f"{_bytes(available)} this machine has available",
+        hint or f"Use at most {available // REPLAY_BYTES_PER_BLOCK:,} blocks here "
+                "(--num-gpu-blocks), or replay on a machine with more memory.")
+
+
+def _bytes(count: int) -> str:
+    """``count`` bytes to a tenth of the largest binary unit it holds one of (exact for any
+    integer, however large)."""
+    units = ("B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB")
+    power = 0
+    while power < len(units) - 1 and count >= 1024 ** (power + 1):
+        power += 1
+    tenths = count * 10 // 1024 ** power
+    return f"{tenths // 10:,}.{tenths % 10} {units[power]}"
+
+
+def _check_fits_int64(config: EngineConfig) -> None:
+    """Every number of the config must fit the 64-bit integers a trace header holds."""
+    fields = [(f"group {i} {name}", value) for i, group in enumerate(config.kv_cache_groups)
+              for name, value in msgspec.structs.asdict(group).items()]
+    fields += msgspec.structs.asdict(config).items()
+    for name, value in fields:
+        if isinstance(value, int) and not -MAX_INT64 - 1 <= value <= MAX_INT64:
+            raise ConfigError(f"{name} {value} does not fit a trace's 64-bit integers",
+                              "Give a value below 2**63.")
 
 
 def blocks_needed(config: EngineConfig, num_tokens: int) -> int:

@@ -90,9 +90,8 @@ def load_workload(options: EngineOptions) -> EngineWorkload:
                           "Use 1 for real time, 10 for ten times faster, 0 for no waiting.")
     get_variant(options.variant)
     reader = TraceReader(options.source)
-    records = list(reader)
     config, settings = derive(reader.header.config, options.source, options.overrides)
-    arrivals = sorted(arrivals_of(records), key=lambda arrival: arrival.arrival_ns)
+    arrivals = arrivals_of(reader.batches())  # in arrival order
     if not arrivals:
         raise KvtraceError(f"{options.source} has no requests (no request_arrived records)",
                            "Run a workload (kvtrace synth / import) or a captured trace.")

@@ -7,8 +7,9 @@ input that led to it. A trace that lost events is refused: its effects cannot be
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Iterable
 
 from kvtrace.errors import KvtraceError
 from kvtrace.events import (
@@ -29,13 +30,14 @@ from kvtrace.replay.backend import CacheBackend
 def replay_lockstep(records: Iterable[Record], backend: CacheBackend) -> int:
     """Re-issue every input record of ``records`` on ``backend``; return how many were issued.
 
-    The backend reports its own records through its sink. Output hash ids a request completed
-    during decode (``HashesExtended``) are declared up front so the replay hands them out as
-    the request's tokens grow. Each captured ``allocate_slots`` first takes the request's
-    captured progress (``CacheBackend.sync_request``) and passes vLLM's admission terms on;
-    blocks the engine freed outside the cache's calls are released by id.
+    ``records`` is read twice, so it must iterate anew each time (a list, or a trace re-read:
+    ``replay`` never holds a capture in memory). The backend reports its own records through
+    its sink. Output hash ids a request completed during decode (``HashesExtended``) are
+    declared up front so the replay hands them out as the request's tokens grow. Each captured
+    ``allocate_slots`` first takes the request's captured progress (``CacheBackend.sync_request``)
+    and passes vLLM's admission terms on; blocks the engine freed outside the cache's calls are
+    released by id.
     """
-    records = list(records)
     output_hash_ids: dict[int, list[int]] = {}
     for record in records:
         if type(record) is HashesExtended:
@@ -106,37 +108,37 @@ class Fidelity:
 
 
 def verify(captured: Iterable[Record], replayed: Iterable[Record]) -> Fidelity:
-    """Compare the effect records of two streams position by position.
+    """Compare the effect records of two streams position by position, as they stream.
 
     ``captured`` may be a ``TraceReader``: a closing record that counts dropped events refuses
     the comparison, as does an ``EventsDropped`` record in either stream.
     """
-    captured_effects, contexts = _effects(captured, "captured")
-    replayed_effects, _ = _effects(replayed, "replayed")
-    total = max(len(captured_effects), len(replayed_effects))
-    matched = sum(a == b for a, b in zip(captured_effects, replayed_effects))
+    matched = total = 0
     first = None
-    for index in range(total):
-        mine = captured_effects[index] if index < len(captured_effects) else None
-        theirs = replayed_effects[index] if index < len(replayed_effects) else None
-        if mine != theirs:
-            step, last_input = contexts[min(index, len(contexts) - 1)] if contexts else (-1, None)
-            first = Divergence(index, step, mine, theirs, last_input)
-            break
+    context: tuple[int, Record | None] = (-1, None)  # of the last captured effect seen
+    pairs = itertools.zip_longest(_effects(captured, "captured"), _effects(replayed, "replayed"))
+    for index, (mine, theirs) in enumerate(pairs):
+        if mine is not None:
+            mine, *context = mine
+        if theirs is not None:
+            theirs = theirs[0]
+        total += 1
+        if mine == theirs:
+            matched += 1
+        elif first is None:
+            first = Divergence(index, context[0], mine, theirs, context[1])
     return Fidelity(matched, total, first)
 
 
-def _effects(stream: Iterable[Record], name: str) -> tuple[list[Record], list[tuple]]:
-    """The effect records of ``stream`` and, for each, (step, last input record) before it."""
-    effects, contexts = [], []
+def _effects(stream: Iterable[Record], name: str) -> Iterator[tuple[Record, int, Record | None]]:
+    """The effect records of ``stream``, each with the step and the last input before it."""
     step, last_input = -1, None
     for record in stream:
         if type(record) is EventsDropped:
             raise _dropped_error(name, record.count)
         family = record.family
         if family == "effect":
-            effects.append(record)
-            contexts.append((step, last_input))
+            yield record, step, last_input
         elif family == "input":
             last_input = record
             if type(record) is StepStarted:
@@ -144,7 +146,6 @@ def _effects(stream: Iterable[Record], name: str) -> tuple[list[Record], list[tu
     num_dropped = getattr(stream, "num_dropped", 0)
     if num_dropped:
         raise _dropped_error(name, num_dropped)
-    return effects, contexts
 
 
 def _dropped_error(name: str, count: int) -> KvtraceError:

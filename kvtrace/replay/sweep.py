@@ -39,7 +39,7 @@ from kvtrace.engine_config import (
 from kvtrace.errors import ConfigError, KvtraceError
 from kvtrace.replay.backend import BACKENDS, open_backend
 from kvtrace.replay.run import DEFAULT_VARIANTS, ReplayOptions, Source, read_source, replay
-from kvtrace.replay.scheduler import Arrival, arrivals_of
+from kvtrace.replay.scheduler import Arrival
 from kvtrace.workloads.workload import (
     Workload,
     WorkloadRequest,
@@ -137,7 +137,7 @@ def plan_sweep(grid: SweepGrid) -> SweepPlan:
                      f"running on {backend!r}")
     source = _source_for(grid.source)
     derive(source.header.config, grid.source)  # the source's own engine, before its geometry
-    arrivals = arrivals_of(source.records)
+    arrivals = source.arrivals
     if not arrivals:
         raise KvtraceError(f"{grid.source} has no requests (no request_arrived records)",
                            "Sweep a workload (kvtrace synth / import) or a captured trace.")

@@ -38,10 +38,13 @@ import random
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
+from kvtrace.engine_config import MAX_INT64
 from kvtrace.errors import ConfigError
 from kvtrace.workloads.workload import Workload, WorkloadRequest
 
 SYSTEM_PROMPT_SIGMA = 0.5
+# Longer than the context of any model vLLM serves (10M tokens): a bound on every length drawn.
+MAX_PROMPT_LEN = 1 << 24
 
 
 # --- synthetic traffic ------------------------------------------------------------------------------
@@ -271,13 +274,21 @@ def preset_params(preset: str, overrides: Mapping[str, object] = {}) -> SharedPr
     for name in names:
         value = getattr(params, name)
         if name == "rate":
-            bad, wanted = value <= 0, "positive"
+            bad, wanted = not 0 < value < math.inf, "positive and finite"
         elif name in ("zipf", "length_sigma", "think_time"):
-            bad, wanted = value < 0, "at least 0"
+            bad, wanted = not 0 <= value < math.inf, "at least 0 and finite"
+        elif name == "max_prompt_len":
+            bad, wanted = not 1 <= value <= MAX_PROMPT_LEN, f"from 1 to {MAX_PROMPT_LEN:,}"
         else:
-            bad, wanted = value < 1, "at least 1"
+            bad, wanted = not 1 <= value < math.inf, "at least 1"
         if bad:
-            raise ConfigError(f"--{name.replace('_', '-')} must be {wanted}, not {value}")
+            raise ConfigError(f"--{name.replace('_', '-')} must be {wanted}, not {value}",
+                              "`kvtrace synth --help` lists each preset's parameters.")
+    max_turns = getattr(params, "max_turns", 1)
+    if max_turns > params.max_prompt_len:
+        raise ConfigError(f"--max-turns {max_turns} is more turns than a session can have: "
+                          f"each adds tokens to a prompt capped at {params.max_prompt_len}",
+                          "Give --max-turns at most --max-prompt-len.")
     return params
 
 
@@ -309,6 +320,9 @@ def synthesize(preset: str, num_requests: int, seed: int, hash_unit: int,
     hasher = UnitHasher(hash_unit)
     requests = []
     for draft in drafts:
+        if not draft.arrival_s * 1e9 <= MAX_INT64:
+            raise ConfigError(f"request {draft.request_id} would arrive {draft.arrival_s:.3g} s "
+                              "in, beyond a trace's 64-bit clock (292 years)", "Raise --rate.")
         prompt_len = _tokens(draft.prompt)
         units = hasher.unit_ids(draft.prompt + (draft.output,))
         split = prompt_len // hash_unit

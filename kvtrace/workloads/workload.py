@@ -27,8 +27,10 @@ from kvtrace import __version__
 from kvtrace.engine_config import (
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
     DEFAULT_MAX_NUM_SEQS,
+    MAX_INT64,
     SchedulerSettings,
     check_pool_fits,
+    check_pool_memory,
     validate,
 )
 from kvtrace.errors import ConfigError, KvtraceError
@@ -40,6 +42,7 @@ from kvtrace.events import (
     RequestArrived,
     TraceHeader,
 )
+from kvtrace.files import cannot_write
 from kvtrace.geometry import Geometry
 from kvtrace.geometry.bundled import geometry_for
 from kvtrace.traceio import TraceWriter
@@ -232,7 +235,7 @@ def distinct_attention_blocks(workload: Workload, attention_block: int) -> int:
     shared: set[int] = set()
     unique = 0
     for request in workload.requests:
-        units = request.hash_ids + request.output_hash_ids
+        units = [*request.hash_ids, *request.output_hash_ids]
         shared.update(units[units_per_block - 1::units_per_block])
         filled = request.num_tokens // attention_block
         unique += filled - len(units) // units_per_block
@@ -271,6 +274,7 @@ def write_workload(path: str | os.PathLike, workload: Workload, shape: EngineSha
         raise ConfigError(f"the workload was hashed at {workload.hash_unit} tokens, the engine "
                           f"uses {shape.hash_block_size}",
                           "Hash the workload at the engine's hash unit (shape.hash_block_size).")
+    _check_requests(workload, shape)
     num_gpu_blocks, rule = pool_size(workload, shape)
     config = engine_config_for(workload, shape, num_gpu_blocks)
     validate(config)
@@ -286,10 +290,23 @@ def write_workload(path: str | os.PathLike, workload: Workload, shape: EngineSha
         params={**workload.params, **shape.describe(), "num_gpu_blocks_rule": rule},
     )
     try:
-        writer = TraceWriter(path, header, atomic=True)
+        with TraceWriter(path, header, atomic=True) as writer:
+            writer.write_many(workload_records(workload))
     except OSError as error:
-        raise KvtraceError(f"cannot write {os.fspath(path)}: {error.strerror}",
-                           "Check that the output directory exists and is writable.") from None
-    with writer:
-        writer.write_many(workload_records(workload))
+        raise cannot_write(path, error) from None
     return header
+
+
+def _check_requests(workload: Workload, shape: EngineShape) -> None:
+    """Refuse a request no replay could run: one that arrives beyond a trace's clock, or
+    that alone needs a pool this machine cannot hold."""
+    for request in workload.requests:
+        if not 0 <= request.arrival_ns <= MAX_INT64:
+            raise ConfigError(
+                f"request {request.request_id} arrives at {request.arrival_ns} ns, outside a "
+                "trace's 64-bit clock (0 to 292 years)", "Check its arrival time.")
+    longest = max(workload.requests, key=lambda request: request.num_tokens)
+    blocks = minimum_pool_blocks(longest, shape)
+    check_pool_memory(blocks, f"request {longest.request_id} alone ({longest.num_tokens:,} "
+                              f"tokens, {blocks:,} blocks)",
+                      "Check the request's prompt and output lengths.")
