@@ -35,6 +35,9 @@ KEEP = object()
 # tests/test_hardening.py holds the real vLLM pool to it.
 REPLAY_BYTES_PER_BLOCK = 256
 MAX_INT64 = (1 << 63) - 1  # the largest value of a trace's integer fields
+# The longest request (prompt and output) a replay runs: longer than any model's context (10M
+# tokens), and short enough that vLLM's Request (a list entry per token) fits in memory.
+MAX_REQUEST_TOKENS = 1 << 26
 
 
 @dataclass(frozen=True)
@@ -112,9 +115,10 @@ def derive(config: EngineConfig | None, source: str,
     return config, SchedulerSettings.from_config(config, **overrides.scheduler())
 
 
-def validate(config: EngineConfig) -> None:
-    """Refuse an engine vLLM 0.33 would not build, or that kvtrace's replay cannot: one
-    ``ConfigError`` per rule, naming the value and what to change."""
+def check_possible(config: EngineConfig) -> None:
+    """Refuse a config no engine can have (what reading a trace's figures needs: load, why):
+    numbers that do not fit, no groups, sizes that are not positive multiples of the hash
+    unit, a negative pool, limit or retention."""
     _check_fits_int64(config)
     groups = config.kv_cache_groups
     unit = config.hash_block_size
@@ -125,16 +129,42 @@ def validate(config: EngineConfig) -> None:
         raise ConfigError(f"the hash unit (hash_block_size) must be positive, not {unit}",
                           "Use the engine's hash block size (e.g. 16 or 32 tokens).")
     for index, group in enumerate(groups):
-        if group.kind not in SUPPORTED_GROUP_KINDS:
-            raise ConfigError(
-                f"KV-cache group {index} is {group.kind!r}; kvtrace replays "
-                f"{' and '.join(SUPPORTED_GROUP_KINDS)} groups only",
-                "Sliding-window and cross-attention groups are not supported yet.")
         if group.block_size <= 0 or group.block_size % unit:
             raise ConfigError(
                 f"KV-cache group {index} ({group.kind}) has block size {group.block_size}, "
                 f"not a multiple of the hash unit {unit}",
                 "vLLM hashes blocks in hash units: every block size must be a multiple of it.")
+        alignment = group.prefill_checkpoint_alignment
+        if group.num_prefill_checkpoint_blocks < 0 or (alignment is not None and alignment <= 0):
+            raise ConfigError(
+                f"KV-cache group {index} has {group.num_prefill_checkpoint_blocks} checkpoint "
+                f"blocks at alignment {alignment}", "Both must be positive (or none).")
+    for name in ("num_gpu_blocks", "max_model_len", "max_num_batched_tokens", "max_num_seqs",
+                 "long_prefill_token_threshold"):
+        if getattr(config, name) < 0:
+            raise ConfigError(f"{name} is {getattr(config, name)}, which is negative",
+                              "The trace is damaged or was written wrongly; check its source.")
+    block = lcm(*(g.block_size for g in groups))
+    retention = config.retention_interval
+    if retention is not None and (retention < 0 or retention % block):
+        raise ConfigError(
+            f"retention interval {retention} is not 0 or a multiple of the scheduler block "
+            f"size {block}",
+            "vLLM accepts none (dense), 0 (latest-only) or a multiple of the scheduler block.")
+
+
+def validate(config: EngineConfig) -> None:
+    """Refuse an engine vLLM 0.33 would not build, or that kvtrace's replay cannot (here: the
+    pool must fit this machine's memory): one ``ConfigError`` per rule, naming the value and
+    what to change."""
+    check_possible(config)
+    groups = config.kv_cache_groups
+    for index, group in enumerate(groups):
+        if group.kind not in SUPPORTED_GROUP_KINDS:
+            raise ConfigError(
+                f"KV-cache group {index} is {group.kind!r}; kvtrace replays "
+                f"{' and '.join(SUPPORTED_GROUP_KINDS)} groups only",
+                "Sliding-window and cross-attention groups are not supported yet.")
         if group.kind == "mamba" and config.enable_caching and group.mamba_cache_mode not in (
                 "", "align"):
             raise ConfigError(
@@ -155,13 +185,6 @@ def validate(config: EngineConfig) -> None:
         raise ConfigError(f"num_gpu_blocks is {config.num_gpu_blocks}, which leaves no usable "
                           "block", "vLLM reserves one block as the null block; use at least 2.")
     check_pool_memory(config.num_gpu_blocks)
-    block = lcm(*(g.block_size for g in groups))
-    retention = config.retention_interval
-    if retention is not None and (retention < 0 or retention % block):
-        raise ConfigError(
-            f"retention interval {retention} is not 0 or a multiple of the scheduler block "
-            f"size {block}",
-            "vLLM accepts none (dense), 0 (latest-only) or a multiple of the scheduler block.")
 
 
 def available_memory() -> int | None:
@@ -230,6 +253,19 @@ def blocks_needed(config: EngineConfig, num_tokens: int) -> int:
         else:
             need += -(-num_tokens // group.block_size)
     return need
+
+
+def check_request(req: int | str, prompt_len: int, max_tokens: int) -> None:
+    """A request a replay can run: a prompt, no negative output, and at most
+    ``MAX_REQUEST_TOKENS`` in all."""
+    if prompt_len < 1 or max_tokens < 0:
+        raise ConfigError(f"request {req} has {prompt_len} prompt and {max_tokens} output "
+                          "tokens; a request has a prompt, and no negative output",
+                          "The trace is damaged or was written wrongly; check its source.")
+    if prompt_len + max_tokens > MAX_REQUEST_TOKENS:
+        raise ConfigError(f"request {req} has {prompt_len + max_tokens:,} tokens, more than the "
+                          f"{MAX_REQUEST_TOKENS:,} kvtrace replays (longer than any model's "
+                          "context)", "Check the request's prompt and output lengths.")
 
 
 def check_fits_model_len(settings: SchedulerSettings, req: int, prompt_len: int) -> None:

@@ -120,8 +120,8 @@ def schema_statements() -> list[str]:
         """CREATE TABLE runs (
             run INTEGER PRIMARY KEY, path VARCHAR, source VARCHAR, variant VARCHAR,
             backend VARCHAR, mode VARCHAR, source_key VARCHAR, kvtrace_version VARCHAR,
-            vllm_version VARCHAR, created_ns BIGINT, hash_block_size INTEGER,
-            num_gpu_blocks INTEGER, retention_interval INTEGER, block_sizes INTEGER[],
+            vllm_version VARCHAR, created_ns BIGINT, hash_block_size BIGINT,
+            num_gpu_blocks BIGINT, retention_interval BIGINT, block_sizes BIGINT[],
             group_kinds VARCHAR[], num_records BIGINT, truncated BOOLEAN, num_dropped BIGINT,
             header_json VARCHAR, digest VARCHAR)""",
         "CREATE TABLE kvtrace_meta (key VARCHAR PRIMARY KEY, value VARCHAR)",

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from enum import IntEnum
 
@@ -59,6 +60,7 @@ class LoadedRun:
     backend: str
     num_records: int
     truncated: bool
+    unknown_values: Counter  # enum values this kvtrace does not know: (tag, field, value) -> n
 
 
 @dataclass
@@ -218,7 +220,8 @@ def _load_trace(connection, run: int, path: str, digest: str) -> LoadedRun:
     if attributor is not None:
         _insert_attribution(connection, list(iter_rows(run, variant, backend, attributor.lookups)))
     _insert_run_row(connection, run, path, reader, variant, backend, mode, digest)
-    return LoadedRun(run, path, variant, backend, reader.num_records, reader.truncated)
+    return LoadedRun(run, path, variant, backend, reader.num_records, reader.truncated,
+                     reader.unknown_values)
 
 
 def _insert_attribution(connection, rows: list[tuple]) -> None:

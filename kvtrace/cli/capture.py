@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import sys
@@ -15,13 +16,17 @@ STATUS_INTERVAL_S = 0.5
 
 
 def parse_duration(text: str | None) -> float | None:
-    """``90``, ``90s``, ``10m``, ``1h`` -> seconds."""
+    """``90``, ``90s``, ``10m``, ``1h`` -> seconds (positive: a capture of nothing is refused
+    whichever way it is made)."""
     if text is None:
         return None
     match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smh]?)\s*", text)
     if not match:
         raise click.BadParameter(f"{text!r} is not a duration like 30s, 10m or 1h", param_hint="--duration")
-    return float(match.group(1)) * {"": 1, "s": 1, "m": 60, "h": 3600}[match.group(2)]
+    seconds = float(match.group(1)) * {"": 1, "s": 1, "m": 60, "h": 3600}[match.group(2)]
+    if not 0 < seconds < math.inf:
+        raise click.BadParameter(f"{text!r} is not a positive duration", param_hint="--duration")
+    return seconds
 
 
 @click.command("capture")

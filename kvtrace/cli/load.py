@@ -23,6 +23,7 @@ def command(traces: tuple[str, ...], db_path: str) -> None:
         kvtrace load prod.kvtrace runs/ -o prod.duckdb
     """
     from kvtrace.analysis.load import load_traces
+    from kvtrace.cli.common import unknown_value_warnings
 
     summary = load_traces(list(traces), db_path)
     for path, same in summary.duplicates:
@@ -32,5 +33,7 @@ def command(traces: tuple[str, ...], db_path: str) -> None:
         note = "  (truncated: records up to the cut)" if run.truncated else ""
         click.echo(f"run {run.run}: {run.path}  variant {run.variant}, backend {run.backend}, "
                    f"{run.num_records} records{note}")
+        for warning in unknown_value_warnings(run.path, run.unknown_values):
+            click.echo(f"kvtrace: warning: {warning}", err=True)
     click.echo(f"loaded {summary.num_records} records from {len(summary.runs)} trace(s) into "
                f"{summary.db_path} in {summary.seconds:.1f} s")

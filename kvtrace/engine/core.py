@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import Any
 
 from kvtrace.engine_config import (Overrides, SchedulerSettings, check_fits_model_len,
-                                   check_pool_fits, derive, describe_retention)
+                                   check_pool_fits, check_request, derive, describe_retention)
 from kvtrace.errors import ConfigError, KvtraceError
 from kvtrace.events import EngineConfig
 from kvtrace.replay.run import CAPTURED_VARIANT
@@ -96,6 +96,7 @@ def load_workload(options: EngineOptions) -> EngineWorkload:
         raise KvtraceError(f"{options.source} has no requests (no request_arrived records)",
                            "Run a workload (kvtrace synth / import) or a captured trace.")
     for arrival in arrivals:  # vLLM's scheduler would wait forever for a request that never fits
+        check_request(arrival.req, arrival.prompt_len, arrival.max_tokens)
         check_fits_model_len(settings, arrival.req, arrival.prompt_len)
         check_pool_fits(config, arrival.req, arrival.prompt_len + arrival.max_tokens)
     return EngineWorkload(config, settings, arrivals)

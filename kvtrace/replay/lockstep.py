@@ -43,37 +43,58 @@ def replay_lockstep(records: Iterable[Record], backend: CacheBackend) -> int:
         if type(record) is HashesExtended:
             output_hash_ids.setdefault(record.req, []).extend(record.hash_ids)
     num_issued = 0
-    for record in records:
-        kind = type(record)
-        if kind is StepStarted:
-            backend.new_step(record.step, record.ts_ns)
-        elif kind is RequestArrived:
-            backend.add_request(record.req, record.prompt_len, record.hash_ids,
-                                record.max_tokens, output_hash_ids.get(record.req))
-        elif kind is ComputedBlocksFound:
-            backend.get_computed_blocks(record.req)
-        elif kind is SlotsAllocated:
-            if record.num_external_computed_tokens:
-                raise KvtraceError(
-                    f"request {record.req} loaded {record.num_external_computed_tokens} tokens "
-                    "through a KV connector; lockstep replay has no connector",
-                    "Capture without a KV connector, or use reschedule mode.")
-            backend.sync_request(record.req, record.num_computed_tokens, record.num_tokens)
-            backend.allocate_slots(record.req, record.num_new_tokens,
-                                   record.num_new_computed_tokens, record.num_lookahead_tokens,
-                                   full_sequence_must_fit=record.full_sequence_must_fit,
-                                   reserved_blocks=record.reserved_blocks,
-                                   has_scheduled_reqs=record.has_scheduled_reqs)
-        elif kind is RequestFinished:
-            backend.free(record.req, record.status)
-        elif kind is RequestPreempted:
-            backend.preempt(record.req)
-        elif kind is BlocksReleased:
-            backend.release_blocks(record.block_ids)
-        else:
-            continue
-        num_issued += 1
+    for seq, record in enumerate(records):
+        try:
+            num_issued += _reissue(record, backend, output_hash_ids)
+        except KvtraceError:
+            raise
+        except (LookupError, ValueError, TypeError, AssertionError, AttributeError) as error:
+            # vLLM's cache met a call it could never have made: the trace is not a capture
+            raise ImpossibleCallError(
+                f"record {seq} ({type(record).__struct_config__.tag}) cannot be re-issued: "
+                f"{type(error).__name__}: {error}") from error
     return num_issued
+
+
+class ImpossibleCallError(KvtraceError):
+    """A captured call the cache could never have been asked (a damaged or hand-made trace)."""
+
+    default_hint = ("Lockstep re-issues a capture's calls as recorded; replay this trace "
+                    "without --lockstep, or capture it again.")
+
+
+def _reissue(record: Record, backend: CacheBackend,
+             output_hash_ids: dict[int, list[int]]) -> bool:
+    """Make ``record``'s call on ``backend``, if it is an input; whether it was one."""
+    kind = type(record)
+    if kind is StepStarted:
+        backend.new_step(record.step, record.ts_ns)
+    elif kind is RequestArrived:
+        backend.add_request(record.req, record.prompt_len, record.hash_ids,
+                            record.max_tokens, output_hash_ids.get(record.req))
+    elif kind is ComputedBlocksFound:
+        backend.get_computed_blocks(record.req)
+    elif kind is SlotsAllocated:
+        if record.num_external_computed_tokens:
+            raise KvtraceError(
+                f"request {record.req} loaded {record.num_external_computed_tokens} tokens "
+                "through a KV connector; lockstep replay has no connector",
+                "Capture without a KV connector, or use reschedule mode.")
+        backend.sync_request(record.req, record.num_computed_tokens, record.num_tokens)
+        backend.allocate_slots(record.req, record.num_new_tokens,
+                               record.num_new_computed_tokens, record.num_lookahead_tokens,
+                               full_sequence_must_fit=record.full_sequence_must_fit,
+                               reserved_blocks=record.reserved_blocks,
+                               has_scheduled_reqs=record.has_scheduled_reqs)
+    elif kind is RequestFinished:
+        backend.free(record.req, record.status)
+    elif kind is RequestPreempted:
+        backend.preempt(record.req)
+    elif kind is BlocksReleased:
+        backend.release_blocks(record.block_ids)
+    else:
+        return False
+    return True
 
 
 @dataclass(frozen=True)

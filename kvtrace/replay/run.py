@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from kvtrace import __version__
-from kvtrace.engine_config import Overrides, SchedulerSettings, derive
+from kvtrace.engine_config import Overrides, SchedulerSettings, check_request, derive
 from kvtrace.errors import ConfigError, KvtraceError
 from kvtrace.files import StagedOutput, cannot_write, file_digest, require_regular_file
 from kvtrace.events import (
@@ -112,6 +112,8 @@ def read_source(path: str) -> Source:
             yield batch
 
     arrivals = arrivals_of(counted(reader.batches()))
+    for arrival in arrivals:
+        check_request(arrival.req, arrival.prompt_len, arrival.max_tokens)
     return Source(path, reader.header, arrivals, reader.truncated,
                   reader.num_dropped or counts["dropped"], counts["calls"], file_digest(path))
 

@@ -38,13 +38,14 @@ import random
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
-from kvtrace.engine_config import MAX_INT64
+from kvtrace.engine_config import MAX_INT64, MAX_REQUEST_TOKENS
 from kvtrace.errors import ConfigError
 from kvtrace.workloads.workload import Workload, WorkloadRequest
 
 SYSTEM_PROMPT_SIGMA = 0.5
-# Longer than the context of any model vLLM serves (10M tokens): a bound on every length drawn.
-MAX_PROMPT_LEN = 1 << 24
+# A bound on every length drawn (each is at most half of it), so that a request and its output
+# stay within what a replay runs.
+MAX_PROMPT_LEN = MAX_REQUEST_TOKENS // 2
 
 
 # --- synthetic traffic ------------------------------------------------------------------------------

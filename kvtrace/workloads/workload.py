@@ -31,6 +31,7 @@ from kvtrace.engine_config import (
     SchedulerSettings,
     check_pool_fits,
     check_pool_memory,
+    check_request,
     validate,
 )
 from kvtrace.errors import ConfigError, KvtraceError
@@ -301,6 +302,7 @@ def _check_requests(workload: Workload, shape: EngineShape) -> None:
     """Refuse a request no replay could run: one that arrives beyond a trace's clock, or
     that alone needs a pool this machine cannot hold."""
     for request in workload.requests:
+        check_request(request.request_id, request.prompt_len, request.max_tokens)
         if not 0 <= request.arrival_ns <= MAX_INT64:
             raise ConfigError(
                 f"request {request.request_id} arrives at {request.arrival_ns} ns, outside a "
