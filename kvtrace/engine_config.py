@@ -255,9 +255,10 @@ def blocks_needed(config: EngineConfig, num_tokens: int) -> int:
     return need
 
 
-def check_request(req: int | str, prompt_len: int, max_tokens: int) -> None:
-    """A request a replay can run: a prompt, no negative output, and at most
-    ``MAX_REQUEST_TOKENS`` in all."""
+def check_request(req: int | str, prompt_len: int, max_tokens: int, num_hash_ids: int,
+                  hash_unit: int) -> None:
+    """A request a replay can run: a prompt with one hash id per full hash unit, no negative
+    output, and at most ``MAX_REQUEST_TOKENS`` in all."""
     if prompt_len < 1 or max_tokens < 0:
         raise ConfigError(f"request {req} has {prompt_len} prompt and {max_tokens} output "
                           "tokens; a request has a prompt, and no negative output",
@@ -266,6 +267,10 @@ def check_request(req: int | str, prompt_len: int, max_tokens: int) -> None:
         raise ConfigError(f"request {req} has {prompt_len + max_tokens:,} tokens, more than the "
                           f"{MAX_REQUEST_TOKENS:,} kvtrace replays (longer than any model's "
                           "context)", "Check the request's prompt and output lengths.")
+    if num_hash_ids != prompt_len // hash_unit:
+        raise ConfigError(f"request {req}: {num_hash_ids} hash ids for a {prompt_len}-token "
+                          f"prompt (hash unit {hash_unit} needs {prompt_len // hash_unit})",
+                          "Each full hash unit of the prompt needs exactly one hash id.")
 
 
 def check_fits_model_len(settings: SchedulerSettings, req: int, prompt_len: int) -> None:

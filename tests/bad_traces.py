@@ -132,3 +132,29 @@ def impossible_configs() -> dict[str, EngineConfig]:
         "odd retention": replace(SMALL_CONFIG, retention_interval=70),
         "negative budget": replace(SMALL_CONFIG, max_num_batched_tokens=-1),
     }
+
+
+def ill_typed_traces(directory: Path) -> dict[str, Path]:
+    """Traces whose frames are sound and whose records are not: values of the wrong type in
+    columns and rows, too few columns, a header of the wrong shape."""
+    empty_list = ("l", int_column([0]), int_column([]))
+    arrived = [int_column([0]), int_column([160]), empty_list, int_column([3])]
+    cases = {
+        "str in an int column": [object_column(["zero"]), *arrived[1:]],
+        "int in a list column": [*arrived[:2], int_column([5]), arrived[3]],
+        "list in an int column": [arrived[0], empty_list, *arrived[2:]],
+        "int where a string goes": [*arrived, int_column([0]), int_column([0]), int_column([7])],
+        "too few columns": arrived[:2],
+    }
+    paths = {name: write_frames(directory / f"{name.replace(' ', '_')}.kvtrace",
+                                header_frame(header()),
+                                column_batch_frame("request_arrived", columns, 1),
+                                closing_frame(1))
+             for name, columns in cases.items()}
+    paths["str in a row"] = write_frames(
+        directory / "row.kvtrace", header_frame(header()),
+        rows_frame([["request_arrived", "zero", 160, [], 3]]), closing_frame(1))
+    paths["a header of the wrong shape"] = write_frames(
+        directory / "header.kvtrace", header_frame({"kvtrace_version": 1, "created_ns": "x",
+                                                   "source": "synth"}), closing_frame(0))
+    return paths

@@ -13,6 +13,7 @@ import click
 from kvtrace.errors import KvtraceError
 
 STATUS_INTERVAL_S = 0.5
+PID = click.IntRange(min=1, max=1 << 22)  # Linux's PID_MAX_LIMIT: no process has another
 
 
 def parse_duration(text: str | None) -> float | None:
@@ -30,7 +31,7 @@ def parse_duration(text: str | None) -> float | None:
 
 
 @click.command("capture")
-@click.option("--pid", type=int, help="vLLM engine-core pid, or the API-server pid above it.")
+@click.option("--pid", type=PID, help="vLLM engine-core pid, or the API-server pid above it.")
 @click.option("--method", type=click.Choice(["auto", "plugin", "remote-exec", "gdb"]), default="auto",
               show_default=True, help="How to get kvtrace's hook into the engine.")
 @click.option("--duration", help="Stop after this long (30s, 10m, 1h); default: until Ctrl-C.")
@@ -40,7 +41,8 @@ def parse_duration(text: str | None) -> float | None:
               show_default=True, help="Records the in-engine buffer holds before it drops.")
 @click.option("--gpu-interval-ms", type=click.IntRange(min=0), default=1000, show_default=True,
               help="NVML sampling period (0: no GPU telemetry).")
-@click.option("--stop", "stop_pid", type=int, metavar="PID", help="Disarm a running capture in PID.")
+@click.option("--stop", "stop_pid", type=PID, metavar="PID",
+              help="Disarm a running capture in PID.")
 @click.option("--zmq", "zmq_endpoint", metavar="ENDPOINT",
               help="Record vLLM's own KV events from a ZMQ publisher instead (tcp://HOST:PORT).")
 @click.option("--topic", default="", help="With --zmq: the topic to subscribe to.")

@@ -30,7 +30,13 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from kvtrace import __version__
-from kvtrace.engine_config import Overrides, SchedulerSettings, check_request, derive
+from kvtrace.engine_config import (
+    Overrides,
+    SchedulerSettings,
+    check_possible,
+    check_request,
+    derive,
+)
 from kvtrace.errors import ConfigError, KvtraceError
 from kvtrace.files import StagedOutput, cannot_write, file_digest, require_regular_file
 from kvtrace.events import (
@@ -112,8 +118,12 @@ def read_source(path: str) -> Source:
             yield batch
 
     arrivals = arrivals_of(counted(reader.batches()))
-    for arrival in arrivals:
-        check_request(arrival.req, arrival.prompt_len, arrival.max_tokens)
+    config = reader.header.config  # without one, replay refuses the source anyway
+    if config is not None:
+        check_possible(config)
+    for arrival in arrivals if config else ():
+        check_request(arrival.req, arrival.prompt_len, arrival.max_tokens,
+                      len(arrival.hash_ids), config.hash_block_size)
     return Source(path, reader.header, arrivals, reader.truncated,
                   reader.num_dropped or counts["dropped"], counts["calls"], file_digest(path))
 
