@@ -6,9 +6,13 @@ runs the grid end to end, as an operator would: a fresh process, the backend's i
 configuration, the outputs. Target: <= 60 s on 2 cores.
 
 Besides the wall time it reports the configurations' own replay times (spread, and their sum:
-the serial baseline the parallel run is measured against, in the same run).
+the serial baseline the parallel run is measured against, in the same run). ``--baseline NAME``
+runs the same sweep on a second backend afterwards (e.g. ``vllm``: minutes) and reports the
+ratio of the two end-to-end times and whether every row's figures agree. ``--trace`` sweeps a
+workload imported with other engine flags instead.
 
-    .venv/bin/python benchmarks/sweep.py [--backend NAME] [-j N] [--requests N]
+    .venv/bin/python benchmarks/sweep.py [--backend NAME] [--baseline NAME] [-j N]
+        [--requests N | --trace WORKLOAD]
 """
 
 from __future__ import annotations
@@ -44,40 +48,61 @@ def workload(log: Path, requests: int | None, workdir: Path) -> Path:
     return trace
 
 
-def main() -> None:
+def sweep(trace: Path, outdir: Path, backend: str | None, jobs: int | None) -> tuple[dict, float]:
+    """``kvtrace sweep`` of the grid in a fresh process: (sweep.json, end-to-end seconds)."""
+    command = KVTRACE + ["sweep", str(trace), "--pool-fraction", FRACTIONS,
+                         "--variant", VARIANTS, "-o", str(outdir)]
+    command += ["--backend", backend] if backend else []
+    command += ["-j", str(jobs)] if jobs else []
+    print(" ".join(command[2:]), flush=True)
+    started = time.perf_counter()
+    subprocess.run(command, check=True)
+    wall = time.perf_counter() - started
+    return json.loads((outdir / "sweep.json").read_text()), wall
+
+
+def figures(rows: list[dict]) -> list[dict]:
+    """Rows without their timings."""
+    return [{k: v for k, v in row.items() if k != "wall_s"} for row in rows]
+
+
+def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--log", type=Path, default=LOG, help="Mooncake hash_ids JSONL")
     parser.add_argument("--requests", type=int, default=None,
                         help="only the first N requests (a quick look; the target is for all)")
     parser.add_argument("--backend", default=None, help="default: kvtrace sweep's default")
+    parser.add_argument("--baseline", default=None,
+                        help="a second backend to sweep afterwards, for the ratio (e.g. vllm)")
+    parser.add_argument("--trace", type=Path, default=None,
+                        help="a workload trace to sweep instead of importing --log")
     parser.add_argument("-j", "--jobs", type=int, default=None, help="default: the CPUs here")
     parser.add_argument("--workdir", type=Path,
                         default=Path(tempfile.gettempdir()) / "kvtrace-bench-sweep")
     args = parser.parse_args()
     args.workdir.mkdir(parents=True, exist_ok=True)
-    trace = workload(args.log, args.requests, args.workdir)
-    outdir = args.workdir / "out"
-    command = KVTRACE + ["sweep", str(trace), "--pool-fraction", FRACTIONS,
-                         "--variant", VARIANTS, "-o", str(outdir)]
-    command += ["--backend", args.backend] if args.backend else []
-    command += ["-j", str(args.jobs)] if args.jobs else []
-    print(" ".join(command[2:]), flush=True)
-    started = time.perf_counter()
-    subprocess.run(command, check=True)
-    wall = time.perf_counter() - started
-    sweep = json.loads((outdir / "sweep.json").read_text())
-    times = [row["wall_s"] for row in sweep["rows"]]
+    trace = args.trace or workload(args.log, args.requests, args.workdir)
+    result, wall = sweep(trace, args.workdir / "out", args.backend, args.jobs)
+    times = [row["wall_s"] for row in result["rows"]]
     serial = sum(times)
-    print(f"\nbackend {sweep['backend']}, {len(times)} configurations in {sweep['runner']}, "
+    print(f"\nbackend {result['backend']}, {len(times)} configurations in {result['runner']}, "
           f"{os.cpu_count()} CPUs")
     print(f"per configuration (replay only): median {statistics.median(times):.1f} s, "
           f"min {min(times):.1f} s, max {max(times):.1f} s; sum {serial:.1f} s")
-    print(f"sweep: {sweep['wall_s']:.1f} s in the runner; end to end {wall:.1f} s "
+    print(f"sweep: {result['wall_s']:.1f} s in the runner; end to end {wall:.1f} s "
           f"(process start, imports, outputs included)")
     print(f"serial replay time / end-to-end wall = {serial / wall:.2f}x; "
           f"target <= {TARGET_S:.0f} s: {'met' if wall <= TARGET_S else 'NOT met'} "
-          f"({wall / TARGET_S:.2f}x the target)")
+          f"({wall / TARGET_S:.2f}x the target)", flush=True)
+    if not args.baseline:
+        return 0
+    baseline, baseline_wall = sweep(trace, args.workdir / "baseline", args.baseline, args.jobs)
+    same = figures(baseline["rows"]) == figures(result["rows"])
+    print(f"\nbaseline {baseline['backend']}: end to end {baseline_wall:.1f} s, "
+          f"{baseline_wall / wall:.1f}x the {result['backend']} backend's; "
+          f"every row's figures identical: {'yes' if same else 'NO'}")
+    return 0 if same else 1
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -15,6 +15,7 @@ Imports: stdlib, msgspec, events and errors only (every stage imports this modul
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from math import lcm
 
@@ -271,6 +272,17 @@ def check_request(req: int | str, prompt_len: int, max_tokens: int, num_hash_ids
         raise ConfigError(f"request {req}: {num_hash_ids} hash ids for a {prompt_len}-token "
                           f"prompt (hash unit {hash_unit} needs {prompt_len // hash_unit})",
                           "Each full hash unit of the prompt needs exactly one hash id.")
+
+
+def check_added_request(config: EngineConfig, req: int, prompt_len: int, hash_ids: Sequence[int],
+                        max_tokens: int, known: bool) -> None:
+    """Refuse a request a backend is given as both backends do: ``check_request``, a new
+    number (``known``: added before), a sequence the pool can hold."""
+    check_request(req, prompt_len, max_tokens, len(hash_ids), config.hash_block_size)
+    if known:
+        raise ConfigError(f"request {req} was added twice",
+                          "Request numbers must be unique within a trace.")
+    check_pool_fits(config, req, prompt_len + max_tokens)
 
 
 def check_fits_model_len(settings: SchedulerSettings, req: int, prompt_len: int) -> None:

@@ -9,6 +9,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import os
 import re
 from pathlib import Path
@@ -36,9 +38,12 @@ from kvtrace.workloads.workload import EngineShape, Workload, WorkloadRequest, w
 
 SECOND = 10**9
 # Hash unit 16, full attention 16, Mamba 32 (fine-grained hits), checkpoints on 16-token
-# chunks, retention 0, a pool that never evicts: the geometry of reference §6, scaled down.
+# chunks, retention 0, a pool that never evicts: the geometry of reference §6, scaled down so
+# that every figure below can be worked out by hand: one attention and one Mamba group (a toy
+# vLLM would not build: the Mamba block differs from the attention block).
 SMALL = dict(hash_unit=16, attention_block_size=16, mamba_block_size=32, checkpoint_alignment=16,
-             retention_interval=0, num_gpu_blocks=200)
+             mamba_groups=1, retention_interval=0, num_gpu_blocks=200,
+             allow_unreal_geometry=True)
 
 
 def request(arrival_s: float, prompt_len: int, hash_ids: list[int], max_tokens: int = 1):
@@ -54,7 +59,7 @@ def replay_requests(directory: Path, shape: EngineShape, requests: list[Workload
     """The requests as a workload, replayed on the real vLLM cache: variant -> output trace."""
     directory.mkdir(parents=True, exist_ok=True)
     source = directory / "workload.kvtrace"
-    write_workload(source, Workload("synth", requests, shape.hash_unit), shape)
+    write_workload(source, Workload("synth", requests, shape.hash_block_size), shape)
     result = replay(ReplayOptions(source=str(source), outdir=str(directory / "runs"),
                                   variants=variants))
     return {v.variant: v.output for v in result.variants}
@@ -85,10 +90,16 @@ def named_causes(output: str) -> tuple[set[str], set[str]]:
 
 # --- the property test --------------------------------------------------------------------------
 
-# Seeded schedules with pressure (small pools) and preemptions (chat: long decodes).
-SCHEDULES = [("shared-prompt", 1, EngineShape()), ("agent", 2, EngineShape()),
-             ("chat", 3, EngineShape(pool_fraction=0.1)), ("agent", 4, EngineShape(
-                 hash_unit=32, attention_block_size=64, mamba_block_size=128))]
+# Seeded schedules with pressure (small pools) and preemptions (chat: long decodes), on the
+# old toy engine (one attention and one Mamba group, 32/128-token blocks, a 1,024-token budget:
+# many chunks and preemptions in a few requests), and one on the default model's real geometry.
+TOY = EngineShape(hash_unit=32, attention_block_size=32, mamba_block_size=128,
+                  max_num_batched_tokens=1024, max_num_seqs=32, mamba_groups=1,
+                  allow_unreal_geometry=True)
+SCHEDULES = [("shared-prompt", 1, TOY), ("agent", 2, TOY),
+             ("chat", 3, dataclasses.replace(TOY, pool_fraction=0.1)),
+             ("agent", 4, dataclasses.replace(TOY, attention_block_size=64)),
+             ("documents", 5, EngineShape())]
 VARIANTS = ("unfixed", "fixed", "upstream")
 
 
@@ -99,7 +110,7 @@ def seeded_replays(tmp_path_factory):
     for preset, seed, shape in SCHEDULES:
         directory = tmp_path_factory.mktemp(f"{preset}{seed}")
         source = directory / "w.kvtrace"
-        write_workload(source, synthesize(preset, 40, seed, shape.hash_unit), shape)
+        write_workload(source, synthesize(preset, 40, seed, shape.hash_block_size), shape)
         result = replay(ReplayOptions(source=str(source), outdir=str(directory / "runs"),
                                       variants=VARIANTS))
         db = directory / "w.duckdb"

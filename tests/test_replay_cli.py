@@ -190,10 +190,8 @@ def test_bad_retention(tmp_path):
 def test_mooncake_synthetic_trace_end_to_end(tmp_path):
     workload = tmp_path / "mooncake.kvtrace"
     result = CliRunner().invoke(cli, [
-        "import", "mooncake", str(MOONCAKE_SYNTHETIC), "-o", str(workload), "--hash-unit", "512",
-        "--attention-block-size", "512", "--mamba-block-size", "2048",
-        "--checkpoint-alignment", "512", "--max-num-batched-tokens", "8192",
-        "--max-num-seqs", "64"], catch_exceptions=False)
+        "import", "mooncake", str(MOONCAKE_SYNTHETIC), "-o", str(workload),
+        "--max-num-seqs", "64"], catch_exceptions=False)  # the default model's geometry
     assert result.exit_code == 0, result.output
     summary_path = tmp_path / "summary.json"
     result = replay(str(workload), "--variant", "unfixed", "--variant", "fixed",

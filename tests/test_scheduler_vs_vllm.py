@@ -113,4 +113,4 @@ def test_the_model_schedules_the_mooncake_trace_exactly_as_vllm(tmp_path):
     assert result.exit_code == 0, result.output
     workload = load_workload(EngineOptions(str(path), variant="unfixed", speed=0))
     records = assert_same_schedule(workload)
-    assert sum(type(r).__name__ == "BlockTouched" for r in records) > 1000  # prefix hits
+    assert sum(type(r).__name__ == "BlockTouched" for r in records) > 300  # prefix hits

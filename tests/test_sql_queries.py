@@ -23,7 +23,8 @@ from make_golden import forensics_records  # noqa: E402
 
 EXPECTED = {"prefix_hotness", "checkpoint_pushouts", "lost_hits_by_prefix", "hit_rate_timeline",
             "eviction_causes", "checkpoint_publications", "stale_key_hazards", "cache_occupancy",
-            "pushed_out_prefixes", "miss_attribution", "miss_attribution_summary"}
+            "pushed_out_prefixes", "miss_attribution", "miss_attribution_summary",
+            "recompute_gpu_seconds"}
 
 
 GOLDEN = [Path(__file__).parent / "data" / f"forensics-v1-{v}.kvtrace" for v in ("unfixed", "fixed")]

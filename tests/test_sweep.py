@@ -142,6 +142,26 @@ def test_local_processes_give_the_same_rows(source, swept):
     assert figures(result.rows) == figures(swept[1]["rows"])
 
 
+def test_the_model_backend_counts_the_same_rows(source, swept, monkeypatch):
+    """On the model backend a sweep's replays make no record: the backend counts the figures
+    itself. The rows are the vllm backend's all the same."""
+    import kvtrace.replay.model as model
+
+    counting = []
+    real = model.open_counting_model_backend
+
+    def spy(config, variant, summary):
+        counting.append(variant)
+        return real(config, variant, summary)
+
+    monkeypatch.setattr(model, "open_counting_model_backend", spy)
+    plan = plan_sweep(SweepGrid(str(source), ("unfixed", "fixed"), (0, None), (0.2, 0.5),
+                                backend="model"))
+    result = run_sweep(plan, jobs=1)
+    assert len(counting) == len(plan.tasks)
+    assert figures(result.rows) == figures(swept[1]["rows"])
+
+
 def test_the_source_is_read_once_per_process(source, monkeypatch):
     reads = []
 

@@ -36,6 +36,8 @@ class ReportData:
     occupancy: Result
     attribution: Result | None  # miss_attribution_summary; None: the database predates it
     warnings: list[str]
+    gpu_seconds: Result
+    gpu_seconds_per_variant: Result
 
 
 def collect(connection, *, bucket_steps: int = 10, min_hits: int = 2) -> ReportData:
@@ -44,6 +46,7 @@ def collect(connection, *, bucket_steps: int = 10, min_hits: int = 2) -> ReportD
     timeline = run_query(connection, "hit_rate_timeline", {"bucket_steps": str(bucket_steps)})
     attribution = (run_query(connection, "miss_attribution_summary")
                    if has_attribution(connection) else None)
+    gpu_seconds = run_query(connection, "recompute_gpu_seconds")
     return ReportData(
         hit_rates=_overall_hit_rates(timeline),
         timeline=timeline,
@@ -54,6 +57,8 @@ def collect(connection, *, bucket_steps: int = 10, min_hits: int = 2) -> ReportD
                             {"min_hits": str(min_hits), "bucket_steps": str(bucket_steps)}),
         attribution=attribution,
         warnings=_silent_zero_warnings(attribution) if attribution else [],
+        gpu_seconds=gpu_seconds,
+        gpu_seconds_per_variant=_gpu_seconds_per_variant(gpu_seconds),
     )
 
 
@@ -125,6 +130,23 @@ def _overall_hit_rates(timeline: Result) -> Result:
                    "hit_rate"], rows)
 
 
+def _gpu_seconds_per_variant(per_prefix: Result) -> Result:
+    """Per source and variant: the prefixes' rows summed."""
+    columns = ["source", "variant", "other_variant", "lookups", "tokens_recomputed",
+               "gpu_seconds", "cost_source"]
+    totals: dict[tuple, list] = {}
+    for row in map(lambda r: dict(zip(per_prefix.columns, r)), per_prefix.rows):
+        key = (row["source"], row["variant"], row["other_variant"], row["cost_source"])
+        total = totals.setdefault(key, [0, 0, 0.0])
+        total[0] += row["lookups"]
+        total[1] += row["tokens_recomputed"]
+        total[2] += row["gpu_seconds"]
+    rows = [(source, variant, other, *total, cost)
+            for (source, variant, other, cost), total in totals.items()]
+    rows.sort(key=lambda r: (r[0], -r[5]))
+    return Result(columns, rows)
+
+
 def _sections(data: ReportData) -> list[tuple[str, Result, str]]:
     return [
         ("Hit rate per run", data.hit_rates,
@@ -143,6 +165,12 @@ def _sections(data: ReportData) -> list[tuple[str, Result, str]]:
          "one row per prefix (`kvtrace sql --query checkpoint_pushouts`: one per eviction)."),
         ("Hits lost by the unfixed variant", data.lost_hits,
          "Per prefix: lookups that hit in `fixed` and hit less in `unfixed` (same source)."),
+        ("GPU-seconds recomputing hits the other variant kept", data.gpu_seconds_per_variant,
+         "Per variant: prefill its lookups recomputed where the paired variant hit deeper, in "
+         "FLOPs of the model over an H200's effective throughput (cost_source: execute = the "
+         "figures of `kvtrace replay --execute`, default = Kimi-Linear-48B-A3B on an H200)."),
+        ("Top prefixes by GPU-seconds recomputed", data.gpu_seconds,
+         "`kvtrace sql --query recompute_gpu_seconds`: one row per variant and prefix."),
         ("Eviction causes", data.causes, "Hash removals by reason and kind of entry."),
     ]
 

@@ -67,11 +67,13 @@ def process_title() -> str:
 
 
 def vllm_version() -> str:
-    try:
-        import vllm
+    """The installed vLLM's version, read from its package metadata: answering a ping must not
+    import vLLM (tens of seconds in a process that has not; an engine already has)."""
+    from importlib.metadata import PackageNotFoundError, version
 
-        return getattr(vllm, "__version__", "")
-    except ImportError:
+    try:
+        return version("vllm")
+    except PackageNotFoundError:
         return ""
 
 
@@ -314,12 +316,7 @@ class CaptureSession:
     def _undo_start(self) -> None:
         """Take back a start that failed part way: nothing patched, running or written."""
         self._stopped = True
-        self._disarm_probes()
-        if self._telemetry is not None:
-            self._telemetry.stop()
-        self._stop.set()
-        if self._writer_thread is not None:
-            self._writer_thread.join()
+        self._shut_down(timeout_s=None)
         self._writer.abandon()
         self._trace_file.discard()
         self._trace_file.close()
@@ -370,16 +367,20 @@ class CaptureSession:
         if self._probes is not None:
             self._probes.disarm()
 
+    def _shut_down(self, timeout_s: float | None) -> None:
+        """Disarm the probes, stop the telemetry, let the writer drain and finish."""
+        self._disarm_probes()
+        if self._telemetry is not None:
+            self._telemetry.stop()
+        self._stop.set()
+        if self._writer_thread is not None:
+            self._writer_thread.join(timeout_s)
+
     def stop(self, timeout_s: float = 30.0) -> CaptureStatus:
         """Disarm, drain, close the trace; return the final status."""
         if not self._stopped:
             self._stopped = True
-            self._disarm_probes()
-            if self._telemetry is not None:
-                self._telemetry.stop()
-            self._stop.set()
-            if self._writer_thread is not None:
-                self._writer_thread.join(timeout_s)
+            self._shut_down(timeout_s)
             if self._trace_file is not None:
                 self._trace_file.close()
         return self.status()

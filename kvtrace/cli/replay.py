@@ -13,7 +13,9 @@ import click
               help="Checkpoint variant: unfixed, fixed, naive, upstream. Repeat to compare "
                    "(default: unfixed and fixed; with --verify: the engine's own).")
 @click.option("--backend", default="vllm", show_default=True,
-              help="Cache implementation: vllm (the installed vLLM's KVCacheManager).")
+              help="Cache implementation: vllm (the installed vLLM's KVCacheManager, the "
+                   "fidelity reference) or model (kvtrace's re-implementation of it: the same "
+                   "records, several times faster; see docs/replay-backends.md).")
 @click.option("--num-gpu-blocks", type=click.IntRange(min=1), default=None,
               help="Block pool size (default: the source's).")
 @click.option("--retention", default=None, metavar="none|0|N",
@@ -35,10 +37,24 @@ import click
               help="Also write the summary as JSON to this file.")
 @click.option("--db", type=click.Path(dir_okay=False), default=None,
               help="Then load the replay traces (and a captured SOURCE) into this DuckDB file.")
+@click.option("--execute", is_flag=True,
+              help="Also re-execute the KDA recurrent state in torch: check every Mamba hit "
+                   "against a recomputed state, time the recomputed prefill, price it in GPU "
+                   "time (docs/execute.md).")
+@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default=None,
+              help="With --execute: where the state pool and recurrence run  [default: auto, "
+                   "CUDA when torch sees one].")
+@click.option("--state-scale", type=float, default=None, metavar="F",
+              help="With --execute: state dimensions times F in (0, 1]  [default: 1 on CUDA "
+                   "when the pool fits, 1/16 on CPU].")
+@click.option("--gpu", default=None, metavar="h200|h100|TFLOPS",
+              help="With --execute: the GPU that prices recomputed tokens, a preset (published "
+                   "peak x 40%) or effective TFLOP/s  [default: h200].")
 def command(source: str, variants: tuple[str, ...], backend: str, num_gpu_blocks: int | None,
             retention: str | None, max_num_batched_tokens: int | None, max_num_seqs: int | None,
             long_prefill_token_threshold: int | None, lockstep: bool, verify: bool, outdir: str,
-            summary_json: str | None, db: str | None) -> None:
+            summary_json: str | None, db: str | None, execute: bool, device: str | None,
+            state_scale: float | None, gpu: str | None) -> None:
     """Replay SOURCE against the prefix-cache logic of each --variant.
 
     A workload (kvtrace synth / import) is rescheduled: kvtrace's model of vLLM's scheduler
@@ -51,17 +67,23 @@ def command(source: str, variants: tuple[str, ...], backend: str, num_gpu_blocks
         kvtrace replay agent.kvtrace --variant unfixed --variant fixed -o runs/
         kvtrace replay prod.kvtrace --lockstep --verify -o runs/
         kvtrace replay prod.kvtrace --variant unfixed --variant fixed -o runs/ --db prod.duckdb
+        kvtrace replay agent.kvtrace --variant naive --variant fixed --execute -o runs/
     """
     import msgspec
 
     from kvtrace.cli.common import write_atomically
     from kvtrace.engine_config import KEEP, Overrides, parse_retention
     from kvtrace.errors import KvtraceError
+    from kvtrace.replay.execute import ExecuteOptions
     from kvtrace.replay.run import ReplayOptions, replay
 
     if verify and not lockstep:
         raise KvtraceError("--verify needs --lockstep",
                            "Verification re-issues the captured calls: add --lockstep.")
+    execute_flags = {"--device": device, "--state-scale": state_scale, "--gpu": gpu}
+    given = [flag for flag, value in execute_flags.items() if value is not None]
+    if given and not execute:
+        raise KvtraceError(f"{given[0]} applies to execute mode only", "Add --execute.")
     _check_outputs(source, outdir, summary_json, db)
     options = ReplayOptions(
         source=source, outdir=outdir, variants=variants, backend=backend,
@@ -69,7 +91,9 @@ def command(source: str, variants: tuple[str, ...], backend: str, num_gpu_blocks
             num_gpu_blocks=num_gpu_blocks,
             retention_interval=KEEP if retention is None else parse_retention(retention),
             max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
-            long_prefill_token_threshold=long_prefill_token_threshold))
+            long_prefill_token_threshold=long_prefill_token_threshold),
+        execute=ExecuteOptions(device=device or "auto", state_scale=state_scale,
+                               gpu=gpu or "h200") if execute else None)
     result = replay(options, progress=_progress_bar if sys.stderr.isatty() else None)
     _print_table(result)
     for warning in result.warnings:
@@ -159,19 +183,45 @@ def _print_table(result) -> None:
     from kvtrace.engine_config import describe_retention
 
     config = result.config
+    executed = [v.summary.get("execute") for v in result.variants]
     click.echo(f"mode {result.mode}, {config.num_gpu_blocks} blocks, "
                f"retention {describe_retention(config.retention_interval)}")
     header = (f"{'variant':<10} {'requests':>8} {'prompt tok':>11} {'hit tok':>10} {'hit rate':>8} "
               f"{'evicted':>8} {'ckpt pub':>8} {'ckpt sup':>8} {'stale':>6} {'preempt':>7} "
-              f"{'wall s':>7}  output")
-    click.echo(header)
-    for v in result.variants:
+              f"{'wall s':>7}")
+    if all(executed):
+        header += f" {'wrong st':>8} {'exec s':>7} {'gpu s':>8}"
+    click.echo(f"{header}  output")
+    for v, figures in zip(result.variants, executed):
         s = v.summary
-        click.echo(
-            f"{v.variant:<10} {s['requests']:>8} {s['prompt_tokens']:>11} {s['hit_tokens']:>10} "
-            f"{s['hit_rate']:>8.2%} {s['evictions'].get('lru_reuse', 0):>8} "
-            f"{s['checkpoints_published']:>8} {s['checkpoints_suppressed']:>8} "
-            f"{s['stale_key_hazards']:>6} {s['preemptions']:>7} {v.wall_s:>7.1f}  {v.output}")
+        row = (f"{v.variant:<10} {s['requests']:>8} {s['prompt_tokens']:>11} {s['hit_tokens']:>10} "
+               f"{s['hit_rate']:>8.2%} {s['evictions'].get('lru_reuse', 0):>8} "
+               f"{s['checkpoints_published']:>8} {s['checkpoints_suppressed']:>8} "
+               f"{s['stale_key_hazards']:>6} {s['preemptions']:>7} {v.wall_s:>7.1f}")
+        if figures:
+            row += (f" {figures['wrong_state_hits']:>8} {figures['measured_prefill_s']:>7.2f} "
+                    f"{figures['estimated_gpu_s']:>8.3f}")
+        click.echo(f"{row}  {v.output}")
+    if all(executed):
+        _print_execute(result.variants, executed)
+
+
+def _print_execute(variants, executed) -> None:
+    """What the columns above rest on, and the first wrong-state hit of each variant."""
+    first = executed[0]
+    click.echo(f"execute: {first['device']}, {first['kernel']}, state per block and group "
+               f"{first['state']}; GPU time: {first['model']} at "
+               f"{first['gpu_flops_per_s'] / 1e12:g} TFLOP/s ({first['gpu']})")
+    for v, figures in zip(variants, executed):
+        hit = figures["first_wrong_state_hit"]
+        if hit is None:
+            continue
+        holds = hit["holds"]
+        held = (f"the state of request {holds['req']} at {holds['num_tokens']} tokens"
+                if holds else "no state execute mode wrote")
+        click.echo(f"{v.variant}: first wrong-state hit: request {hit['req']} read block "
+                   f"{hit['block_id']} (group {hit['group']}) for its {hit['depth']}-token "
+                   f"prefix; the block held {held}")
 
 
 def _print_fidelity(result) -> None:

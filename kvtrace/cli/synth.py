@@ -104,7 +104,8 @@ def _preset_options() -> list[click.Option]:
 
 
 @click.command("synth", cls=LazyOptionsCommand, make_options=_preset_options)
-@click.option("--preset", type=click.Choice(["shared-prompt", "chat", "agent"]), required=True,
+@click.option("--preset", type=click.Choice(["shared-prompt", "documents", "chat", "agent"]),
+              required=True,
               help="Traffic shape (see Presets above).")
 @click.option("--requests", "num_requests", type=click.IntRange(min=1), default=500,
               show_default=True, help="Number of requests (the earliest arrivals).")
@@ -119,6 +120,8 @@ def command(preset: str, num_requests: int, seed: int, output: str, **options) -
     \b
     Presets:
       shared-prompt  single-turn requests = one of a few hot system prompts + own question
+      documents      the #56794 seed scenario: hot system prompts + long unique documents,
+                     each prefilled in several chunks
       chat           multi-turn chats; turn k+1 = turn k's prompt + its output + new message
       agent          tool loops; step k+1 = step k's prompt + tool call + tool result
 

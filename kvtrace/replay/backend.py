@@ -6,14 +6,21 @@ given and the *effect* records the cache produced, in the trace schema (``kvtrac
 Drivers (the scheduler model, lockstep replay) call it in the order a vLLM scheduler would;
 ``CacheBackend`` is everything they call, so a second backend plugs in by implementing it and
 adding a line to ``BACKENDS``, without touching the driver.
+
+A replay that writes no trace wants only its ``ReplaySummary``: ``open_counting_backend`` gives
+it a backend that counts the summary's figures itself and makes no record, where the backend
+can (``COUNTING_BACKENDS``); any other backend feeds the summary its records.
 """
 
 from __future__ import annotations
 
 import importlib
-from typing import Callable, Protocol
+from typing import TYPE_CHECKING, Callable, Protocol
 
 from kvtrace.events import EngineConfig, FinishStatus, Record
+
+if TYPE_CHECKING:
+    from kvtrace.replay.run import ReplaySummary
 
 RecordSink = Callable[[Record], None]
 
@@ -77,17 +84,39 @@ class CacheBackend(Protocol):
 
 
 BackendFactory = Callable[[EngineConfig, str, RecordSink], CacheBackend]
+CountingFactory = Callable[[EngineConfig, str, "ReplaySummary"], CacheBackend]
 
 # Backend name -> "module:class" that implements ``CacheBackend`` (imported on first use: the
 # vllm backend imports vLLM).
 BACKENDS: dict[str, str] = {
     "vllm": "kvtrace.replay.vllm_backend:VllmBackend",
+    "model": "kvtrace.replay.model:open_model_backend",
 }
+# Backends that can count a ``ReplaySummary``'s figures themselves, making no record: name ->
+# "module:factory" of (config, variant, summary), a backend that sets the figures on close.
+COUNTING_BACKENDS: dict[str, str] = {
+    "model": "kvtrace.replay.model:open_counting_model_backend",
+}
+
+
+def _factory(location: str):
+    module_name, _, name = location.partition(":")
+    return getattr(importlib.import_module(module_name), name)
 
 
 def open_backend(name: str, config: EngineConfig, variant: str,
                  sink: RecordSink) -> CacheBackend:
     """A new backend ``name`` on ``config`` under ``variant``, reporting to ``sink``."""
-    module_name, _, class_name = BACKENDS[name].partition(":")
-    factory: BackendFactory = getattr(importlib.import_module(module_name), class_name)
+    factory: BackendFactory = _factory(BACKENDS[name])
     return factory(config, variant, sink)
+
+
+def open_counting_backend(name: str, config: EngineConfig, variant: str,
+                          summary: ReplaySummary) -> CacheBackend:
+    """A new backend ``name`` whose replay only feeds ``summary``: counted by the backend
+    itself where it can (the summary holds the figures once the backend is closed), else the
+    summary is its record sink."""
+    if name in COUNTING_BACKENDS:
+        factory: CountingFactory = _factory(COUNTING_BACKENDS[name])
+        return factory(config, variant, summary)
+    return open_backend(name, config, variant, summary)

@@ -8,8 +8,9 @@ backend is built (the header's engine before the records are read), and outputs 
 when every variant succeeded: a failed or terminated run leaves nothing in OUTDIR. The source
 is streamed, never held: a ``Source`` keeps its arrivals (hash ids as compact arrays), and
 lockstep re-reads the captured calls. With ``write_traces`` off, the records only feed the
-summaries (a sweep runs many configurations and keeps their figures, not their traces), and a
-``Source`` read once can serve many runs.
+summaries (a sweep runs many configurations and keeps their figures, not their traces; a
+backend that can counts the figures itself and makes no record), and a ``Source`` read once
+can serve many runs.
 
 The summary is computed from the records themselves (``ReplaySummary``), so it reads the same
 for any trace in the schema, a live capture included.
@@ -58,7 +59,8 @@ from kvtrace.events import (
     TraceHeader,
     enum_label,
 )
-from kvtrace.replay.backend import BACKENDS, open_backend
+from kvtrace.replay.backend import BACKENDS, open_backend, open_counting_backend
+from kvtrace.replay.execute import ExecuteOptions
 from kvtrace.replay.scheduler import Arrival, Scheduler, arrivals_of
 from kvtrace.traceio import TraceReader, TraceWriter
 
@@ -80,6 +82,7 @@ class ReplayOptions:
     lockstep: bool = False
     verify: bool = False
     write_traces: bool = True  # False: summaries only; outdir is not used
+    execute: ExecuteOptions | None = None  # --execute: re-execute the recurrent state
 
 
 @dataclass(frozen=True)
@@ -276,6 +279,11 @@ def replay(options: ReplayOptions,
     callback that gets the number of finished requests after each step. ``source``: the
     already read ``options.source``."""
     header = source.header if source else read_header(options.source)
+    if options.execute is not None and options.execute.model is None:
+        # The model the workload was written for (a capture or an older trace names none:
+        # execute mode's default then).
+        options = dataclasses.replace(options, execute=dataclasses.replace(
+            options.execute, model=header.params.get("model")))
     if options.verify and options.overrides.changes_cache:
         raise ConfigError("--verify compares with the captured run, so the cache must be the "
                           "captured one", "Drop --num-gpu-blocks / --retention with --verify.")
@@ -318,13 +326,13 @@ def replay(options: ReplayOptions,
                 replay=ReplayInfo(variant=variant, backend=options.backend, mode=mode,
                                   source_path=os.path.abspath(options.source),
                                   source_digest=source.digest),
-                params=_params(settings, mode))
+                params={**_params(settings, mode), **_execute_params(options.execute)})
             on_step = progress(variant, len(arrivals)) if progress else None
             keep = mode == "lockstep" and options.verify and variant == engine_variant
             summary, replayed, steps, wall_s = _run_variant(
                 partial, replay_header, options.backend, config, variant, mode, records,
-                arrivals, settings, on_step, keep)
-            result.variants.append(VariantResult(variant, final, summary.to_dict(), wall_s, steps))
+                arrivals, settings, on_step, keep, options.execute)
+            result.variants.append(VariantResult(variant, final, summary, wall_s, steps))
             if keep:
                 from kvtrace.replay.lockstep import verify
 
@@ -365,25 +373,37 @@ def _source_warnings(source: Source, mode: str) -> list[str]:
 def _run_variant(path: str, header: TraceHeader, backend_name: str, config: EngineConfig,
                  variant: str, mode: str, records: Iterable[Record], arrivals,
                  settings: SchedulerSettings, on_step: Callable[[int], None] | None,
-                 keep_records: bool) -> tuple[ReplaySummary, list[Record], int, float]:
+                 keep_records: bool, execute: ExecuteOptions | None
+                 ) -> tuple[dict[str, Any], list[Record], int, float]:
     """Drive one backend, writing its records to ``path`` (none: only summarised); the wall
-    time counts the replay, not building the backend (whose first construction imports vLLM)."""
+    time counts the replay (and execute mode's work, which runs in the sink), not building
+    the backend (whose first construction imports vLLM) or the execute engine."""
     summary = ReplaySummary(config)
+    engine = None
+    if execute is not None:
+        from kvtrace.replay.execute.engine import ExecuteEngine
+
+        engine = ExecuteEngine(config, execute)
     kept: list[Record] = []
     # Not atomic: the caller publishes every variant's file together, or none.
     with open(path, "wb") if path else contextlib.nullcontext() as file:
         writer = TraceWriter(file, header) if file else None
         sink: Callable[[Record], None] = summary
-        if writer is not None or keep_records:
+        if writer is not None or keep_records or engine is not None:
             def sink(record: Record) -> None:
                 if writer is not None:
                     writer.write(record)
                 summary(record)
+                if engine is not None:
+                    engine(record)
                 if keep_records:
                     kept.append(record)
 
         steps = 0
-        with open_backend(backend_name, config, variant, sink) as backend:
+        # Nothing but the summary wants the records: a counting backend makes none.
+        opened = (open_counting_backend(backend_name, config, variant, summary)
+                  if sink is summary else open_backend(backend_name, config, variant, sink))
+        with opened as backend, engine or contextlib.nullcontext():
             started = time.perf_counter()
             if mode == "lockstep":
                 from kvtrace.replay.lockstep import replay_lockstep
@@ -391,10 +411,14 @@ def _run_variant(path: str, header: TraceHeader, backend_name: str, config: Engi
                 replay_lockstep(records, backend)
             else:
                 steps = Scheduler(backend, config, settings).run(arrivals, on_step).steps
+            executed = engine.finish() if engine is not None else None
             wall_s = time.perf_counter() - started
         if writer is not None:
             writer.close()
-    return summary, kept, steps, wall_s
+    figures = summary.to_dict()
+    if executed is not None:
+        figures["execute"] = executed
+    return figures, kept, steps, wall_s
 
 
 def _engine_variant(header: TraceHeader) -> str:
@@ -441,6 +465,16 @@ def _params(settings: SchedulerSettings, mode: str) -> dict[str, str]:
     if mode == "lockstep":
         return {}
     return {f"scheduler.{name}": str(value) for name, value in dataclasses.asdict(settings).items()}
+
+
+def _execute_params(execute: ExecuteOptions | None) -> dict[str, str]:
+    """With --execute, the cost figures the analysis side prices recomputed tokens with."""
+    if execute is None:
+        return {}
+    from kvtrace.replay.execute.cost import CostModel, gpu_throughput
+    from kvtrace.replay.execute.model import get_model
+
+    return CostModel(get_model(execute.model), gpu_throughput(execute.gpu)).header_params()
 
 
 def _vllm_version() -> str:

@@ -203,16 +203,20 @@ def _arrival_rows(source: Iterable[Record | RecordBatch]) -> Iterator[tuple]:
             yield (type(item), *msgspec.structs.astuple(item))
 
 
-@dataclass
 class _Request:
-    spec: Arrival
-    num_computed_tokens: int = 0
-    num_output_tokens: int = 0
-    shared_prefix_boundary: int = 0
+    """A request's scheduling state. ``num_tokens`` (prompt + outputs) is kept as outputs come,
+    not derived: every step reads it for every running request."""
 
-    @property
-    def num_tokens(self) -> int:
-        return self.spec.prompt_len + self.num_output_tokens
+    __slots__ = ("spec", "req", "num_computed_tokens", "num_output_tokens", "num_tokens",
+                 "shared_prefix_boundary")
+
+    def __init__(self, spec: Arrival) -> None:
+        self.spec = spec
+        self.req = spec.req
+        self.num_computed_tokens = 0
+        self.num_output_tokens = 0
+        self.num_tokens = spec.prompt_len
+        self.shared_prefix_boundary = 0
 
 
 @dataclass
@@ -267,14 +271,15 @@ class Scheduler:
 
     def step(self) -> None:
         """One ``Scheduler.schedule()`` plus the model output it is answered with."""
+        settings = self.settings
         self.backend.new_step(self.stats.steps, self.clock_ns)
-        budget = self.settings.max_num_batched_tokens
-        threshold = (self.settings.long_prefill_token_threshold
+        budget = settings.max_num_batched_tokens
+        threshold = (settings.long_prefill_token_threshold
                      if len(self.running) + len(self.waiting) > 1 else 0)
-        scheduled: dict[int, tuple[_Request, int]] = {}
+        scheduled: list[tuple[_Request, int]] = []  # a request at most once a step
         budget, preempted = self._schedule_running(budget, threshold, scheduled)
         if not preempted:
-            self._admit_waiting(budget, threshold, scheduled)
+            budget = self._admit_waiting(budget, threshold, scheduled)
         self.backend.end_schedule()
         if not scheduled and not self.running:
             head = self.waiting[0].spec
@@ -283,10 +288,10 @@ class Scheduler:
                 f"{head.req} ({head.prompt_len} prompt tokens) even with nothing else running",
                 hint="Give the replay more blocks with --num-gpu-blocks.",
             )
-        num_tokens = sum(n for _, n in scheduled.values())
+        num_tokens = settings.max_num_batched_tokens - budget
         self.stats.steps += 1
         self.stats.scheduled_tokens += num_tokens
-        self.clock_ns += self.settings.step_overhead_ns + num_tokens * self.settings.ns_per_token
+        self.clock_ns += settings.step_overhead_ns + num_tokens * settings.ns_per_token
         self._apply_outputs(scheduled)
 
     def _chunk(self, request: _Request, start: int, threshold: int, budget: int) -> int:
@@ -304,21 +309,29 @@ class Scheduler:
         return max(num_new, 0)
 
     def _schedule_running(self, budget: int, threshold: int,
-                          scheduled: dict[int, tuple[_Request, int]]) -> tuple[int, bool]:
+                          scheduled: list[tuple[_Request, int]]) -> tuple[int, bool]:
+        running = self.running
+        allocate_slots = self.backend.allocate_slots
         preempted = False
         index = 0
-        while index < len(self.running) and budget > 0:
-            request = self.running[index]
-            num_new = self._chunk(request, request.num_computed_tokens, threshold, budget)
-            if num_new == 0:
-                index += 1
-                continue
-            while not self.backend.allocate_slots(request.spec.req, num_new):
-                victim = self.running.pop()  # FCFS: the last running request
+        while index < len(running) and budget > 0:
+            request = running[index]
+            start = request.num_computed_tokens
+            if start == request.num_tokens - 1 and request.num_output_tokens:
+                # Decoding: one token, which no threshold, split or model length cuts (a running
+                # request stays below max_model_len: it finishes on reaching it).
+                num_new = 1
+            else:
+                num_new = self._chunk(request, start, threshold, budget)
+                if num_new == 0:
+                    index += 1
+                    continue
+            while not allocate_slots(request.req, num_new):
+                victim = running.pop()  # FCFS: the last running request
                 self._preempt(victim)
                 preempted = True
                 if victim is request:
-                    if not self.running:
+                    if not running:
                         raise ConfigError(
                             f"the pool of {self.backend.num_gpu_blocks} blocks cannot hold "
                             f"request {request.spec.req} ({request.spec.prompt_len} prompt "
@@ -326,45 +339,49 @@ class Scheduler:
                             hint="Give the replay more blocks with --num-gpu-blocks.",
                         )
                     return budget, preempted
-            scheduled[request.spec.req] = (request, num_new)
+            scheduled.append((request, num_new))
             budget -= num_new
             index += 1
         return budget, preempted
 
     def _preempt(self, request: _Request) -> None:
-        self.backend.preempt(request.spec.req)
+        self.backend.preempt(request.req)
         request.num_computed_tokens = 0
         self.waiting.appendleft(request)
         self.stats.preemptions += 1
 
     def _admit_waiting(self, budget: int, threshold: int,
-                       scheduled: dict[int, tuple[_Request, int]]) -> None:
+                       scheduled: list[tuple[_Request, int]]) -> int:
+        """Admit waiting requests FCFS while they fit; the budget left."""
         while budget > 0 and self.waiting and len(self.running) < self.settings.max_num_seqs:
             request = self.waiting[0]
-            num_hit, request.shared_prefix_boundary = self.backend.get_computed_blocks(request.spec.req)
+            num_hit, request.shared_prefix_boundary = self.backend.get_computed_blocks(request.req)
             num_new = self._chunk(request, num_hit, threshold, budget)
             if num_new == 0:  # no block-aligned chunk fits the budget: vLLM stops admitting
                 break
             if not self.backend.allocate_slots(
-                    request.spec.req, num_new, num_new_computed_tokens=num_hit,
+                    request.req, num_new, num_new_computed_tokens=num_hit,
                     full_sequence_must_fit=self.settings.reserve_full_sequence):
                 break
             self.waiting.popleft()
             self.running.append(request)
             request.num_computed_tokens = num_hit
-            scheduled[request.spec.req] = (request, num_new)
+            scheduled.append((request, num_new))
             budget -= num_new
+        return budget
 
-    def _apply_outputs(self, scheduled: dict[int, tuple[_Request, int]]) -> None:
+    def _apply_outputs(self, scheduled: list[tuple[_Request, int]]) -> None:
         """The forward pass ran: advance computed tokens, sample, finish and free."""
-        for request, num_new in scheduled.values():
+        advance = self.backend.advance
+        limit = self.settings.max_model_len
+        for request, num_new in scheduled:
             request.num_computed_tokens += num_new
-            self.backend.advance(request.spec.req, num_new)
+            advance(request.req, num_new)
             if request.num_computed_tokens < request.num_tokens:
                 continue  # a prefill chunk short of the last token samples nothing
             request.num_output_tokens += 1
-            limit = self.settings.max_model_len
+            request.num_tokens += 1
             if request.num_output_tokens >= request.spec.max_tokens or (limit and request.num_tokens >= limit):
                 self.running.remove(request)
-                self.backend.free(request.spec.req)
+                self.backend.free(request.req)
                 self.stats.finished += 1

@@ -1,48 +1,88 @@
-"""Checkpoint-publication policies installed on the real vLLM ``MambaManager`` ("variants").
+"""Checkpoint policies ("variants"): two decisions, stated once, carried out by every backend.
 
 Variants differ from the installed vLLM 0.33.0 in exactly two decisions; everything else is
-vLLM's own code:
+vLLM's own code (``vllm`` backend) or kvtrace's model of it (``model`` backend):
 
-1. *Which prefill chunks reserve an internal checkpoint.* #56794-era code reserves one for every
-   chunk where the backend can export it. 0.33 passes ``prefill_end`` down from the coordinator
-   under retention 0, and ``MambaManager._needs_internal_checkpoint`` then reserves one only on the
-   chunk that reaches the prompt end. A variant that reserves on every chunk calls vLLM's
-   ``get_num_blocks_to_allocate`` with ``prefill_end=0`` (what the coordinator passes under dense
-   retention).
-2. *Whether a recorded checkpoint is published* - the checkpoint branch of
-   ``MambaManager._cache_partial_tail_block``. A variant replaces only that branch; a call without
-   a checkpoint (the prompt-tail partial entry) goes to vLLM's own method.
+1. *Which prefill chunks reserve an internal checkpoint* (``Variant.reserve_every_chunk``).
+   #56794-era code reserves one for every chunk where the backend can export it. 0.33 passes
+   ``prefill_end`` down from the coordinator under retention 0, and
+   ``MambaManager._needs_internal_checkpoint`` then reserves one only on the chunk that reaches
+   the prompt end. A variant that reserves on every chunk sizes the chunk with
+   ``prefill_end=0`` (what the coordinator passes under dense retention).
+2. *Whether a recorded checkpoint is published* (``Variant.checkpoint_action``): the
+   checkpoint branch of ``MambaManager._cache_partial_tail_block``. A call without a checkpoint
+   (the prompt-tail partial entry) is vLLM's own behaviour in every variant.
 
 The decision table (reference §5; R = retention interval, cp = checkpoint position):
 
 ============  ===================================  =========================================
-variant       transient cp (R == 0, chunk ends     any other cp
-              before the prompt, cp != junction)
+variant       transient cp                         any other cp
 ============  ===================================  =========================================
-unfixed       re-key the slot to cp, publish       re-key to cp unless already keyed at cp
-fixed         strip every key on the slot, keep    same as unfixed
-              the state request-local
-naive         keep request-local, leave any key    same as unfixed
-              on the slot (wrong-state hazard)
-upstream      vLLM 0.33.0 untouched (its generalised gate: not the prompt's checkpoint, not
-              retained by the retention mask, not the junction)
+unfixed       (none is transient)                  PUBLISH: re-key the slot to cp unless it
+                                                   is already keyed at cp
+fixed         #56794's: R == 0, chunk ends before  PUBLISH
+              the prompt, cp != junction -> STRIP
+              every key on the slot, publish none
+naive         #56794's -> KEEP_LOCAL: publish      PUBLISH
+              nothing, leave any key on the slot
+              (wrong-state hazard)
+upstream      vLLM 0.33.0's generalised gate: not  PUBLISH
+              the prompt's checkpoint, not kept by
+              the retention mask, not the junction
+              -> STRIP
 ============  ===================================  =========================================
 
-Variants are installed per manager instance (attributes that shadow the class methods), so
-several backends with different variants can live in one process, and kvtrace's probes (which
-wrap the class methods) still see every call the variant delegates to vLLM.
+The ``vllm`` backend installs a policy on the real ``MambaManager`` (``Variant.install``):
+attributes that shadow the class methods, per manager instance, so several backends with
+different variants can live in one process and kvtrace's probes (which wrap the class methods)
+still see every call the policy delegates to vLLM. ``upstream`` installs nothing there: vLLM's
+own code makes its decisions, which is what holds the ``model`` backend's use of the same
+table to the installed vLLM.
 """
 
 from __future__ import annotations
 
+import enum
 import types
 from dataclasses import dataclass
 from typing import Any, Callable
 
 from kvtrace.errors import ConfigError
 
-# (manager, request, num_tokens, retention_interval, checkpoint) -> published key or None
-PublishCheckpoint = Callable[[Any, Any, int, "int | None", tuple[int, int]], Any]
+
+class CheckpointAction(enum.Enum):
+    """What becomes of a recorded checkpoint's slot when its chunk is cached."""
+
+    PUBLISH = "publish"  # re-key the slot at cp (dropping its other keys) unless keyed there
+    STRIP = "strip"  # take every key off the slot, publish nothing (#56794)
+    KEEP_LOCAL = "keep_local"  # publish nothing, leave the slot's keys (the naive gate)
+
+
+@dataclass(frozen=True)
+class CheckpointFacts:
+    """What the publication decision looks at, for one checkpoint of one chunk."""
+
+    retention_interval: int | None
+    num_tokens: int  # the tokens the chunk caches (``MambaManager.cache_blocks``)
+    num_prompt_tokens: int
+    position: int  # the checkpoint position cp
+    shared_prefix_boundary: int  # the request's junction (0: none)
+    # vLLM 0.33's own terms: cp is the prompt's checkpoint position; cp is block-aligned and
+    # kept by the retention mask.
+    is_prompt_checkpoint: bool
+    is_retained: bool
+
+
+def transient_56794(facts: CheckpointFacts) -> bool:
+    """#56794's gate: latest-only retention, a chunk inside the prompt, not the junction."""
+    return (facts.retention_interval == 0 and facts.num_tokens < facts.num_prompt_tokens
+            and facts.position != facts.shared_prefix_boundary)
+
+
+def transient_033(facts: CheckpointFacts) -> bool:
+    """vLLM 0.33.0's generalised gate."""
+    return (not facts.is_prompt_checkpoint and not facts.is_retained
+            and facts.position != facts.shared_prefix_boundary)
 
 
 @dataclass(frozen=True)
@@ -53,10 +93,19 @@ class Variant:
     summary: str
     source: str
     reserve_every_chunk: bool
-    publish_checkpoint: PublishCheckpoint | None  # None: vLLM's own checkpoint branch
+    is_transient: Callable[[CheckpointFacts], bool] | None  # None: no checkpoint is
+    transient_action: CheckpointAction
+    vllm_decides: bool = False  # the installed vLLM's code is this policy (nothing installed)
+
+    def checkpoint_action(self, facts: CheckpointFacts) -> CheckpointAction:
+        """Decision 2 for one checkpoint."""
+        if self.is_transient is not None and self.is_transient(facts):
+            return self.transient_action
+        return CheckpointAction.PUBLISH
 
     def install(self, manager: Any) -> None:
-        """Install this policy on one ``MambaManager`` in "align" mode (others are untouched)."""
+        """Install this policy on one vLLM ``MambaManager`` in "align" mode (others are
+        untouched)."""
         if getattr(manager, "mamba_cache_mode", None) != "align":
             return
         # Read by a live capture of kvtrace's own engine: the trace records the variant it ran.
@@ -64,18 +113,20 @@ class Variant:
         if self.reserve_every_chunk:
             manager.get_num_blocks_to_allocate = types.MethodType(
                 _reserve_on_every_chunk, manager)
-        if self.publish_checkpoint is not None:
-            publish = self.publish_checkpoint
+        if self.vllm_decides:
+            return
+        variant = self
 
-            def cache_partial_tail_block(manager, request, num_tokens, retention_interval):
-                checkpoint = manager._checkpoints.get(request.request_id)
-                if checkpoint is None:
-                    return type(manager)._cache_partial_tail_block(
-                        manager, request, num_tokens, retention_interval)
-                return publish(manager, request, num_tokens, retention_interval, checkpoint)
+        def cache_partial_tail_block(manager, request, num_tokens, retention_interval):
+            checkpoint = manager._checkpoints.get(request.request_id)
+            if checkpoint is None:
+                return type(manager)._cache_partial_tail_block(
+                    manager, request, num_tokens, retention_interval)
+            facts = _vllm_checkpoint_facts(manager, request, num_tokens, retention_interval,
+                                           checkpoint)
+            return _carry_out(variant.checkpoint_action(facts), manager, request, checkpoint)
 
-            manager._cache_partial_tail_block = types.MethodType(cache_partial_tail_block,
-                                                                 manager)
+        manager._cache_partial_tail_block = types.MethodType(cache_partial_tail_block, manager)
 
 
 def _reserve_on_every_chunk(manager, request_id, num_tokens, new_computed_blocks,
@@ -88,59 +139,61 @@ def _reserve_on_every_chunk(manager, request_id, num_tokens, new_computed_blocks
         apply_admission_cap=apply_admission_cap, prefill_end=0)
 
 
-def _rekey_slot(manager, request, checkpoint: tuple[int, int]):
-    """Pre-#56794 publication: the slot's content is replaced by the state at cp, so drop its
-    old keys and key it at cp - unless it already is."""
+def _vllm_checkpoint_facts(manager, request, num_tokens: int, retention_interval: int | None,
+                           checkpoint: tuple[int, int]) -> CheckpointFacts:
+    """The facts of a checkpoint on the real ``MambaManager``, computed with vLLM's helpers."""
+    from vllm.v1.kv_cache_interface import get_mamba_prefill_checkpoint_position
+
+    position = checkpoint[0]
+    alignment = manager.cache_hit_alignment_tokens
+    prompt_position = get_mamba_prefill_checkpoint_position(
+        request.num_prompt_tokens, alignment, manager.drop_eagle_checkpoint_block,
+        num_hash_lookahead_tokens=manager.block_pool.num_hash_lookahead_tokens)
+    retained = False
+    if position % manager.block_size == 0:
+        block_idx = position // manager.block_size - 1
+        mask = manager.reachable_block_mask(block_idx, block_idx + 1, alignment,
+                                            manager.kv_cache_spec,
+                                            manager.drop_eagle_checkpoint_block,
+                                            retention_interval=retention_interval)
+        retained = mask is None or mask[0]
+    return CheckpointFacts(retention_interval, num_tokens, request.num_prompt_tokens, position,
+                           request.shared_prefix_boundary, position == prompt_position, retained)
+
+
+def _carry_out(action: CheckpointAction, manager, request, checkpoint: tuple[int, int]):
+    """Do ``action`` on the real slot; return the published key or None."""
     position, block_idx = checkpoint
     slot = manager.req_to_blocks[request.request_id][block_idx]
-    if slot.block_hash_num_tokens == position:
+    if action is CheckpointAction.STRIP:
+        manager.block_pool._maybe_evict_cached_block(slot)
         return None
+    if action is CheckpointAction.KEEP_LOCAL or slot.block_hash_num_tokens == position:
+        return None
+    # Pre-#56794 publication: the slot's content is replaced by the state at cp.
     return manager.block_pool.cache_partial_block(
         request=request, block=slot, num_tokens=position,
         kv_cache_group_id=manager.kv_cache_group_id, block_size=manager.block_size,
         replace_existing_hashes=True)
 
 
-def _is_transient_56794(request, num_tokens: int, retention_interval: int | None,
-                        position: int) -> bool:
-    """#56794's gate: latest-only retention, a chunk inside the prompt, not the junction."""
-    return (retention_interval == 0 and num_tokens < request.num_prompt_tokens
-            and position != request.shared_prefix_boundary)
-
-
-def _publish_unfixed(manager, request, num_tokens, retention_interval, checkpoint):
-    return _rekey_slot(manager, request, checkpoint)
-
-
-def _publish_fixed(manager, request, num_tokens, retention_interval, checkpoint):
-    if _is_transient_56794(request, num_tokens, retention_interval, checkpoint[0]):
-        slot = manager.req_to_blocks[request.request_id][checkpoint[1]]
-        manager.block_pool._maybe_evict_cached_block(slot)
-        return None
-    return _rekey_slot(manager, request, checkpoint)
-
-
-def _publish_naive(manager, request, num_tokens, retention_interval, checkpoint):
-    if _is_transient_56794(request, num_tokens, retention_interval, checkpoint[0]):
-        return None
-    return _rekey_slot(manager, request, checkpoint)
-
+_STRIP, _KEEP_LOCAL = CheckpointAction.STRIP, CheckpointAction.KEEP_LOCAL
 
 VARIANTS: dict[str, Variant] = {
     variant.name: variant
     for variant in (
         Variant("unfixed", "before #56794: every internal checkpoint is re-keyed and published",
                 "vLLM #56794's base (Sy0307/vllm@9272157d): the checkpoint branch without the "
-                "retention gate; no released vLLM ships it", True, _publish_unfixed),
+                "retention gate; no released vLLM ships it", True, None, _STRIP),
         Variant("fixed", "#56794 as merged: transient checkpoints are stripped, not published",
                 "vLLM #56794 (merged 2026-09-14; Sy0307/vllm@918d6099), as in vLLM 0.30.0",
-                True, _publish_fixed),
+                True, transient_56794, _STRIP),
         Variant("naive", "the #56794 gate without stripping stale keys (wrong-state hazard)",
                 "vLLM #56794 with the _maybe_evict_cached_block call removed (reference §6.2)",
-                True, _publish_naive),
+                True, transient_56794, _KEEP_LOCAL),
         Variant("upstream", "the installed vLLM 0.33.0, untouched",
                 "vllm 0.33.0 MambaManager (prefill_end reservation, generalised gate)",
-                False, None),
+                False, transient_033, _STRIP, vllm_decides=True),
     )
 }
 

@@ -9,23 +9,23 @@ Lengths are lognormal: ``clamp(round(median * exp(sigma * N(0, 1))), 1, max_prom
 (system prompts use sigma 0.5); arrivals are Poisson; turns per session are geometric.
 Parameters per preset (``kvtrace synth --help`` prints the same, from the same source):
 
-=================  =============  ====  =====  ===============================================================================
-parameter          shared-prompt  chat  agent  meaning
-=================  =============  ====  =====  ===============================================================================
-rate               4.0            4.0   4.0    mean request arrival rate, requests/s (Poisson; sessions start at rate / turns)
-system_prompts     8              4     3      distinct system prompts, shared across requests / sessions
-system_prompt_len  1024           512   2048   median system-prompt tokens (agent: the tool schemas)
-zipf               1.0            1.0   0.5    popularity skew of the system prompts (Zipf exponent; 0 = uniform)
-prompt_len         192            96    256    median tokens a request adds of its own: question / user message / task
-output_len         128            192   256    median output tokens (agent: of the final answer)
-length_sigma       0.8            0.8   0.8    lognormal shape (sigma of ln length) of per-request lengths
-max_prompt_len     8192           8192  8192   prompt cap: a session ends before a turn that would exceed it
-turns              -              5.0   8.0    mean turns per session (chat) / steps per task (agent), geometric
-max_turns          -              16    24     cap on turns (steps) per session
-think_time         -              20.0  2.0    mean seconds from one turn's arrival to the next (half fixed, half exponential)
-tool_call_len      -              -     48     median output tokens of a tool-calling step
-tool_output_len    -              -     384    median tokens of a tool result appended to the history
-=================  =============  ====  =====  ===============================================================================
+=================  =============  =========  ====  =====  ===============================================================================
+parameter          shared-prompt  documents  chat  agent  meaning
+=================  =============  =========  ====  =====  ===============================================================================
+rate               4.0            1.0        4.0   4.0    mean request arrival rate, requests/s (Poisson; sessions start at rate / turns)
+system_prompts     8              8          4     3      distinct system prompts, shared across requests / sessions
+system_prompt_len  1024           4096       512   2048   median system-prompt tokens (agent: the tool schemas)
+zipf               1.0            1.0        1.0   0.5    popularity skew of the system prompts (Zipf exponent; 0 = uniform)
+prompt_len         192            16384      96    256    median tokens a request adds of its own: question / user message / task
+output_len         128            256        192   256    median output tokens (agent: of the final answer)
+length_sigma       0.8            0.5        0.8   0.8    lognormal shape (sigma of ln length) of per-request lengths
+max_prompt_len     8192           65536      8192  8192   prompt cap: a session ends before a turn that would exceed it
+turns              -              -          5.0   8.0    mean turns per session (chat) / steps per task (agent), geometric
+max_turns          -              -          16    24     cap on turns (steps) per session
+think_time         -              -          20.0  2.0    mean seconds from one turn's arrival to the next (half fixed, half exponential)
+tool_call_len      -              -          -     48     median output tokens of a tool-calling step
+tool_output_len    -              -          -     384    median tokens of a tool result appended to the history
+=================  =============  =========  ====  =====  ===============================================================================
 """
 
 from __future__ import annotations
@@ -97,6 +97,20 @@ class SharedPromptParams:
     output_len: int = 128
     length_sigma: float = 0.8
     max_prompt_len: int = 8192
+
+
+@dataclass(frozen=True)
+class DocumentParams(SharedPromptParams):
+    """The seed scenario of vLLM #56794: hot shared system prompts in front of long unique
+    documents, each prefilled in several chunks, so mid-prompt checkpoints are taken inside
+    every document while the system prompts wait in the cache to be hit again."""
+
+    rate: float = 1.0
+    system_prompt_len: int = 4096
+    prompt_len: int = 16384
+    output_len: int = 256
+    length_sigma: float = 0.5
+    max_prompt_len: int = 65536
 
 
 @dataclass(frozen=True)
@@ -255,6 +269,7 @@ class Preset:
 
 PRESETS: dict[str, Preset] = {
     "shared-prompt": Preset(SharedPromptParams, _shared_prompt_sessions, pool_fraction=0.25),
+    "documents": Preset(DocumentParams, _shared_prompt_sessions, pool_fraction=0.25),
     "chat": Preset(ChatParams, _chat_sessions, pool_fraction=0.4),
     "agent": Preset(AgentParams, _agent_sessions, pool_fraction=0.15),
 }

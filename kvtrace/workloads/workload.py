@@ -70,6 +70,8 @@ ENGINE_HELP = {
     "mamba_block_size": "expert override of the model's Mamba/KDA 'align' block size, tokens "
                         "(align mode makes it equal to the attention block)",
     "checkpoint_alignment": "expert override of the model's internal-checkpoint alignment, tokens",
+    "mamba_groups": "expert override of the number of Mamba/KDA groups (the attention group "
+                    "first, then these); not the model's count needs --allow-unreal-geometry",
     "retention_interval": "prefix_cache_retention_interval: 0 = latest-only, 'none' = keep all",
     "max_num_batched_tokens": "scheduler token budget per step (prompts longer than it prefill "
                               "in chunks)",
@@ -101,6 +103,7 @@ class EngineShape:
     attention_block_size: int | None = None
     mamba_block_size: int | None = None
     checkpoint_alignment: int | None = None
+    mamba_groups: int | None = None
     retention_interval: int | None = 0
     max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
     max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
@@ -114,6 +117,14 @@ class EngineShape:
                               "Use a share of the workload's distinct attention blocks, e.g. 0.25.")
         groups = self.groups()
         blocks = {g.kind: g.block_size for g in groups}
+        model_groups = sum(g.kind == "mamba" for g in self.geometry.groups)
+        if (self.mamba_groups not in (None, model_groups)
+                and not self.allow_unreal_geometry):
+            raise ConfigError(
+                f"{self.model} has {model_groups} Mamba/KDA groups as vLLM groups its layers, "
+                f"not {self.mamba_groups}",
+                "Drop --mamba-groups, or add --allow-unreal-geometry for a what-if vLLM would "
+                "never build.")
         if len({g.block_size for g in groups}) > 1 and not self.allow_unreal_geometry:
             raise ConfigError(
                 f"attention block {blocks.get('full_attention')} and Mamba block "
@@ -152,6 +163,9 @@ class EngineShape:
             else:
                 changes = {"block_size": self.attention_block}
             groups.append(msgspec.structs.replace(group, **changes))
+        if self.mamba_groups is not None:
+            mamba = next(g for g in groups if g.kind == "mamba")
+            groups = [g for g in groups if g.kind != "mamba"] + [mamba] * self.mamba_groups
         return groups
 
     def engine_config(self, num_gpu_blocks: int, max_model_len: int = 0) -> EngineConfig:
@@ -174,7 +188,8 @@ class EngineShape:
                   "geometry": f"vLLM {geometry.vllm_version}, {geometry.attention_backend}, "
                               f"block {geometry.block_size}, {len(geometry.groups)} groups"}
         overrides = {name: getattr(self, name) for name in (
-            "hash_unit", "attention_block_size", "mamba_block_size", "checkpoint_alignment")
+            "hash_unit", "attention_block_size", "mamba_block_size", "checkpoint_alignment",
+            "mamba_groups")
             if getattr(self, name) is not None}
         if overrides:
             params["geometry_overrides"] = ", ".join(f"{k}={v}" for k, v in overrides.items())

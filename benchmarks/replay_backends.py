@@ -1,0 +1,257 @@
+"""Replay backends on the bundled Mooncake trace: ``vllm`` (vLLM 0.33's own KVCacheManager, the
+fidelity reference) against ``model`` (kvtrace's re-implementation), per variant, in one run.
+
+Target (issue "Fast model backend, what-if sweeps, Parquet export"): the model backend >= 20x
+faster than the vllm backend per variant, with identical summaries. Checked here too: the two
+record streams are equal record for record (else the first divergence is printed).
+
+The trace is imported as ``kvtrace import mooncake`` does (the default model's geometry), or
+given ready with ``--trace`` (a workload imported with other engine flags, e.g. a finer one).
+
+Figures per variant and backend, median (min-max) over ``--repeats`` runs, the two backends
+alternating within a repeat so both see the same machine load:
+
+* ``cache``: kvtrace's scheduler model driving the backend, records collected in a list: what
+  the backends themselves cost;
+* ``summary``: time to summary, ``kvtrace replay`` writing no trace (``wall_s``; what each
+  configuration of ``kvtrace sweep`` costs): on ``vllm`` the records feed ``ReplaySummary``
+  one by one, the ``model`` backend counts the figures itself and makes no record;
+* ``replay``: ``kvtrace replay`` as the CLI runs it (``wall_s``): it also writes the replay
+  trace and computes the summary, record by record;
+
+and two floors, measured in the same repeats, that bound what any backend can reach:
+
+* ``scheduler``: the scheduler model alone, answered from a recording of the cache's answers
+  (the ceiling of ``cache`` and ``summary``);
+* ``sink``: the replay's per-record work (trace writer + summary) over the model's records
+  (with the scheduler, the ceiling of ``replay``).
+
+    .venv/bin/python benchmarks/replay_backends.py [--variant unfixed --variant fixed]
+        [--repeats 3] [--requests N | --trace WORKLOAD] [--json]
+
+Exit status 1 if the streams or summaries differ (the speed target is reported, not enforced).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from kvtrace.engine_config import derive
+from kvtrace.replay.backend import open_backend
+from kvtrace.replay.run import ReplayOptions, ReplaySummary, replay
+from kvtrace.replay.scheduler import Scheduler, arrivals_of
+from kvtrace.traceio import TraceWriter, read_records, write_trace
+from kvtrace.workloads.mooncake import import_mooncake
+from kvtrace.workloads.workload import EngineShape, write_workload
+
+TARGET = 20.0
+MOONCAKE_LOG = (Path(__file__).resolve().parents[2] / "shared" / "data" / "mooncake"
+                / "synthetic_trace.jsonl")
+BACKENDS = ("vllm", "model")
+MODES = ("cache", "summary", "replay")
+
+
+def import_trace(log: Path, directory: Path, num_requests: int | None) -> Path:
+    """``kvtrace import mooncake LOG`` with the default engine (optionally the first N)."""
+    path = directory / "mooncake.kvtrace"
+    shape = EngineShape()
+    write_workload(path, import_mooncake(log, shape.hash_block_size), shape)
+    if num_requests:
+        reader, records = read_records(path)
+        kept = set(sorted(r.req for r in arrivals_of(records))[:num_requests])
+        write_trace(path, reader.header, [r for r in records if r.req in kept])
+    return path
+
+
+class Recorder:
+    """A backend wrapper that records the answers the scheduler gets (for the floor)."""
+
+    def __init__(self, backend) -> None:
+        self.backend, self.answers = backend, []
+        self.num_gpu_blocks = backend.num_gpu_blocks
+
+    def __getattr__(self, name: str):
+        method = getattr(self.backend, name)
+
+        def call(*args, **kwargs):
+            answer = method(*args, **kwargs)
+            self.answers.append(answer)
+            return answer
+        return call
+
+
+class Answers:
+    """A stand-in cache that replays recorded answers: the scheduler model alone."""
+
+    def __init__(self, answers: list, num_gpu_blocks: int) -> None:
+        answer = iter(answers).__next__
+        self.num_gpu_blocks = num_gpu_blocks
+        for name in ("new_step", "add_request", "get_computed_blocks", "allocate_slots",
+                     "end_schedule", "advance", "free", "preempt"):
+            setattr(self, name, lambda *args, **kwargs: answer())
+
+
+def cache_run(backend: str, config, settings, variant: str, arrivals,
+              wrap=None) -> tuple[float, list, object]:
+    """(seconds, records, the cache it drove) of the scheduler model driving ``backend``
+    (``wrap``ped)."""
+    records: list = []
+    with open_backend(backend, config, variant, records.append) as cache:
+        driven = cache if wrap is None else wrap(cache)
+        started = time.perf_counter()
+        Scheduler(driven, config, settings).run(arrivals)
+        seconds = time.perf_counter() - started
+    return seconds, records, driven
+
+
+def summary_of(config, records: list) -> dict:
+    summary = ReplaySummary(config)
+    for record in records:
+        summary(record)
+    return summary.to_dict()
+
+
+def first_divergence(reference: list, replayed: list) -> str | None:
+    for index, (mine, theirs) in enumerate(zip(reference, replayed)):
+        if mine != theirs:
+            return f"record #{index}: vllm {mine!r}, model {theirs!r}"
+    if len(reference) != len(replayed):
+        return f"{len(reference)} vllm records, {len(replayed)} model records"
+    return None
+
+
+def spread(values: list[float]) -> dict:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values),
+            "runs": values}
+
+
+def text(figure: dict, unit: str = "s") -> str:
+    return (f"{figure['median']:.2f}{unit} ({figure['min']:.2f}-{figure['max']:.2f})"
+            if unit == "s" else
+            f"{figure['median']:.1f}x ({figure['min']:.1f}-{figure['max']:.1f})")
+
+
+def measure_variant(variant: str, trace: Path, config, settings, arrivals, repeats: int,
+                    outdir: Path) -> dict:
+    """Each repeat runs both backends and the floors back to back, so every ratio (and every
+    ceiling) compares runs under the same machine load."""
+    times: dict[str, list[float]] = {f"{mode} {backend}": [] for mode in MODES
+                                     for backend in BACKENDS}
+    times.update(scheduler=[], sink=[])
+    problems: list[str] = []
+    answers = cache_run("model", config, settings, variant, arrivals, Recorder)[2].answers
+    header = read_records(trace)[0].header
+    records: dict[str, list] = {}
+    for repeat in range(repeats):
+        for backend in BACKENDS:
+            seconds, kept, _ = cache_run(backend, config, settings, variant, arrivals)
+            times[f"cache {backend}"].append(seconds)
+            records[backend] = kept if repeat == repeats - 1 else []
+            del kept
+        started = time.perf_counter()
+        Scheduler(Answers(answers, config.num_gpu_blocks), config, settings).run(arrivals)
+        times["scheduler"].append(time.perf_counter() - started)
+    divergence = first_divergence(records["vllm"], records["model"])
+    if divergence:
+        problems.append(f"record streams differ: {divergence}")
+    summaries = {backend: summary_of(config, records[backend]) for backend in BACKENDS}
+    if summaries["vllm"] != summaries["model"]:
+        problems.append("cache-run summaries differ")
+    model_records = records.pop("model")
+    del records["vllm"]
+    replay_summaries = {}
+    for _ in range(repeats):
+        for backend in BACKENDS:  # `kvtrace replay` itself, without and with the trace
+            for mode, write_traces in (("summary", False), ("replay", True)):
+                result = replay(ReplayOptions(source=str(trace), outdir=str(outdir / backend),
+                                              variants=(variant,), backend=backend,
+                                              write_traces=write_traces))
+                times[f"{mode} {backend}"].append(result.variants[0].wall_s)
+                replay_summaries[mode, backend] = result.variants[0].summary
+        started = time.perf_counter()  # the replay's per-record sink alone
+        with open(os.devnull, "wb") as devnull:
+            writer = TraceWriter(devnull, header)
+            summary = ReplaySummary(config)
+            for record in model_records:
+                writer.write(record)
+                summary(record)
+            writer.close()
+        times["sink"].append(time.perf_counter() - started)
+    for (mode, backend), summary in replay_summaries.items():
+        if summary != summaries["vllm"]:
+            problems.append(f"`kvtrace replay` ({mode}, {backend}) differs from the cache run's "
+                            "summary")
+
+    def paired(numerators: list[float], denominators: list[float]) -> dict:
+        return spread([top / bottom for top, bottom in zip(numerators, denominators)])
+
+    figures = {mode: {backend: spread(times[f"{mode} {backend}"]) for backend in BACKENDS}
+               for mode in MODES}
+    for mode in MODES:
+        figures[mode]["ratio"] = paired(times[f"{mode} vllm"], times[f"{mode} model"])
+    floor_plus_sink = [floor + sink for floor, sink in zip(times["scheduler"], times["sink"])]
+    floors = {"cache": times["scheduler"], "summary": times["scheduler"],
+              "replay": floor_plus_sink}
+    return {"variant": variant, "records": len(model_records), "figures": figures,
+            "scheduler_floor": spread(times["scheduler"]), "sink_floor": spread(times["sink"]),
+            "best_ratio": {mode: paired(times[f"{mode} vllm"], floors[mode]) for mode in MODES},
+            "summary": summaries["model"], "problems": problems}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--log", type=Path, default=MOONCAKE_LOG,
+                        help="Mooncake hash_ids JSONL (default: the bundled synthetic trace)")
+    parser.add_argument("--variant", dest="variants", action="append",
+                        help="variant to measure; repeat (default: unfixed and fixed)")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--requests", type=int, default=None,
+                        help="only the first N requests (a quick look; the target is the full)")
+    parser.add_argument("--trace", type=Path, default=None,
+                        help="a workload trace to replay instead of importing --log")
+    parser.add_argument("--json", action="store_true", help="print the results as JSON too")
+    args = parser.parse_args()
+    import vllm.v1.core.kv_cache_manager  # noqa: F401 (the slow import, outside any timing)
+
+    results = []
+    with tempfile.TemporaryDirectory() as scratch:
+        directory = Path(scratch)
+        trace = args.trace or import_trace(args.log, directory, args.requests)
+        reader, records = read_records(trace)
+        config, settings = derive(reader.header.config, str(trace))
+        arrivals = arrivals_of(records)
+        print(f"{trace.name}: {len(arrivals)} requests, {config.num_gpu_blocks} blocks, "
+              f"groups {[(g.kind, g.block_size) for g in config.kv_cache_groups]}, hash unit "
+              f"{config.hash_block_size}; {args.repeats} repeats", flush=True)
+        for variant in args.variants or ["unfixed", "fixed"]:
+            result = measure_variant(variant, trace, config, settings, arrivals, args.repeats,
+                                     directory / variant)
+            results.append(result)
+            figures = result["figures"]
+            print(f"\n{variant}: {result['records']} records, identical streams and summaries: "
+                  f"{'yes' if not result['problems'] else 'NO'}")
+            for problem in result["problems"]:
+                print(f"  FAIL {problem}")
+            for mode in MODES:
+                ratio = figures[mode]["ratio"]
+                verdict = "PASS" if ratio["median"] >= TARGET else "FAIL"
+                print(f"  {mode:7}  vllm {text(figures[mode]['vllm'])}  model "
+                      f"{text(figures[mode]['model'])}  ratio {text(ratio, 'x')}  "
+                      f"{verdict} (target {TARGET:.0f}x; a free cache: "
+                      f"{text(result['best_ratio'][mode], 'x')})")
+            print(f"  floors   scheduler model alone {text(result['scheduler_floor'])}, replay "
+                  f"sink {text(result['sink_floor'])}", flush=True)
+    if args.json:
+        print(json.dumps(results, indent=2, default=str))
+    return 1 if any(result["problems"] for result in results) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,38 @@
+"""kvtrace's own model of vLLM 0.33's hybrid prefix cache: the ``model`` replay backend.
+
+Two twins with one behaviour: ``ModelBackend`` (pure Python, the reference) and
+``NativeModelBackend`` (the same on the optional C core, ``csrc/model_core.c``).
+``open_model_backend`` is the registered factory: the C twin where it is built and on;
+``open_counting_model_backend`` the same twin counting a summary's figures, with no record.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from kvtrace.events import EngineConfig
+from kvtrace.replay.backend import CacheBackend, RecordSink
+from kvtrace.replay.model import native
+from kvtrace.replay.model.backend import ModelBackend
+from kvtrace.replay.model.native import NativeModelBackend
+
+if TYPE_CHECKING:
+    from kvtrace.replay.run import ReplaySummary
+
+__all__ = ["ModelBackend", "NativeModelBackend", "open_counting_model_backend",
+           "open_model_backend"]
+
+
+def _twin() -> type[ModelBackend] | type[NativeModelBackend]:
+    return NativeModelBackend if native.core is not None else ModelBackend
+
+
+def open_model_backend(config: EngineConfig, variant: str, sink: RecordSink) -> CacheBackend:
+    """The model backend on ``config`` under ``variant``: native when ``native.core`` is on."""
+    return _twin()(config, variant, sink)
+
+
+def open_counting_model_backend(config: EngineConfig, variant: str,
+                                summary: ReplaySummary) -> CacheBackend:
+    """The same twin, counting ``summary``'s figures itself (set on close), no record made."""
+    return _twin()(config, variant, summary=summary)
