@@ -189,6 +189,7 @@ POOL_BLOCKS = Opt(st.sampled_from([40, 300, 1000]),  # never a pool that takes l
 RETENTION = Opt(st.sampled_from(["none", "dense", "0", "64"]),
                 st.one_of(st.sampled_from(["70", "-64", "7", str(64 * 10**20)]), JUNK))
 VARIANT = choice(["unfixed", "fixed", "naive", "upstream"], ["nope", "", "FIXED"])
+BACKEND = choice(["vllm", "model"], ["x", "", "VLLM"])
 
 
 @st.composite
@@ -212,12 +213,14 @@ def arguments(draw, positionals: list[Opt], options: dict[str, Opt], max_options
     return argv
 
 
-# Presets at their shipped deployment only: any other geometry is vLLM's to compute (tens of
-# seconds; tests/test_geometry.py covers it).
+# Presets at their shipped deployment only (no valid --tensor-parallel-size): any other geometry
+# is vLLM's to compute (tens of seconds; tests/test_geometry.py covers it).
 ENGINE_SHAPE = {
-    "--model": Opt(st.sampled_from(["kimi-k3", "nemotron-h-8b"]), st.sampled_from(
+    "--model": Opt(st.sampled_from(["kimi-k3", "nemotron-h-8b", "qwen3-next-80b-a3b",
+                                    "kimi-linear-48b-a3b"]), st.sampled_from(
         ["no-such-model", "", "kimi"])),
-    "--tensor-parallel-size": Opt(st.just(16), st.sampled_from([0, -1, "x", ""])),
+    "--tensor-parallel-size": Opt(st.sampled_from([0, -1, "x", ""])),
+    "--mamba-groups": Opt(st.integers(1, 6), BAD_INT),
     "--hash-unit": choice([16, 384], [7, 0, -1, 10**30]),
     "--attention-block-size": choice([384], [64, 0, 10**30]),
     "--mamba-block-size": choice([384], [128, 0]),
@@ -273,9 +276,9 @@ COMMANDS: dict[str, tuple[st.SearchStrategy, int]] = {
                                       "tcp://h:99999", "inproc://x"]), required=True),
         "-o": output(".kvtrace", True), **CAPTURE_OPTIONS}), 10),
     "synth": (arguments([], {
-        "--preset": Opt(st.sampled_from(["shared-prompt", "chat", "agent"]),
+        "--preset": Opt(st.sampled_from(["shared-prompt", "documents", "chat", "agent"]),
                         st.sampled_from(["nope", ""]), required=True),
-        "--requests": ints(1, 12), "--seed": Opt(st.integers(-5, 5), JUNK),
+        "--requests": Opt(st.integers(1, 12), BAD_INT, True), "--seed": Opt(st.integers(-5, 5), JUNK),
         "-o": output(".kvtrace", True), "--rate": floats("0.5", "4", "1000"),
         "--system-prompts": ints(1, 4), "--system-prompt-len": ints(1, 600),
         "--zipf": floats("0", "1", "2.5"), "--prompt-len": ints(1, 300),
@@ -290,20 +293,26 @@ COMMANDS: dict[str, tuple[st.SearchStrategy, int]] = {
         "--source-block-size": choice([16, 512], [-1, 0, 7, 10**30]),
         "-o": output(".kvtrace", True), **ENGINE_SHAPE}), 30),
     "replay": (arguments([TRACE_IN], {
-        "--variant": VARIANT, "--backend": choice(["vllm"], ["model", "x", ""]),
+        "--variant": VARIANT, "--backend": BACKEND,
         "--num-gpu-blocks": POOL_BLOCKS, "--retention": RETENTION,
         "--max-num-batched-tokens": ints(64, 4096), "--max-num-seqs": ints(1, 8),
         "--long-prefill-token-threshold": ints(0, 512), "--lockstep": FLAG, "--verify": FLAG,
         "-o": output(required=True), "--summary-json": output(".json"),
-        "--db": output(".duckdb")}), 40),
+        "--db": output(".duckdb"), "--execute": FLAG,
+        "--device": choice(["auto", "cpu", "cuda"], ["tpu", "", "CPU"]),
+        "--state-scale": floats("0.01", "0.1", "1"),
+        "--gpu": choice(["h200", "h100", "250"], ["b200", "0", "-3", "nan", "inf", "x", ""])},
+        max_options=5), 40),
     "sweep": (arguments([TRACE_IN], {
         "--pool-fraction": choice(["0.5", "0.5,1"], ["0", "-1", "nan", "inf", "x", "", ","]),
         "--num-gpu-blocks": Opt(st.sampled_from(["300", "200,300"]), st.sampled_from(
             ["0", "1", "x", "1e3", str(10**20)]), required=True),
         "--variant": choice(["fixed", "unfixed,fixed"], ["nope", ","]),
         "--retention": choice(["0", "none", "0,none"], ["7", "x", "-1"]),
-        "--backend": choice(["vllm"], ["x"]), "-o": output(required=True),
-        "--db": output(".duckdb"), "-j": choice([1], [0, -1, "x"])}), 20),
+        "--backend": BACKEND, "-o": output(required=True),
+        "--db": output(".duckdb"), "-j": choice([1], [0, -1, "x"]),
+        # never a Ray cluster: only addresses Ray refuses at once
+        "--ray": Opt(st.sampled_from(["nonsense", "", "-1"]))}), 20),
     "engine": (arguments([files(BROKEN_TRACES, BROKEN_TRACES)], {
         "--variant": VARIANT, "--num-gpu-blocks": POOL_BLOCKS, "--retention": RETENTION,
         "--speed": floats("0", "1", "10"), "--autostart": FLAG,

@@ -260,7 +260,8 @@ def test_h1_replay_of_a_fifo_is_refused_at_once(tmp_path):
 @pytest.mark.parametrize("flag, value", [("--rate", "inf"), ("--rate", "nan"),
                                          ("--rate", "1e-300"), ("--zipf", "nan"),
                                          ("--length-sigma", "nan"), ("--think-time", "inf"),
-                                         ("--max-prompt-len", "1000000000000")])
+                                         ("--max-prompt-len", "1000000000000"),
+                                         ("--requests", str(10**25))])
 def test_h2_synth_refuses_numbers_it_cannot_draw_from(tmp_path, flag, value):
     done = subprocess.run([*KVTRACE, "synth", "--preset", "chat", "--requests", "5", flag, value,
                            "-o", str(tmp_path / "w.kvtrace")], capture_output=True, text=True,
@@ -423,7 +424,7 @@ def test_m2_an_unwritable_summary_is_refused_before_any_replay(tmp_path, workloa
 
 
 def test_m3_capture_duration_zero_is_refused_either_way():
-    for source in (["--pid", "999999999"], ["--zmq", "tcp://127.0.0.1:1"]):
+    for source in (["--pid", str(1 << 22)], ["--zmq", "tcp://127.0.0.1:1"]):
         result = run("capture", *source, "--duration", "0", "-o", "/tmp/never.kvtrace")
         assert result.exit_code == 2 and "not a positive duration" in result.stderr
 

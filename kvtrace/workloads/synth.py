@@ -46,6 +46,8 @@ SYSTEM_PROMPT_SIGMA = 0.5
 # A bound on every length drawn (each is at most half of it), so that a request and its output
 # stay within what a replay runs.
 MAX_PROMPT_LEN = MAX_REQUEST_TOKENS // 2
+# A workload is generated and held in memory whole: 4M requests is 180 times the Mooncake trace.
+MAX_REQUESTS = 1 << 22
 
 
 # --- synthetic traffic ------------------------------------------------------------------------------
@@ -328,8 +330,9 @@ def _first_arrivals(sessions: Iterator[list[_Draft]], count: int) -> list[_Draft
 def synthesize(preset: str, num_requests: int, seed: int, hash_unit: int,
                overrides: Mapping[str, object] = {}) -> Workload:
     """A deterministic (per seed) hybrid-KDA workload of ``num_requests`` requests."""
-    if num_requests < 1:
-        raise ConfigError(f"--requests must be at least 1, not {num_requests}")
+    if not 1 <= num_requests <= MAX_REQUESTS:
+        raise ConfigError(f"--requests must be from 1 to {MAX_REQUESTS:,}, not {num_requests:,}",
+                          "A workload is held in memory whole; generate fewer requests.")
     params = preset_params(preset, overrides)
     sampler = _Sampler(seed, params.max_prompt_len // 2)
     drafts = _first_arrivals(PRESETS[preset].sessions(params, sampler), num_requests)
