@@ -453,6 +453,8 @@ COMMANDS_ON_A_TRACE = {
     "cat": lambda path, tmp: ["cat", path],
     "load": lambda path, tmp: ["load", path, "-o", tmp / "x.duckdb"],
     "replay": lambda path, tmp: ["replay", path, "-o", tmp / "runs"],
+    "replay --backend model": lambda path, tmp: ["replay", path, "--backend", "model",
+                                                 "-o", tmp / "runs"],
     "why": lambda path, tmp: ["why", path, "--request", "0"],
     "sweep": lambda path, tmp: ["sweep", path, "--num-gpu-blocks", "300", "-j", "1",
                                 "-o", tmp / "sweep"],
@@ -477,7 +479,7 @@ def test_impossible_configs_are_one_error_where_the_config_is_used(tmp_path, com
             assert result.exit_code == 0, (name, result.output)
             if command == "info":
                 assert "its engine config cannot be replayed" in result.stdout, name
-        elif command in ("replay", "sweep", "engine") or name not in ("unknown group kind",
+        elif command.split()[0] in ("replay", "sweep", "engine") or name not in ("unknown group kind",
                                                                       "huge pool"):
             assert result.exit_code == 1 and result.stderr.count("kvtrace: error:") == 1, (
                 name, result.output)
@@ -504,7 +506,7 @@ def test_impossible_requests_are_one_error(tmp_path):
                     RequestArrived(req=0, prompt_len=2**40, hash_ids=[], max_tokens=1),
                     RequestArrived(req=0, prompt_len=160, hash_ids=[1, 2], max_tokens=1)):
         path = trace(tmp_path / "r.kvtrace", [arrival])
-        for command in ("replay", "sweep", "engine"):
+        for command in ("replay", "replay --backend model", "sweep", "engine"):
             result = run(*COMMANDS_ON_A_TRACE[command](path, tmp_path))
             assert_error(result, "request 0")
 
