@@ -39,6 +39,9 @@ MAX_INT64 = (1 << 63) - 1  # the largest value of a trace's integer fields
 # The longest request (prompt and output) a replay runs: longer than any model's context (10M
 # tokens), and short enough that vLLM's Request (a list entry per token) fits in memory.
 MAX_REQUEST_TOKENS = 1 << 26
+# The most KV-cache groups an engine has here: vLLM makes one per kind of layer and group of
+# equal-sized layer lists (the presets have 4 to 7); a backend keeps a manager per group.
+MAX_KV_CACHE_GROUPS = 256
 
 
 @dataclass(frozen=True)
@@ -126,6 +129,10 @@ def check_possible(config: EngineConfig) -> None:
     if not groups:
         raise ConfigError("the engine config has no KV-cache groups",
                           "A hybrid engine has a full-attention group and a Mamba group.")
+    if len(groups) > MAX_KV_CACHE_GROUPS:
+        raise ConfigError(f"the engine config has {len(groups):,} KV-cache groups, more than "
+                          f"the {MAX_KV_CACHE_GROUPS} an engine has",
+                          "The trace is damaged or was written wrongly; check its source.")
     if unit <= 0:
         raise ConfigError(f"the hash unit (hash_block_size) must be positive, not {unit}",
                           "Use the engine's hash block size (e.g. 16 or 32 tokens).")

@@ -131,6 +131,8 @@ def impossible_configs() -> dict[str, EngineConfig]:
         "negative retention": replace(SMALL_CONFIG, retention_interval=-64),
         "odd retention": replace(SMALL_CONFIG, retention_interval=70),
         "negative budget": replace(SMALL_CONFIG, max_num_batched_tokens=-1),
+        "too many groups": replace(SMALL_CONFIG,
+                                   kv_cache_groups=SMALL_CONFIG.kv_cache_groups * 200),
     }
 
 

@@ -270,6 +270,20 @@ def test_h2_synth_refuses_numbers_it_cannot_draw_from(tmp_path, flag, value):
     assert "Traceback" not in done.stderr and not list(tmp_path.iterdir())
 
 
+@pytest.mark.parametrize("command", [["synth", "--preset", "chat", "--requests", "2"],
+                                     ["import", "mooncake", "LOG"]])
+@pytest.mark.parametrize("groups", [2**63, 10**6])
+def test_h2_mamba_groups_beyond_any_engine_are_refused(tmp_path, command, groups):
+    """A what-if geometry is built as a list of groups: 2**63 overflowed it, 10**6 filled
+    memory with managers."""
+    log = tmp_path / "log.jsonl"
+    log.write_text('{"timestamp": 0, "input_length": 20, "output_length": 2, "hash_ids": [1]}\n')
+    command = [log if arg == "LOG" else arg for arg in command]
+    assert_error(run(*command, "--mamba-groups", groups, "--allow-unreal-geometry",
+                     "-o", tmp_path / "w.kvtrace"), "--mamba-groups must be from 1 to 255")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["log.jsonl"]
+
+
 def test_h3_a_pool_this_machine_cannot_hold_is_refused_with_the_figure(tmp_path, workload):
     result = run("replay", workload, "--num-gpu-blocks", 10**12, "-o", tmp_path / "runs")
     assert_error(result, "a pool of 1,000,000,000,000 blocks needs about 232.8 TiB")

@@ -28,6 +28,7 @@ from kvtrace.engine_config import (
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
     DEFAULT_MAX_NUM_SEQS,
     MAX_INT64,
+    MAX_KV_CACHE_GROUPS,
     SchedulerSettings,
     check_pool_fits,
     check_pool_memory,
@@ -115,6 +116,9 @@ class EngineShape:
         if self.pool_fraction is not None and not 0 < self.pool_fraction <= 1:
             raise ConfigError(f"pool fraction must be in (0, 1], not {self.pool_fraction}",
                               "Use a share of the workload's distinct attention blocks, e.g. 0.25.")
+        if self.mamba_groups is not None and not 1 <= self.mamba_groups < MAX_KV_CACHE_GROUPS:
+            raise ConfigError(f"--mamba-groups must be from 1 to {MAX_KV_CACHE_GROUPS - 1}, "
+                              f"not {self.mamba_groups}", "The presets have 3 to 6.")
         groups = self.groups()
         blocks = {g.kind: g.block_size for g in groups}
         model_groups = sum(g.kind == "mamba" for g in self.geometry.groups)
