@@ -312,7 +312,7 @@ COMMANDS: dict[str, tuple[st.SearchStrategy, int]] = {
         "--backend": BACKEND, "-o": output(required=True),
         "--db": output(".duckdb"), "-j": choice([1], [0, -1, "x"]),
         # never a Ray cluster: only addresses Ray refuses at once
-        "--ray": Opt(st.sampled_from(["nonsense", "", "-1"]))}), 20),
+        "--ray": Opt(st.sampled_from(["nonsense", "", "-1", "127.0.0.1:1"]))}), 20),
     "engine": (arguments([files(BROKEN_TRACES, BROKEN_TRACES)], {
         "--variant": VARIANT, "--num-gpu-blocks": POOL_BLOCKS, "--retention": RETENTION,
         "--speed": floats("0", "1", "10"), "--autostart": FLAG,

@@ -348,6 +348,20 @@ def test_h4_the_engine_is_checked_before_the_records_are_read(tmp_path, workload
                  "num_gpu_blocks is 1")
 
 
+def test_h_sweep_on_a_ray_address_where_nothing_listens_fails_at_once(tmp_path, workload):
+    """Ray itself retried such an address for minutes (still retrying after 4)."""
+    import socket
+
+    with socket.socket() as closed:  # bound, never listening: a connection is refused
+        closed.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{closed.getsockname()[1]}"
+        done = subprocess.run([*KVTRACE, "sweep", str(workload), "--num-gpu-blocks", "300",
+                               "--ray", address, "-o", str(tmp_path / "sweep")],
+                              capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1 and "Traceback" not in done.stderr
+    assert f"kvtrace: error: cannot connect to Ray at {address}: nothing answers" in done.stderr
+
+
 # --- C: one error line, never a traceback --------------------------------------------------
 
 
