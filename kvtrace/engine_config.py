@@ -213,18 +213,21 @@ def available_memory() -> int | None:
     return available
 
 
-def check_pool_memory(num_gpu_blocks: int, subject: str = "", hint: str = "") -> None:
+def check_pool_memory(num_gpu_blocks: int, subject: str = "", hint: str = "",
+                      bytes_per_block: int = REPLAY_BYTES_PER_BLOCK,
+                      available: int | None = None, where: str = "this machine") -> None:
     """Refuse a pool of ``num_gpu_blocks`` (what ``subject`` needs; default: the pool itself)
-    that a replay on this machine could not hold in memory, rather than run into the limit."""
-    available = available_memory()
-    need = num_gpu_blocks * REPLAY_BYTES_PER_BLOCK
+    that a replay on this machine (``where``, with ``available`` bytes: default this machine's
+    memory) could not hold, ``bytes_per_block`` a block, rather than run into the limit."""
+    available = available_memory() if available is None else available
+    need = num_gpu_blocks * bytes_per_block
     if available is None or need <= available:
         return
     raise ConfigError(
         f"{subject or f'a pool of {num_gpu_blocks:,} blocks'} needs about {_bytes(need)} of "
-        f"memory to replay ({REPLAY_BYTES_PER_BLOCK} bytes a block), more than the "
-        f"{_bytes(available)} this machine has available",
-        hint or f"Use at most {available // REPLAY_BYTES_PER_BLOCK:,} blocks here "
+        f"memory to replay ({bytes_per_block:,} bytes a block), more than the "
+        f"{_bytes(available)} {where} has available",
+        hint or f"Use at most {available // bytes_per_block:,} blocks here "
                 "(--num-gpu-blocks), or replay on a machine with more memory.")
 
 

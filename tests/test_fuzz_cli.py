@@ -300,7 +300,7 @@ COMMANDS: dict[str, tuple[st.SearchStrategy, int]] = {
         "-o": output(required=True), "--summary-json": output(".json"),
         "--db": output(".duckdb"), "--execute": FLAG,
         "--device": choice(["auto", "cpu", "cuda"], ["tpu", "", "CPU"]),
-        "--state-scale": floats("0.01", "0.1", "1"),
+        "--state-scale": floats("0.01", "0.1"),  # full scale: gigabytes of state
         "--gpu": choice(["h200", "h100", "250"], ["b200", "0", "-3", "nan", "inf", "x", ""])},
         max_options=5), 40),
     "sweep": (arguments([TRACE_IN], {
