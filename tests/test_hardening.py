@@ -261,7 +261,8 @@ def test_h1_replay_of_a_fifo_is_refused_at_once(tmp_path):
                                          ("--rate", "1e-300"), ("--zipf", "nan"),
                                          ("--length-sigma", "nan"), ("--think-time", "inf"),
                                          ("--max-prompt-len", "1000000000000"),
-                                         ("--requests", str(10**25))])
+                                         ("--requests", str(10**25)),
+                                         ("--system-prompts", str(10**12))])
 def test_h2_synth_refuses_numbers_it_cannot_draw_from(tmp_path, flag, value):
     done = subprocess.run([*KVTRACE, "synth", "--preset", "chat", "--requests", "5", flag, value,
                            "-o", str(tmp_path / "w.kvtrace")], capture_output=True, text=True,

@@ -48,6 +48,8 @@ SYSTEM_PROMPT_SIGMA = 0.5
 MAX_PROMPT_LEN = MAX_REQUEST_TOKENS // 2
 # A workload is generated and held in memory whole: 4M requests is 180 times the Mooncake trace.
 MAX_REQUESTS = 1 << 22
+# Each request draws its system prompt over all of them: more than any deployment serves.
+MAX_SYSTEM_PROMPTS = 1 << 16
 
 
 # --- synthetic traffic ------------------------------------------------------------------------------
@@ -297,6 +299,8 @@ def preset_params(preset: str, overrides: Mapping[str, object] = {}) -> SharedPr
             bad, wanted = not 0 <= value < math.inf, "at least 0 and finite"
         elif name == "max_prompt_len":
             bad, wanted = not 1 <= value <= MAX_PROMPT_LEN, f"from 1 to {MAX_PROMPT_LEN:,}"
+        elif name == "system_prompts":
+            bad, wanted = not 1 <= value <= MAX_SYSTEM_PROMPTS, f"from 1 to {MAX_SYSTEM_PROMPTS:,}"
         else:
             bad, wanted = not 1 <= value < math.inf, "at least 1"
         if bad:
