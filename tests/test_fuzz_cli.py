@@ -10,10 +10,11 @@ format, a directory, databases sound and damaged), and outputs that can and cann
 with one ``kvtrace: error:`` line, or 2 with click's usage error.
 
 Inputs are generated, not their sizes: counts that only make a valid run longer (requests,
-pool blocks, prompt lengths) are drawn small, so the file runs in well under a minute.
-``capture`` gets only pids and endpoints no process can own, ``engine`` only broken
-workloads and ``demo``/``geometry`` only settings that fail before any work: valid ones would
-attach to a live process, become an engine core or import vLLM's model code.
+pool blocks, prompt lengths, execute mode's state scale) are drawn small, so the file runs in
+about a minute. ``capture`` gets only pids and endpoints no process can own, ``engine`` only
+broken workloads, ``demo``/``geometry`` only settings that fail before any work and
+``sweep --ray`` only addresses refused at once: valid ones would attach to a live process,
+become an engine core, import vLLM's model code or start a Ray cluster.
 """
 
 from __future__ import annotations
@@ -27,7 +28,6 @@ from pathlib import Path
 import duckdb
 import pytest
 from bad_traces import (
-    SMALL_CONFIG,
     closing_frame,
     header,
     header_frame,
