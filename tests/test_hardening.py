@@ -34,7 +34,7 @@ from test_replay_cli import hot_prefix_workload
 
 from kvtrace.cli import cli
 from kvtrace.events import BlockRemoved, StepStarted
-from kvtrace.traceio import TraceReader, TraceWriter, read_records
+from kvtrace.traceio import TraceWriter, read_records
 
 KVTRACE = [str(Path(sys.executable).with_name("kvtrace"))]  # the console script
 
@@ -459,6 +459,15 @@ def test_m2_an_unwritable_summary_is_refused_before_any_replay(tmp_path, workloa
     assert_error(run("replay", workload, "-o", out, "--summary-json",
                      tmp_path / "missing" / "s.json"), "cannot write")
     assert not out.exists()
+
+
+def test_m2_a_summary_or_database_in_the_outdir_to_be_made_is_written(tmp_path, workload):
+    """The early check refused these: OUTDIR did not exist yet, and the replay makes it."""
+    out = tmp_path / "runs"
+    result = run("replay", workload, "-o", out, "--summary-json", out / "s.json",
+                 "--db", out / "w.duckdb")
+    assert result.exit_code == 0, result.output
+    assert (out / "s.json").is_file() and (out / "w.duckdb").is_file()
 
 
 def test_m3_capture_duration_zero_is_refused_either_way():

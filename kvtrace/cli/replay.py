@@ -123,11 +123,12 @@ def _check_outputs(source: str, outdir: str, summary_json: str | None, db: str |
         if path is None:
             continue
         directory = os.path.dirname(os.path.abspath(path))
-        if path.endswith(".kvtrace") and (same_file(directory, outdir)
-                                          or directory == os.path.abspath(outdir)):
+        in_outdir = same_file(directory, outdir) or directory == os.path.abspath(outdir)
+        if in_outdir and path.endswith(".kvtrace"):
             raise OutputError(f"{option} {path} is in OUTDIR, where the replay traces go",
                               f"Give {option} a path outside {outdir}.")
-        check_output_dir(path, option)
+        if not in_outdir:  # OUTDIR itself is made (or refused) before any variant runs
+            check_output_dir(path, option)
 
 
 def _warn_of_silent_zeros(result) -> None:
