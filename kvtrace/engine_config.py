@@ -3,7 +3,8 @@
 Every stage that builds a cache from an ``EngineConfig`` (``kvtrace replay``, ``kvtrace engine``,
 the workload writers) goes through ``derive`` / ``validate`` here, so a configuration vLLM
 cannot build is refused with the same message whichever command met it first. Each rule has
-one message (``RULES`` lists them) and a hint that says what to change.
+one message and a hint that says what to change. One rule is this machine's: a replay's block
+pool must fit its available memory (``check_pool_memory``, ``REPLAY_BYTES_PER_BLOCK`` a block).
 
 ``SchedulerSettings`` are the scheduler limits of an engine (what vLLM's ``SchedulerConfig``
 holds, read from the trace's config, then overridden), plus the virtual clock that orders
@@ -14,6 +15,7 @@ Imports: stdlib, msgspec, events and errors only (every stage imports this modul
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from math import lcm
 
@@ -29,6 +31,17 @@ DEFAULT_MAX_NUM_SEQS = 1024
 SUPPORTED_GROUP_KINDS = ("full_attention", "mamba")
 # "Keep the source's value" for an override (None is a value: dense retention).
 KEEP = object()
+# Memory a replay's block pool takes per block: vLLM's KVCacheBlock and free-queue links (about
+# 140 bytes measured at 10^6 blocks), and the prefix-cache entry of a keyed block.
+# tests/test_hardening.py holds the real vLLM pool to it.
+REPLAY_BYTES_PER_BLOCK = 256
+MAX_INT64 = (1 << 63) - 1  # the largest value of a trace's integer fields
+# The longest request (prompt and output) a replay runs: longer than any model's context (10M
+# tokens), and short enough that vLLM's Request (a list entry per token) fits in memory.
+MAX_REQUEST_TOKENS = 1 << 26
+# The most KV-cache groups an engine has here: vLLM makes one per kind of layer and group of
+# equal-sized layer lists (the presets have 4 to 7); a backend keeps a manager per group.
+MAX_KV_CACHE_GROUPS = 256
 
 
 @dataclass(frozen=True)
@@ -106,28 +119,60 @@ def derive(config: EngineConfig | None, source: str,
     return config, SchedulerSettings.from_config(config, **overrides.scheduler())
 
 
-def validate(config: EngineConfig) -> None:
-    """Refuse an engine vLLM 0.33 would not build, or that kvtrace's replay cannot: one
-    ``ConfigError`` per rule, naming the value and what to change."""
+def check_possible(config: EngineConfig) -> None:
+    """Refuse a config no engine can have (what reading a trace's figures needs: load, why):
+    numbers that do not fit, no groups, sizes that are not positive multiples of the hash
+    unit, a negative pool, limit or retention."""
+    _check_fits_int64(config)
     groups = config.kv_cache_groups
     unit = config.hash_block_size
     if not groups:
         raise ConfigError("the engine config has no KV-cache groups",
                           "A hybrid engine has a full-attention group and a Mamba group.")
+    if len(groups) > MAX_KV_CACHE_GROUPS:
+        raise ConfigError(f"the engine config has {len(groups):,} KV-cache groups, more than "
+                          f"the {MAX_KV_CACHE_GROUPS} an engine has",
+                          "The trace is damaged or was written wrongly; check its source.")
     if unit <= 0:
         raise ConfigError(f"the hash unit (hash_block_size) must be positive, not {unit}",
                           "Use the engine's hash block size (e.g. 16 or 32 tokens).")
+    for index, group in enumerate(groups):
+        if group.block_size <= 0 or group.block_size % unit:
+            raise ConfigError(
+                f"KV-cache group {index} ({group.kind}) has block size {group.block_size}, "
+                f"not a multiple of the hash unit {unit}",
+                "vLLM hashes blocks in hash units: every block size must be a multiple of it.")
+        alignment = group.prefill_checkpoint_alignment
+        if group.num_prefill_checkpoint_blocks < 0 or (alignment is not None and alignment <= 0):
+            raise ConfigError(
+                f"KV-cache group {index} has {group.num_prefill_checkpoint_blocks} checkpoint "
+                f"blocks at alignment {alignment}", "Both must be positive (or none).")
+    for name in ("num_gpu_blocks", "max_model_len", "max_num_batched_tokens", "max_num_seqs",
+                 "long_prefill_token_threshold"):
+        if getattr(config, name) < 0:
+            raise ConfigError(f"{name} is {getattr(config, name)}, which is negative",
+                              "The trace is damaged or was written wrongly; check its source.")
+    block = lcm(*(g.block_size for g in groups))
+    retention = config.retention_interval
+    if retention is not None and (retention < 0 or retention % block):
+        raise ConfigError(
+            f"retention interval {retention} is not 0 or a multiple of the scheduler block "
+            f"size {block}",
+            "vLLM accepts none (dense), 0 (latest-only) or a multiple of the scheduler block.")
+
+
+def validate(config: EngineConfig) -> None:
+    """Refuse an engine vLLM 0.33 would not build, or that kvtrace's replay cannot (here: the
+    pool must fit this machine's memory): one ``ConfigError`` per rule, naming the value and
+    what to change."""
+    check_possible(config)
+    groups = config.kv_cache_groups
     for index, group in enumerate(groups):
         if group.kind not in SUPPORTED_GROUP_KINDS:
             raise ConfigError(
                 f"KV-cache group {index} is {group.kind!r}; kvtrace replays "
                 f"{' and '.join(SUPPORTED_GROUP_KINDS)} groups only",
                 "Sliding-window and cross-attention groups are not supported yet.")
-        if group.block_size <= 0 or group.block_size % unit:
-            raise ConfigError(
-                f"KV-cache group {index} ({group.kind}) has block size {group.block_size}, "
-                f"not a multiple of the hash unit {unit}",
-                "vLLM hashes blocks in hash units: every block size must be a multiple of it.")
         if group.kind == "mamba" and config.enable_caching and group.mamba_cache_mode not in (
                 "", "align"):
             raise ConfigError(
@@ -147,13 +192,65 @@ def validate(config: EngineConfig) -> None:
     if config.num_gpu_blocks < 2:
         raise ConfigError(f"num_gpu_blocks is {config.num_gpu_blocks}, which leaves no usable "
                           "block", "vLLM reserves one block as the null block; use at least 2.")
-    block = lcm(*(g.block_size for g in groups))
-    retention = config.retention_interval
-    if retention is not None and (retention < 0 or retention % block):
-        raise ConfigError(
-            f"retention interval {retention} is not 0 or a multiple of the scheduler block "
-            f"size {block}",
-            "vLLM accepts none (dense), 0 (latest-only) or a multiple of the scheduler block.")
+    check_pool_memory(config.num_gpu_blocks)
+
+
+def available_memory() -> int | None:
+    """Bytes this machine can still give a process (``MemAvailable``, within a cgroup's
+    limit); None where the kernel does not say."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            fields = dict(line.split(":", 1) for line in meminfo)
+        available = int(fields["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        return None
+    for limit_file in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            with open(limit_file) as limit:
+                available = min(available, int(limit.read()))
+        except (OSError, ValueError):
+            pass  # absent, or "max"
+    return available
+
+
+def check_pool_memory(num_gpu_blocks: int, subject: str = "", hint: str = "",
+                      bytes_per_block: int = REPLAY_BYTES_PER_BLOCK,
+                      available: int | None = None, where: str = "this machine") -> None:
+    """Refuse a pool of ``num_gpu_blocks`` (what ``subject`` needs; default: the pool itself)
+    that a replay on this machine (``where``, with ``available`` bytes: default this machine's
+    memory) could not hold, ``bytes_per_block`` a block, rather than run into the limit."""
+    available = available_memory() if available is None else available
+    need = num_gpu_blocks * bytes_per_block
+    if available is None or need <= available:
+        return
+    raise ConfigError(
+        f"{subject or f'a pool of {num_gpu_blocks:,} blocks'} needs about {_bytes(need)} of "
+        f"memory to replay ({bytes_per_block:,} bytes a block), more than the "
+        f"{_bytes(available)} {where} has available",
+        hint or f"Use at most {available // bytes_per_block:,} blocks here "
+                "(--num-gpu-blocks), or replay on a machine with more memory.")
+
+
+def _bytes(count: int) -> str:
+    """``count`` bytes to a tenth of the largest binary unit it holds one of (exact for any
+    integer, however large)."""
+    units = ("B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB")
+    power = 0
+    while power < len(units) - 1 and count >= 1024 ** (power + 1):
+        power += 1
+    tenths = count * 10 // 1024 ** power
+    return f"{tenths // 10:,}.{tenths % 10} {units[power]}"
+
+
+def _check_fits_int64(config: EngineConfig) -> None:
+    """Every number of the config must fit the 64-bit integers a trace header holds."""
+    fields = [(f"group {i} {name}", value) for i, group in enumerate(config.kv_cache_groups)
+              for name, value in msgspec.structs.asdict(group).items()]
+    fields += msgspec.structs.asdict(config).items()
+    for name, value in fields:
+        if isinstance(value, int) and not -MAX_INT64 - 1 <= value <= MAX_INT64:
+            raise ConfigError(f"{name} {value} does not fit a trace's 64-bit integers",
+                              "Give a value below 2**63.")
 
 
 def blocks_needed(config: EngineConfig, num_tokens: int) -> int:
@@ -167,6 +264,35 @@ def blocks_needed(config: EngineConfig, num_tokens: int) -> int:
         else:
             need += -(-num_tokens // group.block_size)
     return need
+
+
+def check_request(req: int | str, prompt_len: int, max_tokens: int, num_hash_ids: int,
+                  hash_unit: int) -> None:
+    """A request a replay can run: a prompt with one hash id per full hash unit, no negative
+    output, and at most ``MAX_REQUEST_TOKENS`` in all."""
+    if prompt_len < 1 or max_tokens < 0:
+        raise ConfigError(f"request {req} has {prompt_len} prompt and {max_tokens} output "
+                          "tokens; a request has a prompt, and no negative output",
+                          "The trace is damaged or was written wrongly; check its source.")
+    if prompt_len + max_tokens > MAX_REQUEST_TOKENS:
+        raise ConfigError(f"request {req} has {prompt_len + max_tokens:,} tokens, more than the "
+                          f"{MAX_REQUEST_TOKENS:,} kvtrace replays (longer than any model's "
+                          "context)", "Check the request's prompt and output lengths.")
+    if num_hash_ids != prompt_len // hash_unit:
+        raise ConfigError(f"request {req}: {num_hash_ids} hash ids for a {prompt_len}-token "
+                          f"prompt (hash unit {hash_unit} needs {prompt_len // hash_unit})",
+                          "Each full hash unit of the prompt needs exactly one hash id.")
+
+
+def check_added_request(config: EngineConfig, req: int, prompt_len: int, hash_ids: Sequence[int],
+                        max_tokens: int, known: bool) -> None:
+    """Refuse a request a backend is given as both backends do: ``check_request``, a new
+    number (``known``: added before), a sequence the pool can hold."""
+    check_request(req, prompt_len, max_tokens, len(hash_ids), config.hash_block_size)
+    if known:
+        raise ConfigError(f"request {req} was added twice",
+                          "Request numbers must be unique within a trace.")
+    check_pool_fits(config, req, prompt_len + max_tokens)
 
 
 def check_fits_model_len(settings: SchedulerSettings, req: int, prompt_len: int) -> None:

@@ -64,6 +64,13 @@ class CheckpointClass(enum.IntEnum):
     JUNCTION = 2  # the checkpoint is the shared-prefix boundary
 
 
+def enum_label(enum_type: type[enum.IntEnum], value: int) -> str:
+    """A record's enum value by name, or by number when this version does not know it (a newer
+    writer's: readers keep such values as plain ints)."""
+    member = enum_type._value2member_map_.get(value)
+    return str(value) if member is None else member.name
+
+
 class Record(msgspec.Struct, array_like=True, frozen=True, gc=False):
     """Base of every trace record. ``family`` is ``input``, ``effect`` or ``meta``."""
 

@@ -22,8 +22,10 @@ the same columns, so nothing downstream sees the difference.
 
 A writer cut off anywhere loses at most its last, incomplete frame: the reader recovers every
 complete frame, sets ``truncated`` and never fails on the cut. Bytes that fail their checksum or
-do not decode raise ``TraceFormatError`` naming the frame's offset. Kinds the reader does not
-know are skipped and counted; frame types it does not know likewise.
+do not decode raise ``TraceFormatError`` naming the frame's offset, as do columns whose values
+do not have their field's type. Kinds the reader does not know are skipped and counted; frame
+types it does not know likewise. Enum values it does not know (a newer writer's) are kept as
+plain ints and counted (``unknown_values``); ``events.enum_label`` names them by number.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ import os
 import struct
 import sys
 import time
+import typing
 import zlib
 from array import array
 from collections import Counter
@@ -46,10 +49,10 @@ import msgspec
 
 from kvtrace import events, native
 from kvtrace.errors import TraceFormatError, TraceNotFoundError, TraceVersionError
+from kvtrace.files import StagedOutput, cannot_write
 from kvtrace.events import (
     FORMAT_MAJOR,
     FORMAT_MINOR,
-    RECORD_TYPES,
     TAG_TO_TYPE,
     Record,
     TraceClosed,
@@ -167,6 +170,36 @@ def _field_codecs(record_type: type[Record]) -> list[tuple[Any, str]]:
 
 
 _FIELD_CODECS = {cls: _field_codecs(cls) for cls in TAG_TO_TYPE.values()}
+_OBJECT_FIELD_TYPES = {"str": str, "bytes": bytes}
+# Per kind, its enum fields: (field index, name, the values this reader knows as bytes; a
+# column of only known values is an int8 column, since the writer picks the narrowest width).
+_ENUM_FIELDS = {
+    cls: [(index, name, getattr(events, annotation),
+           bytes(sorted(m.value for m in getattr(events, annotation))))
+          for index, (name, (_, annotation)) in enumerate(zip(cls.__struct_fields__, codecs))
+          if annotation not in ("int", "bool", "list[int]", *_OBJECT_FIELD_TYPES)]
+    for cls, codecs in _FIELD_CODECS.items()
+}
+
+
+def _lenient_twin(record_type: type[Record]) -> type[msgspec.Struct]:
+    """``record_type`` with its enum fields typed as plain ints, to decode rows with: a value a
+    newer writer added to an enum is kept as its number, not refused. Every other field keeps
+    its type, so an ill-typed row is still refused."""
+    fields = record_type.__struct_fields__
+    defaults = record_type.__struct_defaults__
+    first_default = len(fields) - len(defaults)
+    enums = {name for _, name, _, _ in _ENUM_FIELDS[record_type]}
+    hints = typing.get_type_hints(record_type, vars(events))
+    spec = [(name, int if name in enums else hints[name],
+             *((defaults[i - first_default],) if i >= first_default else ()))
+            for i, name in enumerate(fields)]
+    return msgspec.defstruct(record_type.__name__, spec, tag=tag_of(record_type),
+                             array_like=True, frozen=True, gc=False)
+
+
+_TWINS = {cls: _lenient_twin(cls) for cls in TAG_TO_TYPE.values()}
+_FIELD_CODECS.update((twin, _FIELD_CODECS[cls]) for cls, twin in _TWINS.items())
 
 
 class _Batch(msgspec.Struct, array_like=True):
@@ -199,7 +232,7 @@ def encode_batch(records: list[Record]) -> tuple[bytes, dict[str, int]]:
 _BATCH_ENCODER = msgspec.msgpack.Encoder()
 encode_rows = _BATCH_ENCODER.encode  # records -> an R batch payload (msgpack array of rows)
 _BATCH_DECODER = msgspec.msgpack.Decoder(_Batch)
-_ROWS_DECODER = msgspec.msgpack.Decoder(list[Union[RECORD_TYPES]])  # type: ignore[valid-type]
+_ROWS_DECODER = msgspec.msgpack.Decoder(list[Union[tuple(_TWINS.values())]])  # type: ignore[misc]
 _HEADER_DECODER = msgspec.msgpack.Decoder(TraceHeader)
 _CLOSED_DECODER = msgspec.msgpack.Decoder(TraceClosed)
 
@@ -207,13 +240,16 @@ _CLOSED_DECODER = msgspec.msgpack.Decoder(TraceClosed)
 @dataclass
 class RecordBatch:
     """One decoded batch: ``kinds[i]`` indexes ``types`` (None = unknown kind) for record i;
-    ``columns[j]`` holds the field columns of ``types[j]`` (rows in file order)."""
+    ``columns[j]`` holds the field columns of ``types[j]`` (rows in file order).
+    ``unknown_values`` counts enum values this reader does not know, by (tag, field, value):
+    the records keep them as plain ints."""
 
     types: list[type[Record] | None]
     tags: list[str]
     kinds: bytes
     columns: list[list[Any]]
     first_seq: int
+    unknown_values: Counter = field(default_factory=Counter)
 
     def __len__(self) -> int:
         return len(self.kinds)
@@ -235,6 +271,30 @@ class RecordBatch:
             if rows is not None:
                 yield next(rows)
 
+    def field_rows(self, wanted: tuple[type[Record], ...]) -> Iterator[tuple]:
+        """``(type, *field values)`` of the batch's records of the ``wanted`` kinds, in file
+        order, without building records: a list field comes as an ``array`` slice, so that a
+        large trace is read at a few bytes per list element."""
+        indices = [i for i, record_type in enumerate(self.types) if record_type in wanted]
+        rows = {i: zip(*map(_column_rows, self.columns[i])) for i in indices}
+        others = bytes(i for i in range(len(self.types)) if i not in rows)
+        for kind in self.kinds.translate(None, others) if others else self.kinds:
+            yield (self.types[kind], *next(rows[kind]))
+
+
+def _column_rows(column: Any) -> Iterable:
+    """A decoded column's values row by row; a list column's rows as array slices."""
+    if not isinstance(column, ListColumn):
+        return column
+    return _list_rows(column)
+
+
+def _list_rows(column: ListColumn) -> Iterator[array]:
+    values, start = column.values, 0
+    for length in column.lengths:
+        yield values[start:start + length]
+        start += length
+
 
 def _decode_batch(payload: memoryview, first_seq: int) -> tuple[RecordBatch, Counter]:
     raw = _BATCH_DECODER.decode(payload)
@@ -254,10 +314,46 @@ def _decode_batch(payload: memoryview, first_seq: int) -> tuple[RecordBatch, Cou
         decoded = [decode_column(c) for c in raw_columns[: len(record_type.__struct_fields__)]]
         if any(len(c) != counts[i] for c in decoded):
             raise ValueError(f"column lengths of {tag!r} do not match its record count")
+        _check_column_types(record_type, decoded)
         decoded.extend(_default_columns(record_type, len(decoded), counts[i]))
         types.append(record_type)
         columns.append(decoded)
-    return RecordBatch(types, raw.tags, raw.kinds, columns, first_seq), unknown
+    batch = RecordBatch(types, raw.tags, raw.kinds, columns, first_seq)
+    for record_type, decoded in zip(types, columns):
+        if record_type is not None:
+            _count_unknown_values(record_type, decoded, batch.unknown_values)
+    return batch, unknown
+
+
+def _check_column_types(record_type: type[Record], columns: list) -> None:
+    """Refuse a column whose values do not have its field's type (int fields must be int
+    columns, lists of ints list columns, strings and bytes lists of them)."""
+    for column, (_, annotation), name in zip(columns, _FIELD_CODECS[record_type],
+                                              record_type.__struct_fields__):
+        object_type = _OBJECT_FIELD_TYPES.get(annotation)
+        if annotation == "list[int]":
+            fits = isinstance(column, ListColumn)
+        elif object_type is None:
+            fits = isinstance(column, array)
+        else:
+            fits = isinstance(column, list) and all(type(v) is object_type for v in column)
+        if not fits:
+            raise ValueError(f"{tag_of(record_type)}.{name} holds values that are not "
+                             f"{annotation}")
+
+
+def _count_unknown_values(record_type: type[Record], columns: list, counts: Counter) -> None:
+    """Count the values of enum columns this reader does not know (cheap when there are none:
+    such a column is int8 and holds only known bytes)."""
+    for index, name, enum_type, known in _ENUM_FIELDS[record_type]:
+        column = columns[index]
+        if not isinstance(column, array):
+            continue  # a default column of an older writer's trace
+        if column.typecode == "b" and not column.tobytes().translate(None, known):
+            continue
+        tag = tag_of(record_type)
+        known_values = enum_type._value2member_map_
+        counts.update((tag, name, value) for value in column if value not in known_values)
 
 
 def _decode_rows(payload: memoryview, first_seq: int) -> tuple[RecordBatch, Counter]:
@@ -274,7 +370,7 @@ def _decode_rows(payload: memoryview, first_seq: int) -> tuple[RecordBatch, Coun
             if record_type is None:
                 unknown[row[0] if isinstance(row, list) and row else "?"] += 1
             else:
-                records.append(msgspec.convert(row, record_type))
+                records.append(msgspec.convert(row, _TWINS[record_type]))
     batch, _ = _decode_batch(memoryview(encode_batch(records)[0]), first_seq)
     return batch, unknown
 
@@ -321,12 +417,18 @@ class TraceWriter:
         self._pending: list[Record] = []
         self._chunks: list[tuple[int, bytes]] = []  # encoded rows: (number, msgpack array)
         self._num_chunk_records = 0
-        self._final_path: str | None = None
+        self._staged: StagedOutput | None = None
         if isinstance(destination, (str, os.PathLike)):
             path = os.fspath(destination)
             if atomic:
-                self._final_path, path = path, f"{path}.partial"
-            self._file: BinaryIO = open(path, "wb")
+                self._staged = StagedOutput(path)
+                path = self._staged.path
+            try:
+                self._file: BinaryIO = open(path, "wb")
+            except OSError as error:
+                if self._staged is not None:
+                    self._staged.discard()
+                raise cannot_write(destination, error) from None
             self._owns_file = True
         else:
             self._file, self._owns_file = destination, False
@@ -425,8 +527,8 @@ class TraceWriter:
         self._file.flush()
         if self._owns_file:
             self._file.close()
-        if self._final_path is not None:
-            os.replace(f"{self._final_path}.partial", self._final_path)
+        if self._staged is not None:
+            self._staged.publish()
         self.closed = True
 
     def abandon(self) -> None:
@@ -436,17 +538,21 @@ class TraceWriter:
         self.closed = True
         if self._owns_file:
             self._file.close()
-        if self._final_path is not None:
-            os.unlink(f"{self._final_path}.partial")
+        if self._staged is not None:
+            self._staged.discard()
 
     def __enter__(self) -> TraceWriter:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is None or self._final_path is None:
-            self.close()
-        else:
+        if exc_type is not None and self._staged is not None:
             self.abandon()
+            return
+        try:
+            self.close()
+        except BaseException:
+            self.abandon()  # an atomic trace that failed to close leaves nothing behind
+            raise
 
 
 # --- reader -------------------------------------------------------------------------------------
@@ -457,7 +563,9 @@ class TraceReader:
     """Streams a trace frame by frame in constant memory.
 
     The header is read on open. Iterate ``batches()`` (columns) or the reader itself (records);
-    after the stream ends, ``closing``, ``truncated`` and ``unknown_kinds`` tell how it ended.
+    after the stream ends, ``closing``, ``truncated`` and ``unknown_kinds`` tell how it ended,
+    and ``unknown_values`` counts enum values it does not know (kept as ints), by (tag, field,
+    value).
     """
 
     path: str
@@ -468,6 +576,7 @@ class TraceReader:
     num_records: int = field(init=False, default=0)
     unknown_kinds: Counter = field(init=False, default_factory=Counter)
     unknown_frames: int = field(init=False, default=0)
+    unknown_values: Counter = field(init=False, default_factory=Counter)
     _file: BinaryIO = field(init=False, repr=False)
     _offset: int = field(init=False, default=0)
     _consumed: bool = field(init=False, default=False)
@@ -566,6 +675,7 @@ class TraceReader:
                     except (msgspec.DecodeError, msgspec.ValidationError, ValueError, TypeError) as e:
                         raise TraceFormatError(f"{self.path}: undecodable batch ({e})", offset) from None
                     self.unknown_kinds.update(unknown)
+                    self.unknown_values.update(batch.unknown_values)
                     # A B batch keeps unknown kinds' rows (typeless); an R batch drops them.
                     self.num_records += len(batch) + (
                         unknown.total() if frame_type == FRAME_ROWS else 0)

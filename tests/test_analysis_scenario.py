@@ -184,8 +184,8 @@ def test_lost_hits_by_prefix_counts_the_lookup_unfixed_lost(scenario_db):
     # 16 - 0 = 16 tokens; nothing gained.
     result = run_query(scenario_db, "lost_hits_by_prefix")
     assert rows_as_dicts(result) == [{
-        "source": "scenario.kvtrace", "backend": "model", "prefix_hash_id": S,
-        "depth_tokens": 16, "fixed_hits": 4, "unfixed_hits": 3, "lost_lookups": 1,
+        "source": "scenario.kvtrace", "backend": "model", "fixed_run": 0, "unfixed_run": 1,
+        "prefix_hash_id": S, "depth_tokens": 16, "fixed_hits": 4, "unfixed_hits": 3, "lost_lookups": 1,
         "tokens_lost": 16, "gained_lookups": 0, "tokens_gained": 0, "net_tokens_lost": 16,
     }]
     # Swapping the roles turns the loss into a gain.

@@ -43,7 +43,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from kvtrace.errors import KvtraceError
+from kvtrace.engine_config import check_possible
+from kvtrace.errors import ConfigError, KvtraceError
 from kvtrace.events import (
     BlockAllocated,
     BlockFreed,
@@ -655,9 +656,14 @@ def attribute_trace(path: str | os.PathLike, *, request: int | str | None = None
 
 
 def new_attributor(header: TraceHeader, path: str, **options) -> MissAttributor:
+    """The attributor of one trace, once its engine config is one an engine can have."""
     if header.config is None:
         raise AttributionError(f"{path} has no engine config in its header, so its lookups "
                                "cannot be attributed")
+    try:
+        check_possible(header.config)
+    except ConfigError as error:
+        raise ConfigError(f"{path}: {error}", error.hint) from None
     return MissAttributor(header.config, **options)
 
 

@@ -7,11 +7,14 @@ Layout (schema version ``DB_SCHEMA_VERSION``):
   Every row has ``run``, ``variant``, ``backend``, ``seq`` (position of the record in its trace)
   and ``step`` (number of ``StepStarted`` at or before it, so a step's own ``StepStarted`` row
   shares its step), then the record's fields. Renamed fields: ``group`` -> ``group_id`` (an SQL
-  keyword) and ``StepStarted.step`` -> ``engine_step``. Enums are DuckDB ENUMs of their names.
+  keyword) and ``StepStarted.step`` -> ``engine_step``. Enum fields hold their names
+  (``'LRU_REUSE'``), or the number of a value this kvtrace does not know (a newer writer's).
 * a list field (``hash_ids``) becomes a child table ``<kind>_<field>`` with one row per element
   (``run, seq, req, pos, hash_id``) and a ``num_<field>`` column on the parent row, so that SQL
   can join on "unit i of request r" directly.
-* ``runs``: one row per loaded trace with its provenance and engine configuration.
+* ``runs``: one row per loaded trace with its provenance, engine configuration and content
+  digest (``digest``: sha256 of the file; added after v2 without a version bump, nothing reads
+  it but the operator). No two runs hold the same content.
 * ``kvtrace_meta``: key/value pairs, among them ``db_schema_version``.
 * ``sweep``: one row per configuration of each ``kvtrace sweep`` loaded (``SWEEP_COLUMNS``),
   numbered by ``sweep_id``. Added after schema v1 without a version bump: nothing else reads
@@ -26,24 +29,19 @@ Layout (schema version ``DB_SCHEMA_VERSION``):
 
 from __future__ import annotations
 
+import enum
 import functools
 import os
 import typing
 
 from kvtrace.analysis.attribution import ROW_COLUMNS
 from kvtrace.errors import KvtraceError
-from kvtrace.events import RECORD_TYPES, CheckpointClass, FinishStatus, RemoveReason, StoreKind, tag_of
+from kvtrace.events import RECORD_TYPES, tag_of
 
 DB_SCHEMA_VERSION = 2
 ATTRIBUTION_SCHEMA_VERSION = 2  # the first schema with the miss_attribution table
 ATTRIBUTION_TABLE = "miss_attribution"
 
-ENUM_TYPES = {
-    StoreKind: "store_kind",
-    RemoveReason: "remove_reason",
-    FinishStatus: "finish_status",
-    CheckpointClass: "checkpoint_class",
-}
 RENAMED_FIELDS = {"group": "group_id", "step": "engine_step"}
 RUN_COLUMNS = "run INTEGER, variant VARCHAR, backend VARCHAR, seq BIGINT, step BIGINT"
 # The sweep table: the sweep's own columns, then one per figure of a ``sweep.json`` row.
@@ -90,18 +88,19 @@ def element_column(field_name: str) -> str:
     return field_name[:-1] if field_name.endswith("s") else field_name
 
 
+def is_enum_field(field_type: object) -> bool:
+    return isinstance(field_type, type) and issubclass(field_type, enum.IntEnum)
+
+
 def _sql_type(field_type: object) -> str:
-    if field_type in ENUM_TYPES:
-        return ENUM_TYPES[field_type]
+    if is_enum_field(field_type):
+        return "VARCHAR"  # a name, or the number of a value this kvtrace does not know
     return {int: "BIGINT", bool: "BOOLEAN", str: "VARCHAR", bytes: "BLOB"}[field_type]
 
 
 def schema_statements() -> list[str]:
-    """DDL for every table (and the ENUM types they use), before any view."""
-    statements = [
-        f"CREATE TYPE {name} AS ENUM ({', '.join(repr(m.name) for m in enum)})"
-        for enum, name in ENUM_TYPES.items()
-    ]
+    """DDL for every table, before any view."""
+    statements = []
     statements.append(f"CREATE TABLE {ATTRIBUTION_TABLE} "
                       f"({', '.join(f'{name} {sql_type}' for name, sql_type in ROW_COLUMNS)})")
     for record_type in RECORD_TYPES:
@@ -121,10 +120,10 @@ def schema_statements() -> list[str]:
         """CREATE TABLE runs (
             run INTEGER PRIMARY KEY, path VARCHAR, source VARCHAR, variant VARCHAR,
             backend VARCHAR, mode VARCHAR, source_key VARCHAR, kvtrace_version VARCHAR,
-            vllm_version VARCHAR, created_ns BIGINT, hash_block_size INTEGER,
-            num_gpu_blocks INTEGER, retention_interval INTEGER, block_sizes INTEGER[],
+            vllm_version VARCHAR, created_ns BIGINT, hash_block_size BIGINT,
+            num_gpu_blocks BIGINT, retention_interval BIGINT, block_sizes BIGINT[],
             group_kinds VARCHAR[], num_records BIGINT, truncated BOOLEAN, num_dropped BIGINT,
-            header_json VARCHAR)""",
+            header_json VARCHAR, digest VARCHAR)""",
         "CREATE TABLE kvtrace_meta (key VARCHAR PRIMARY KEY, value VARCHAR)",
         SWEEP_TABLE,
     ]
@@ -305,11 +304,15 @@ def open_database(path: str | os.PathLike, *, read_only: bool = True):
     try:
         version = connection.execute(
             "SELECT value FROM kvtrace_meta WHERE key = 'db_schema_version'").fetchone()
-    except duckdb.CatalogException:
+    except duckdb.Error:  # no such table, or not the columns kvtrace writes
         version = None
     if version is None:
         connection.close()
         raise DatabaseError(f"{path} is a DuckDB file but not a kvtrace forensics database")
+    if not (isinstance(version[0], str) and version[0].isdigit()):
+        connection.close()
+        raise DatabaseError(f"{path} has a damaged schema version ({version[0]!r} in "
+                            "kvtrace_meta)", "Re-create it: `kvtrace load TRACE ... -o DB`.")
     if int(version[0]) > DB_SCHEMA_VERSION:
         writer = connection.execute(
             "SELECT value FROM kvtrace_meta WHERE key = 'kvtrace_version'").fetchone()

@@ -63,11 +63,19 @@ def export_parquet(db_path: str, outdir: str, *, overwrite: bool = False) -> Exp
     if target.is_dir() and any(target.iterdir()) and not overwrite:
         raise KvtraceError(f"{outdir} is not empty",
                            "Export into a new directory, or add --overwrite to replace it.")
+    if target.is_dir() and _inside(db_path, target):
+        raise KvtraceError(f"{db_path} is inside {outdir}, which the export replaces",
+                           "Export into a directory that does not hold the database.")
     connection = open_database(db_path)
     summary = ExportSummary(db_path, outdir)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    partial = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".partial",
-                                    dir=target.parent))
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        partial = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".partial",
+                                        dir=target.parent))
+    except OSError as error:
+        connection.close()
+        raise KvtraceError(f"cannot write {outdir}: {error.strerror or error}",
+                           "Check the free space and permissions of the target.") from None
     try:
         for table in _tables(connection):
             summary.tables.append(_export_table(connection, table, partial))
@@ -127,6 +135,11 @@ def _export_table(connection, table: str, root: Path) -> ExportedTable:
 def _copy(connection, table: str, path: Path, options: str) -> None:
     quoted = str(path).replace("'", "''")
     connection.execute(f"COPY \"{table}\" TO '{quoted}' (FORMAT PARQUET{options})")
+
+
+def _inside(path: str, directory: Path) -> bool:
+    """Whether ``path`` lies in ``directory`` or below it (links resolved)."""
+    return Path(os.path.realpath(directory)) in Path(os.path.realpath(path)).parents
 
 
 def _replace_dir(partial: Path, target: Path) -> None:

@@ -16,6 +16,7 @@ import os
 import subprocess
 import sys
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from enum import IntEnum
 
@@ -27,7 +28,6 @@ from kvtrace.analysis.attribution import ROW_COLUMNS, iter_rows, new_attributor
 from kvtrace.analysis.database import (
     ATTRIBUTION_TABLE,
     DB_SCHEMA_VERSION,
-    ENUM_TYPES,
     SWEEP_COLUMNS,
     SWEEP_TABLE,
     DatabaseError,
@@ -36,6 +36,7 @@ from kvtrace.analysis.database import (
     column_name,
     create_views,
     element_column,
+    is_enum_field,
     is_list_field,
     open_database,
     record_fields,
@@ -43,6 +44,13 @@ from kvtrace.analysis.database import (
 )
 from kvtrace.errors import KvtraceError, error_class
 from kvtrace.events import RECORD_TYPES, StepStarted, TraceHeader, tag_of
+from kvtrace.files import (
+    OutputError,
+    StagedOutput,
+    file_digest,
+    refuse_overwrite,
+    require_regular_file,
+)
 from kvtrace.traceio import ListColumn, TraceReader
 
 TRACE_SUFFIX = ".kvtrace"
@@ -60,6 +68,7 @@ class LoadedRun:
     backend: str
     num_records: int
     truncated: bool
+    unknown_values: Counter  # enum values this kvtrace does not know: (tag, field, value) -> n
 
 
 @dataclass
@@ -67,6 +76,8 @@ class LoadSummary:
     db_path: str
     runs: list[LoadedRun] = field(default_factory=list)
     seconds: float = 0.0
+    # Traces not loaded because a run already holds the same content: (path, that run's path).
+    duplicates: list[tuple[str, str]] = field(default_factory=list)
 
     @property
     def num_records(self) -> int:
@@ -94,18 +105,32 @@ def trace_paths(paths: list[str | os.PathLike]) -> list[str]:
     return found
 
 
-def load_traces(paths: list[str | os.PathLike], db_path: str | os.PathLike) -> LoadSummary:
-    """Load traces (files or replay output directories) into a new DuckDB file at ``db_path``.
+def load_traces(paths: list[str | os.PathLike], db_path: str | os.PathLike,
+                option: str = "-o") -> LoadSummary:
+    """Load traces (files or replay output directories) into a new DuckDB file at ``db_path``
+    (the command's ``option``).
 
     An existing file there is replaced, atomically: the DB is built beside it and renamed only
-    once every trace loaded, so a bad trace leaves nothing half-written."""
+    once every trace loaded, so a bad trace leaves nothing half-written. ``db_path`` must not
+    be one of the traces. A trace whose content (sha256) a run already holds is not loaded
+    again (``duplicates``): its records would count twice."""
     started = time.perf_counter()
     traces = trace_paths(paths)
+    for trace in traces:
+        require_regular_file(trace, "kvtrace load reads it twice (its digest, then its records)")
+    refuse_overwrite([(option, db_path)], traces)
     summary = LoadSummary(os.fspath(db_path))
 
     def fill(connection) -> None:
-        for run, trace in enumerate(traces):
-            summary.runs.append(_load_trace(connection, run, trace))
+        loaded: dict[str, str] = {}  # digest -> path
+        for trace in traces:
+            with TraceReader(trace):  # the reader's own error for a missing or foreign file
+                digest = file_digest(trace)
+            if digest in loaded:
+                summary.duplicates.append((trace, loaded[digest]))
+                continue
+            loaded[digest] = trace
+            summary.runs.append(_load_trace(connection, len(summary.runs), trace, digest))
 
     _new_database(summary.db_path, fill)
     summary.seconds = time.perf_counter() - started
@@ -114,34 +139,32 @@ def load_traces(paths: list[str | os.PathLike], db_path: str | os.PathLike) -> L
 
 def _new_database(db_path: str, fill) -> None:
     """Create a forensics DB at ``db_path`` (replacing one there) with what ``fill(connection)``
-    inserts: built beside it and renamed once complete."""
+    inserts: built in a private scratch directory beside it and renamed once complete."""
     import duckdb
 
-    partial = f"{db_path}.partial"
-    for stale in (partial, f"{partial}.wal"):
-        if os.path.exists(stale):
-            os.unlink(stale)
-    connection = duckdb.connect(partial)
-    try:
-        for statement in schema_statements():
-            connection.execute(statement)
-        connection.executemany(
-            "INSERT INTO kvtrace_meta VALUES (?, ?)",
-            [("db_schema_version", str(DB_SCHEMA_VERSION)), ("kvtrace_version", __version__),
-             ("created_ns", str(time.time_ns()))],
-        )
-        fill(connection)
-        build_derived_tables(connection)
-        create_views(connection)
-        connection.execute("CHECKPOINT")
-        connection.close()
-    except BaseException:
-        connection.close()
-        for leftover in (partial, f"{partial}.wal"):
-            if os.path.exists(leftover):
-                os.unlink(leftover)
-        raise
-    os.replace(partial, db_path)
+    with StagedOutput(db_path) as staged:
+        try:
+            connection = duckdb.connect(staged.path)
+        except duckdb.Error as error:
+            raise OutputError(f"cannot create the database {db_path}: "
+                              f"{str(error).splitlines()[0]}") from None
+        try:
+            for statement in schema_statements():
+                connection.execute(statement)
+            connection.executemany(
+                "INSERT INTO kvtrace_meta VALUES (?, ?)",
+                [("db_schema_version", str(DB_SCHEMA_VERSION)), ("kvtrace_version", __version__),
+                 ("created_ns", str(time.time_ns()))],
+            )
+            fill(connection)
+            build_derived_tables(connection)
+            create_views(connection)
+            connection.execute("CHECKPOINT")
+        except duckdb.IOException as error:
+            raise OutputError(f"cannot write the database {db_path}: "
+                              f"{str(error).splitlines()[0]}") from None
+        finally:
+            connection.close()
 
 
 def load_sweep(sweep: dict, db_path: str | os.PathLike, *, replace: bool = False) -> int:
@@ -180,7 +203,7 @@ def run_labels(header: TraceHeader) -> tuple[str, str, str]:
     return header.source, "live" if header.source == "capture" else "none", ""
 
 
-def _load_trace(connection, run: int, path: str) -> LoadedRun:
+def _load_trace(connection, run: int, path: str, digest: str) -> LoadedRun:
     reader = TraceReader(path)
     variant, backend, mode = run_labels(reader.header)
     labels = (run, variant, backend)
@@ -202,8 +225,9 @@ def _load_trace(connection, run: int, path: str) -> LoadedRun:
         if aside is not None and aside.poll() is None:
             aside.kill()
             aside.wait()
-    _insert_run_row(connection, run, path, reader, variant, backend, mode)
-    return LoadedRun(run, path, variant, backend, reader.num_records, reader.truncated)
+    _insert_run_row(connection, run, path, reader, variant, backend, mode, digest)
+    return LoadedRun(run, path, variant, backend, reader.num_records, reader.truncated,
+                     reader.unknown_values)
 
 
 def attribution_rows(path: str, run: int, variant: str, backend: str) -> bytes:
@@ -251,13 +275,13 @@ def _insert_attribution(connection, rows: list[tuple]) -> None:
         connection.unregister("kvtrace_chunk")
 
 
-def _insert_run_row(connection, run, path, reader, variant, backend, mode) -> None:
+def _insert_run_row(connection, run, path, reader, variant, backend, mode, digest) -> None:
     header = reader.header
     config = header.config
     replay = header.replay
     source_key = (replay.source_digest or replay.source_path) if replay else ""
     connection.execute(
-        "INSERT INTO runs VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+        f"INSERT INTO runs VALUES ({', '.join('?' * 20)})",
         [run, os.path.abspath(path), header.source, variant, backend, mode,
          source_key or os.path.abspath(path), header.kvtrace_version, header.vllm_version,
          header.created_ns,
@@ -267,7 +291,7 @@ def _insert_run_row(connection, run, path, reader, variant, backend, mode) -> No
          [g.block_size for g in config.kv_cache_groups] if config else None,
          [g.kind for g in config.kv_cache_groups] if config else None,
          reader.num_records, reader.truncated, reader.num_dropped,
-         msgspec.json.encode(header).decode()],
+         msgspec.json.encode(header).decode(), digest],
     )
 
 
@@ -361,12 +385,13 @@ _ENUM_OF_COLUMN = {
     (tag_of(record_type), column_name(name)): field_type
     for record_type in RECORD_TYPES
     for name, field_type in record_fields(record_type)
-    if field_type in ENUM_TYPES
+    if is_enum_field(field_type)
 }
 
 
 def _insert_sql(table: str, columns: tuple[str, ...], labelled: bool) -> str:
-    """INSERT of a chunk: the run's constants first, enum codes mapped to their names.
+    """INSERT of a chunk: the run's constants first, enum codes mapped to their names (a code
+    this kvtrace does not know is kept as its number).
 
     Child tables of list fields carry only ``run`` (join to the parent on run and seq)."""
     run_columns = "$variant, $backend, " if labelled else ""
@@ -376,8 +401,8 @@ def _insert_sql(table: str, columns: tuple[str, ...], labelled: bool) -> str:
         if enum is None:
             expressions.append(name)
         else:
-            names = ", ".join(repr(member.name) for member in enum)
-            expressions.append(f"([{names}])[{name} + 1]::{ENUM_TYPES[enum]}")
+            cases = " ".join(f"WHEN {member.value} THEN '{member.name}'" for member in enum)
+            expressions.append(f"CASE {name} {cases} ELSE {name}::VARCHAR END")
     target = "run, " + ("variant, backend, " if labelled else "") + ", ".join(columns)
     return (f"INSERT INTO {table} ({target}) SELECT $run, {run_columns}{', '.join(expressions)} "
             f"FROM kvtrace_chunk")

@@ -144,9 +144,11 @@ def execute(connection, sql: str, params: dict[str, object] | None = None) -> Re
     """Run one SQL statement; DuckDB's complaints become a ``QueryError`` of one line."""
     import duckdb
 
+    if not sql.strip():
+        raise QueryError("the SQL statement is empty", hint='kvtrace sql DB "SELECT ..."')
     try:
         cursor = connection.execute(sql, params or {})
-        columns = [d[0] for d in cursor.description] if cursor.description else []
+        columns = [d[0] for d in cursor.description] if cursor and cursor.description else []
         return Result(columns, cursor.fetchall() if columns else [])
     except duckdb.Error as error:
         first_line = str(error).strip().splitlines()[0]

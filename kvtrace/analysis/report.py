@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from kvtrace.analysis.attribution import CAUSES, CauseTotals, silent_zero_warning
 from kvtrace.analysis.queries import Result, run_query
 from kvtrace.analysis.render import format_table
+from kvtrace.files import write_atomically
 
 TOP_ROWS = 10
 TEXT_CELL_WIDTH = 24  # a source's sha256 would otherwise take a terminal's width
@@ -111,10 +112,8 @@ def report_database(db: str, html_path: str | None = None, *, bucket_steps: int 
     finally:
         connection.close()
     if html_path:
-        partial = f"{html_path}.partial"
-        with open(partial, "w", encoding="utf-8") as out:
-            out.write(render_html(data, f"kvtrace report: {os.path.basename(db)}"))
-        os.replace(partial, html_path)
+        write_atomically(html_path, render_html(data, f"kvtrace report: "
+                                                      f"{os.path.basename(db)}").encode())
     return render_text(data)
 
 

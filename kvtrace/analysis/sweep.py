@@ -21,17 +21,22 @@ from kvtrace.analysis.database import SWEEP_COLUMNS, open_database
 from kvtrace.analysis.load import load_sweep
 from kvtrace.analysis.report import _CSS, _figure, _html_cell, _png
 from kvtrace.errors import KvtraceError
+from kvtrace.files import StagedOutput, cannot_write, check_output_dir, refuse_overwrite
 
 SWEEP_JSON, SWEEP_PNG, SWEEP_HTML = "sweep.json", "sweep.png", "sweep.html"
 SWEEP_DB = "sweep.duckdb"
 
 
-def check_outputs(outdir: str | os.PathLike, db: str | None) -> None:
-    """Refuse, before a sweep runs, outputs it could not write."""
+def check_outputs(outdir: str | os.PathLike, db: str | None, source: str = "") -> None:
+    """Refuse, before a sweep runs, outputs it could not write or that would replace its
+    source."""
     if os.path.exists(outdir) and not os.path.isdir(outdir):
         raise KvtraceError(f"output directory {outdir} is a file", "Give -o a directory.")
+    refuse_overwrite([("--db", db)], [source] if source else [])
     if db is not None and os.path.exists(db):
         open_database(db).close()  # a kvtrace database this version can write to
+    elif db is not None:
+        check_output_dir(db, "--db")
 
 
 def write_outputs(sweep: dict[str, Any], outdir: str | os.PathLike,
@@ -40,38 +45,39 @@ def write_outputs(sweep: dict[str, Any], outdir: str | os.PathLike,
     ``outdir/sweep.duckdb``, replaced); returns what was written, by kind."""
     check_outputs(outdir, db)
     outdir = Path(outdir)
-    outdir.mkdir(parents=True, exist_ok=True)
+    try:
+        outdir.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise cannot_write(outdir, error) from None
     png = plot_png(sweep)
     contents = {
         SWEEP_JSON: msgspec.json.format(msgspec.json.encode(sweep), indent=2) + b"\n",
         SWEEP_PNG: png,
         SWEEP_HTML: render_html(sweep, png).encode(),
     }
-    staged: list[tuple[Path, Path]] = []
+    staged: list[StagedOutput] = []
     try:
         for name, data in contents.items():
-            partial = outdir / f"{name}.partial"
-            staged.append((partial, outdir / name))
-            partial.write_bytes(data)
+            staged.append(StagedOutput(outdir / name))
+            Path(staged[-1].path).write_bytes(data)
         target = db if db is not None else str(outdir / SWEEP_DB)
         sweep_id = load_sweep(sweep, target, replace=db is None)
     except OSError as error:
         _remove(staged)
-        raise KvtraceError(f"cannot write the sweep's outputs: {error}",
-                           "Check that the output directory is writable.") from None
+        raise cannot_write(outdir, error) from None
     except BaseException:
         _remove(staged)
         raise
-    for partial, final in staged:
-        os.replace(partial, final)
-    written = {name: str(final) for (_, final), name in zip(staged, contents)}
+    for output in staged:
+        output.publish()
+    written = {name: output.final for output, name in zip(staged, contents)}
     written["db"] = f"{target} (sweep_id {sweep_id})"
     return written
 
 
-def _remove(staged: list[tuple[Path, Path]]) -> None:
-    for partial, _ in staged:
-        partial.unlink(missing_ok=True)
+def _remove(staged: list[StagedOutput]) -> None:
+    for output in staged:
+        output.discard()
 
 
 def curves(sweep: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:

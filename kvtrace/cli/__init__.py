@@ -8,7 +8,9 @@ stays fast. ``KvtraceError`` is formatted here and nowhere else.
 from __future__ import annotations
 
 import importlib
+import signal
 import sys
+import threading
 import traceback
 
 import click
@@ -36,6 +38,16 @@ COMMAND_MODULES = {
 }
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised in the main thread: what Ctrl-C stops stops cleanly for it too (a
+    capture disarms, a replay removes its partial outputs) before kvtrace exits 143."""
+
+
+def _terminate(signum, frame) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second one must not cut the clean-up
+    raise Terminated
+
+
 class KvtraceGroup(click.Group):
     """Loads command modules lazily and turns ``KvtraceError`` into two stderr lines."""
 
@@ -58,6 +70,9 @@ class KvtraceGroup(click.Group):
             click.echo(f"kvtrace: error: {error}", err=True)
             click.echo(f"kvtrace: hint: {error.hint}", err=True)
             ctx.exit(error.exit_code)
+        except Terminated:
+            click.echo("kvtrace: stopped by SIGTERM", err=True)
+            ctx.exit(128 + signal.SIGTERM)
 
 
 @click.group(cls=KvtraceGroup, context_settings={"help_option_names": ["-h", "--help"]})
@@ -83,6 +98,8 @@ def verbosity() -> int:
 
 
 def main(argv: list[str] | None = None) -> None:
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _terminate)
     cli.main(args=argv, prog_name="kvtrace")
 
 

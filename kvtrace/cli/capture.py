@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import sys
@@ -12,20 +13,25 @@ import click
 from kvtrace.errors import KvtraceError
 
 STATUS_INTERVAL_S = 0.5
+PID = click.IntRange(min=1, max=1 << 22)  # Linux's PID_MAX_LIMIT: no process has another
 
 
 def parse_duration(text: str | None) -> float | None:
-    """``90``, ``90s``, ``10m``, ``1h`` -> seconds."""
+    """``90``, ``90s``, ``10m``, ``1h`` -> seconds (positive: a capture of nothing is refused
+    whichever way it is made)."""
     if text is None:
         return None
     match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smh]?)\s*", text)
     if not match:
         raise click.BadParameter(f"{text!r} is not a duration like 30s, 10m or 1h", param_hint="--duration")
-    return float(match.group(1)) * {"": 1, "s": 1, "m": 60, "h": 3600}[match.group(2)]
+    seconds = float(match.group(1)) * {"": 1, "s": 1, "m": 60, "h": 3600}[match.group(2)]
+    if not 0 < seconds < math.inf:
+        raise click.BadParameter(f"{text!r} is not a positive duration", param_hint="--duration")
+    return seconds
 
 
 @click.command("capture")
-@click.option("--pid", type=int, help="vLLM engine-core pid, or the API-server pid above it.")
+@click.option("--pid", type=PID, help="vLLM engine-core pid, or the API-server pid above it.")
 @click.option("--method", type=click.Choice(["auto", "plugin", "remote-exec", "gdb"]), default="auto",
               show_default=True, help="How to get kvtrace's hook into the engine.")
 @click.option("--duration", help="Stop after this long (30s, 10m, 1h); default: until Ctrl-C.")
@@ -35,7 +41,8 @@ def parse_duration(text: str | None) -> float | None:
               show_default=True, help="Records the in-engine buffer holds before it drops.")
 @click.option("--gpu-interval-ms", type=click.IntRange(min=0), default=1000, show_default=True,
               help="NVML sampling period (0: no GPU telemetry).")
-@click.option("--stop", "stop_pid", type=int, metavar="PID", help="Disarm a running capture in PID.")
+@click.option("--stop", "stop_pid", type=PID, metavar="PID",
+              help="Disarm a running capture in PID.")
 @click.option("--zmq", "zmq_endpoint", metavar="ENDPOINT",
               help="Record vLLM's own KV events from a ZMQ publisher instead (tcp://HOST:PORT).")
 @click.option("--topic", default="", help="With --zmq: the topic to subscribe to.")

@@ -19,16 +19,14 @@ import click
 def command(trace: str, kinds: tuple[str, ...], limit: int | None, show_header: bool) -> None:
     """Print a trace's records as JSON lines: {"seq", "record": KIND, fields...}.
 
-    Enum fields are printed by name. Exits 1 if the trace is truncated, after printing what was
-    recovered.
+    Enum fields are printed by name (by number, with a warning, for a value this kvtrace does
+    not know). Exits 1 if the trace is truncated, after printing what was recovered.
 
     \b
     Example:
         kvtrace cat prod.kvtrace --kind block_removed --limit 20
     """
-    import msgspec
-
-    from kvtrace.cli.common import raise_if_truncated
+    from kvtrace.cli.common import raise_if_truncated, stdout_failures, warn_of_unknown_values
     from kvtrace.errors import KvtraceError
     from kvtrace.events import TAG_TO_TYPE
     from kvtrace.traceio import TraceReader
@@ -39,6 +37,20 @@ def command(trace: str, kinds: tuple[str, ...], limit: int | None, show_header: 
                            hint="Known kinds: " + ", ".join(sorted(TAG_TO_TYPE)))
     wanted = {TAG_TO_TYPE[k] for k in kinds} or None
     reader = TraceReader(trace)
+    with reader, stdout_failures():
+        complete = _print_records(reader, wanted, limit, show_header)
+    warn_of_unknown_values(reader)
+    if complete:
+        raise_if_truncated(reader)
+
+
+def _print_records(reader, wanted: set[type] | None, limit: int | None,
+                   show_header: bool) -> bool:
+    """Print the records as JSON lines; whether the whole trace was read (no --limit stop)."""
+    import msgspec
+
+    from kvtrace.events import enum_label
+
     encoder = msgspec.json.Encoder()
     stdout = sys.stdout
     if show_header:
@@ -48,16 +60,15 @@ def command(trace: str, kinds: tuple[str, ...], limit: int | None, show_header: 
         if wanted is not None and type(record) not in wanted:
             continue
         if limit is not None and printed >= limit:
-            reader.close()
-            return
+            return False
         row = {"seq": seq, "record": record.__struct_config__.tag}
         enums = enum_fields(type(record))
         for name in record.__struct_fields__:
             value = getattr(record, name)
-            row[name] = enums[name](value).name if name in enums else value
+            row[name] = enum_label(enums[name], value) if name in enums else value
         stdout.write(encoder.encode(row).decode() + "\n")
         printed += 1
-    raise_if_truncated(reader)
+    return True
 
 
 @functools.cache

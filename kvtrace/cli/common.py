@@ -2,9 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import io
 import os
+import sys
+from collections import Counter
+from collections.abc import Iterator
+
+import click
 
 from kvtrace.errors import KvtraceError, TraceTruncatedError
+from kvtrace.files import write_atomically  # noqa: F401  (the commands' one way to write a file)
 from kvtrace.traceio import TraceReader
 
 
@@ -18,12 +27,34 @@ def raise_if_truncated(reader: TraceReader) -> None:
         )
 
 
-def write_atomically(path: str, data: bytes) -> None:
-    """Write a small output file so that it appears whole or not at all."""
+def unknown_value_warnings(path: str, unknown_values: Counter) -> list[str]:
+    """One line per record field holding enum values this kvtrace does not know."""
+    by_field: dict[tuple[str, str], Counter] = {}
+    for (tag, name, value), count in unknown_values.items():
+        by_field.setdefault((tag, name), Counter())[value] = count
+    return [f"{path}: {counts.total():,} {tag} record(s) have a {name} this kvtrace does not "
+            f"know ({', '.join(f'{value}: {n:,}' for value, n in sorted(counts.items()))}), "
+            "written by a newer kvtrace; kept as numbers"
+            for (tag, name), counts in sorted(by_field.items())]
+
+
+def warn_of_unknown_values(reader: TraceReader) -> None:
+    for line in unknown_value_warnings(reader.path, reader.unknown_values):
+        click.echo(f"kvtrace: warning: {line}", err=True)
+
+
+@contextlib.contextmanager
+def stdout_failures() -> Iterator[None]:
+    """A write to standard output that fails (a full disk, /dev/full) as one error; what is
+    still buffered is dropped, so that the exit does not fail on it again. A closed pipe is
+    left to click (a reader such as `head` that stopped early is not an error)."""
     try:
-        with open(f"{path}.partial", "wb") as file:
-            file.write(data)
-        os.replace(f"{path}.partial", path)
+        yield
+        sys.stdout.flush()
     except OSError as error:
-        raise KvtraceError(f"cannot write {path}: {error.strerror}",
-                           "Check that its directory exists and is writable.") from None
+        if error.errno == errno.EPIPE:
+            raise
+        with contextlib.suppress(OSError, ValueError, io.UnsupportedOperation):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        raise KvtraceError(f"cannot write to standard output: {error.strerror or error}",
+                           "Check the free space where the output goes.") from None

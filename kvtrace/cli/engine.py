@@ -43,6 +43,11 @@ def command(workload: str, variant: str, num_gpu_blocks: int | None, retention: 
     from kvtrace.cli.common import write_atomically
     from kvtrace.engine.core import EngineOptions, run_engine
     from kvtrace.engine_config import KEEP, Overrides, parse_retention
+    from kvtrace.files import check_output_dir, refuse_overwrite
+
+    if summary_json:
+        refuse_overwrite([("--summary-json", summary_json)], [workload])
+        check_output_dir(summary_json, "--summary-json")
 
     options = EngineOptions(
         source=workload, variant=variant, speed=speed, overrides=Overrides(

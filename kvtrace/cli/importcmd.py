@@ -40,9 +40,11 @@ def mooncake(log: str, source_block_size: int, output: str, **options) -> None:
         kvtrace import mooncake trace.jsonl --hash-unit 64 --attention-block-size 64 \\
             --mamba-block-size 256 -o trace.kvtrace
     """
+    from kvtrace.files import refuse_overwrite
     from kvtrace.workloads.mooncake import import_mooncake
     from kvtrace.workloads.workload import write_workload
 
+    refuse_overwrite([("-o", output)], [log])
     shape = engine_shape(options)
     workload = import_mooncake(log, shape.hash_block_size, source_block_size)
     header = write_workload(output, workload, shape, cmdline=sys.argv)

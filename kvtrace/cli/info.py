@@ -21,7 +21,7 @@ def command(trace: str, as_json: bool) -> None:
     Example:
         kvtrace info prod.kvtrace
     """
-    from kvtrace.cli.common import raise_if_truncated
+    from kvtrace.cli.common import raise_if_truncated, stdout_failures, unknown_value_warnings
     from kvtrace.traceio import TraceReader
 
     reader = TraceReader(trace)
@@ -41,12 +41,29 @@ def command(trace: str, as_json: bool) -> None:
         "unknown_kinds": dict(reader.unknown_kinds),
         "truncated": reader.truncated,
         "dropped_events": dropped,
+        "warnings": unknown_value_warnings(trace, reader.unknown_values)
+                    + _config_warnings(reader.header),
     }
-    if as_json:
-        click.echo(msgspec.json.encode(summary).decode())
-    else:
-        _print_text(summary, reader)
+    with stdout_failures():
+        if as_json:
+            click.echo(msgspec.json.encode(summary).decode())
+        else:
+            _print_text(summary, reader)
     raise_if_truncated(reader)
+
+
+def _config_warnings(header) -> list[str]:
+    """What makes the header's engine config one that no engine could run, if anything."""
+    from kvtrace.engine_config import validate
+    from kvtrace.errors import ConfigError
+
+    if header.config is None:
+        return []
+    try:
+        validate(header.config)
+    except ConfigError as error:
+        return [f"its engine config cannot be replayed: {error}"]
+    return []
 
 
 def _kinds(batch):
@@ -81,3 +98,5 @@ def _print_text(summary: dict, reader) -> None:
         click.echo(f"  {tag:<26} {count:>12}  (unknown kind, skipped)")
     click.echo(f"dropped:    {summary['dropped_events']}")
     click.echo(f"complete:   {'no (truncated)' if summary['truncated'] else 'yes'}")
+    for warning in summary["warnings"]:
+        click.echo(f"warning:    {warning}")

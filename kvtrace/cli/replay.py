@@ -84,6 +84,7 @@ def command(source: str, variants: tuple[str, ...], backend: str, num_gpu_blocks
     given = [flag for flag, value in execute_flags.items() if value is not None]
     if given and not execute:
         raise KvtraceError(f"{given[0]} applies to execute mode only", "Add --execute.")
+    _check_outputs(source, outdir, summary_json, db)
     options = ReplayOptions(
         source=source, outdir=outdir, variants=variants, backend=backend,
         lockstep=lockstep, verify=verify, overrides=Overrides(
@@ -95,6 +96,8 @@ def command(source: str, variants: tuple[str, ...], backend: str, num_gpu_blocks
                                gpu=gpu or "h200") if execute else None)
     result = replay(options, progress=_progress_bar if sys.stderr.isatty() else None)
     _print_table(result)
+    for warning in result.warnings:
+        click.echo(f"kvtrace: warning: {warning}", err=True)
     _warn_of_silent_zeros(result)
     if summary_json:
         write_atomically(summary_json, msgspec.json.format(
@@ -105,6 +108,27 @@ def command(source: str, variants: tuple[str, ...], backend: str, num_gpu_blocks
         _print_fidelity(result)
         if result.fidelity.matched != result.fidelity.total:
             raise SystemExit(1)
+
+
+def _check_outputs(source: str, outdir: str, summary_json: str | None, db: str | None) -> None:
+    """Before any replay: --summary-json and --db can be written, and replace neither the
+    source, nor each other, nor a replay trace in OUTDIR."""
+    import os
+
+    from kvtrace.files import OutputError, check_output_dir, refuse_overwrite, same_file
+
+    outputs = [("--summary-json", summary_json), ("--db", db)]
+    refuse_overwrite(outputs, [source])
+    for option, path in outputs:
+        if path is None:
+            continue
+        directory = os.path.dirname(os.path.abspath(path))
+        in_outdir = same_file(directory, outdir) or directory == os.path.abspath(outdir)
+        if in_outdir and path.endswith(".kvtrace"):
+            raise OutputError(f"{option} {path} is in OUTDIR, where the replay traces go",
+                              f"Give {option} a path outside {outdir}.")
+        if not in_outdir:  # OUTDIR itself is made (or refused) before any variant runs
+            check_output_dir(path, option)
 
 
 def _warn_of_silent_zeros(result) -> None:
@@ -135,7 +159,7 @@ def _load(source: str, result, db: str) -> None:
     with TraceReader(source) as reader:
         captured = reader.header.source == "capture"
     paths = ([source] if captured else []) + [v.output for v in result.variants]
-    loaded = load_traces(paths, db)
+    loaded = load_traces(paths, db, option="--db")
     click.echo(f"loaded {len(loaded.runs)} trace(s), {loaded.num_records:,} records into {db} "
                f"in {loaded.seconds:.1f}s; try: kvtrace report {db}")
 

@@ -72,7 +72,7 @@ def command(source: str, pool_fractions: tuple[str, ...], num_gpu_blocks: tuple[
         pool_fractions=_parse(pool_fractions, _number(float, "--pool-fraction")),
         num_gpu_blocks=_parse(num_gpu_blocks, _number(int, "--num-gpu-blocks")),
         backend=backend or "")
-    check_outputs(outdir, db)
+    check_outputs(outdir, db, source)
     plan = plan_sweep(grid)
     jobs = min(jobs or _cpus(), len(plan.tasks))
     for note in plan.notes:

@@ -35,7 +35,7 @@ def command(source: str, request: str, variants: tuple[str, ...]) -> None:
     from kvtrace.errors import KvtraceError
 
     paths = _traces(source, set(variants))
-    wanted: int | str = int(request) if request.isdigit() else request
+    wanted: int | str = int(request) if request.isascii() and request.isdigit() else request
     sections = []
     for path in paths:
         traced = attribute_trace(path, request=wanted, explain=True)
@@ -72,20 +72,28 @@ def _traces(source: str, variants: set[str]) -> list[str]:
 
 
 def _is_database(path: str) -> bool:
+    from kvtrace.files import require_regular_file
+    from kvtrace.errors import TraceNotFoundError
+
     if os.path.isdir(path):
         return False
-    with open(path, "rb") as file:
-        head = file.read(DUCKDB_MAGIC_OFFSET + len(DUCKDB_MAGIC))
+    require_regular_file(path, "kvtrace why reads it more than once")
+    try:
+        with open(path, "rb") as file:
+            head = file.read(DUCKDB_MAGIC_OFFSET + len(DUCKDB_MAGIC))
+    except OSError as error:
+        raise TraceNotFoundError(f"cannot open {path}: {error.strerror}") from None
     return head[DUCKDB_MAGIC_OFFSET:] == DUCKDB_MAGIC
 
 
 def _database_traces(db: str) -> list[str]:
     from kvtrace.analysis.database import open_database
+    from kvtrace.analysis.queries import execute
     from kvtrace.errors import KvtraceError
 
     connection = open_database(db)
     try:
-        rows = connection.execute("SELECT path FROM runs ORDER BY run").fetchall()
+        rows = execute(connection, "SELECT path FROM runs ORDER BY run").rows
     finally:
         connection.close()
     paths = [path for (path,) in rows]
@@ -167,7 +175,7 @@ def _blocks(segment, config) -> str:
 
 
 def _describe_key(key, config) -> str:
-    from kvtrace.events import RemoveReason
+    from kvtrace.events import RemoveReason, enum_label
 
     group = config.kv_cache_groups[key.group]
     what = (f"{_kind(group.kind)} {'state' if group.kind == 'mamba' else 'key'} at "
@@ -175,10 +183,9 @@ def _describe_key(key, config) -> str:
     removal = key.removal
     if removal is None:
         return f"{what}: never stored before this lookup."
-    reason = RemoveReason(removal.reason)
-    if reason != RemoveReason.LRU_REUSE:
-        return (f"{what}: removed ({reason.name}) from block {removal.block_id} at step "
-                f"{removal.step} (seq {removal.seq}).")
+    if removal.reason != RemoveReason.LRU_REUSE:
+        return (f"{what}: removed ({enum_label(RemoveReason, removal.reason)}) from block "
+                f"{removal.block_id} at step {removal.step} (seq {removal.seq}).")
     by = f" to make room for request {removal.by_req}" if removal.by_req >= 0 else ""
     sentence = (f"{what}: evicted from block {removal.block_id} at step {removal.step} "
                 f"(seq {removal.seq}){by}")

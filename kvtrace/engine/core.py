@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import Any
 
 from kvtrace.engine_config import (Overrides, SchedulerSettings, check_fits_model_len,
-                                   check_pool_fits, derive, describe_retention)
+                                   check_pool_fits, check_request, derive, describe_retention)
 from kvtrace.errors import ConfigError, KvtraceError
 from kvtrace.events import EngineConfig
 from kvtrace.replay.run import CAPTURED_VARIANT
@@ -90,13 +90,14 @@ def load_workload(options: EngineOptions) -> EngineWorkload:
                           "Use 1 for real time, 10 for ten times faster, 0 for no waiting.")
     get_variant(options.variant)
     reader = TraceReader(options.source)
-    records = list(reader)
     config, settings = derive(reader.header.config, options.source, options.overrides)
-    arrivals = sorted(arrivals_of(records), key=lambda arrival: arrival.arrival_ns)
+    arrivals = arrivals_of(reader.batches())  # in arrival order
     if not arrivals:
         raise KvtraceError(f"{options.source} has no requests (no request_arrived records)",
                            "Run a workload (kvtrace synth / import) or a captured trace.")
     for arrival in arrivals:  # vLLM's scheduler would wait forever for a request that never fits
+        check_request(arrival.req, arrival.prompt_len, arrival.max_tokens,
+                      len(arrival.hash_ids), config.hash_block_size)
         check_fits_model_len(settings, arrival.req, arrival.prompt_len)
         check_pool_fits(config, arrival.req, arrival.prompt_len + arrival.max_tokens)
     return EngineWorkload(config, settings, arrivals)

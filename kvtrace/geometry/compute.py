@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import tempfile
 from dataclasses import dataclass
@@ -23,7 +24,8 @@ from typing import Any
 
 import msgspec
 
-from kvtrace.errors import ConfigError
+from kvtrace.errors import ConfigError, KvtraceError
+from kvtrace.files import write_atomically
 from kvtrace.geometry.families import ATTENTION, GRID, MAMBA, MLA, family_of
 from kvtrace.geometry.presets import ModelSource, resolve_model
 from kvtrace.geometry.result import GIB, Geometry, GeometryGroup, MemorySplit
@@ -82,15 +84,17 @@ def compute_geometry(model: str | Path | ModelSource, *, gpu_memory_gib: float =
             pass  # damaged: compute again and overwrite
     geometry = _compute(source, deployment)
     if cache_file is not None:
-        cache_file.parent.mkdir(parents=True, exist_ok=True)
-        partial = cache_file.with_suffix(f".{os.getpid()}.tmp")
-        partial.write_bytes(msgspec.json.encode(geometry))
-        partial.replace(cache_file)
+        try:
+            cache_file.parent.mkdir(parents=True, exist_ok=True)
+            write_atomically(cache_file, msgspec.json.encode(geometry))
+        except (OSError, KvtraceError):
+            pass  # a cache that cannot be written only costs the next run the computation
     return geometry
 
 
 def _check_deployment(deployment: Deployment) -> None:
-    if deployment.gpu_memory_gib <= 0 or not 0 < deployment.gpu_memory_utilization <= 1:
+    if not 0 < deployment.gpu_memory_gib < math.inf or not (
+            0 < deployment.gpu_memory_utilization <= 1):
         raise ConfigError(
             f"GPU memory {deployment.gpu_memory_gib} GiB at utilization "
             f"{deployment.gpu_memory_utilization} leaves nothing to plan",
@@ -98,8 +102,9 @@ def _check_deployment(deployment: Deployment) -> None:
     if deployment.tensor_parallel_size < 1 or deployment.max_num_batched_tokens < 1:
         raise ConfigError("--tensor-parallel-size and --max-num-batched-tokens must be positive",
                           "Give positive values.")
-    if deployment.non_kv_memory_gib is not None and deployment.non_kv_memory_gib < 0:
-        raise ConfigError("--non-kv-memory-gib is negative", "Give 0 or more GiB.")
+    non_kv = deployment.non_kv_memory_gib
+    if non_kv is not None and not 0 <= non_kv < math.inf:
+        raise ConfigError(f"--non-kv-memory-gib is {non_kv}", "Give 0 or more GiB.")
 
 
 def _cache_file(source: ModelSource, deployment: Deployment, cache_dir: Path | None

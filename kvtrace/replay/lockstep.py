@@ -7,8 +7,9 @@ input that led to it. A trace that lost events is refused: its effects cannot be
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Iterable
 
 from kvtrace.errors import KvtraceError
 from kvtrace.events import (
@@ -29,49 +30,71 @@ from kvtrace.replay.backend import CacheBackend
 def replay_lockstep(records: Iterable[Record], backend: CacheBackend) -> int:
     """Re-issue every input record of ``records`` on ``backend``; return how many were issued.
 
-    The backend reports its own records through its sink. Output hash ids a request completed
-    during decode (``HashesExtended``) are declared up front so the replay hands them out as
-    the request's tokens grow. Each captured ``allocate_slots`` first takes the request's
-    captured progress (``CacheBackend.sync_request``) and passes vLLM's admission terms on;
-    blocks the engine freed outside the cache's calls are released by id.
+    ``records`` is read twice, so it must iterate anew each time (a list, or a trace re-read:
+    ``replay`` never holds a capture in memory). The backend reports its own records through
+    its sink. Output hash ids a request completed during decode (``HashesExtended``) are
+    declared up front so the replay hands them out as the request's tokens grow. Each captured
+    ``allocate_slots`` first takes the request's captured progress (``CacheBackend.sync_request``)
+    and passes vLLM's admission terms on; blocks the engine freed outside the cache's calls are
+    released by id.
     """
-    records = list(records)
     output_hash_ids: dict[int, list[int]] = {}
     for record in records:
         if type(record) is HashesExtended:
             output_hash_ids.setdefault(record.req, []).extend(record.hash_ids)
     num_issued = 0
-    for record in records:
-        kind = type(record)
-        if kind is StepStarted:
-            backend.new_step(record.step, record.ts_ns)
-        elif kind is RequestArrived:
-            backend.add_request(record.req, record.prompt_len, record.hash_ids,
-                                record.max_tokens, output_hash_ids.get(record.req))
-        elif kind is ComputedBlocksFound:
-            backend.get_computed_blocks(record.req)
-        elif kind is SlotsAllocated:
-            if record.num_external_computed_tokens:
-                raise KvtraceError(
-                    f"request {record.req} loaded {record.num_external_computed_tokens} tokens "
-                    "through a KV connector; lockstep replay has no connector",
-                    "Capture without a KV connector, or use reschedule mode.")
-            backend.sync_request(record.req, record.num_computed_tokens, record.num_tokens)
-            backend.allocate_slots(record.req, record.num_new_tokens,
-                                   record.num_new_computed_tokens, record.num_lookahead_tokens,
-                                   full_sequence_must_fit=record.full_sequence_must_fit,
-                                   reserved_blocks=record.reserved_blocks,
-                                   has_scheduled_reqs=record.has_scheduled_reqs)
-        elif kind is RequestFinished:
-            backend.free(record.req, record.status)
-        elif kind is RequestPreempted:
-            backend.preempt(record.req)
-        elif kind is BlocksReleased:
-            backend.release_blocks(record.block_ids)
-        else:
-            continue
-        num_issued += 1
+    for seq, record in enumerate(records):
+        try:
+            num_issued += _reissue(record, backend, output_hash_ids)
+        except KvtraceError:
+            raise
+        except (LookupError, ValueError, TypeError, AssertionError, AttributeError) as error:
+            # vLLM's cache met a call it could never have made: the trace is not a capture
+            raise ImpossibleCallError(
+                f"record {seq} ({type(record).__struct_config__.tag}) cannot be re-issued: "
+                f"{type(error).__name__}: {error}") from error
     return num_issued
+
+
+class ImpossibleCallError(KvtraceError):
+    """A captured call the cache could never have been asked (a damaged or hand-made trace)."""
+
+    default_hint = ("Lockstep re-issues a capture's calls as recorded; replay this trace "
+                    "without --lockstep, or capture it again.")
+
+
+def _reissue(record: Record, backend: CacheBackend,
+             output_hash_ids: dict[int, list[int]]) -> bool:
+    """Make ``record``'s call on ``backend``, if it is an input; whether it was one."""
+    kind = type(record)
+    if kind is StepStarted:
+        backend.new_step(record.step, record.ts_ns)
+    elif kind is RequestArrived:
+        backend.add_request(record.req, record.prompt_len, record.hash_ids,
+                            record.max_tokens, output_hash_ids.get(record.req))
+    elif kind is ComputedBlocksFound:
+        backend.get_computed_blocks(record.req)
+    elif kind is SlotsAllocated:
+        if record.num_external_computed_tokens:
+            raise KvtraceError(
+                f"request {record.req} loaded {record.num_external_computed_tokens} tokens "
+                "through a KV connector; lockstep replay has no connector",
+                "Capture without a KV connector, or use reschedule mode.")
+        backend.sync_request(record.req, record.num_computed_tokens, record.num_tokens)
+        backend.allocate_slots(record.req, record.num_new_tokens,
+                               record.num_new_computed_tokens, record.num_lookahead_tokens,
+                               full_sequence_must_fit=record.full_sequence_must_fit,
+                               reserved_blocks=record.reserved_blocks,
+                               has_scheduled_reqs=record.has_scheduled_reqs)
+    elif kind is RequestFinished:
+        backend.free(record.req, record.status)
+    elif kind is RequestPreempted:
+        backend.preempt(record.req)
+    elif kind is BlocksReleased:
+        backend.release_blocks(record.block_ids)
+    else:
+        return False
+    return True
 
 
 @dataclass(frozen=True)
@@ -106,37 +129,37 @@ class Fidelity:
 
 
 def verify(captured: Iterable[Record], replayed: Iterable[Record]) -> Fidelity:
-    """Compare the effect records of two streams position by position.
+    """Compare the effect records of two streams position by position, as they stream.
 
     ``captured`` may be a ``TraceReader``: a closing record that counts dropped events refuses
     the comparison, as does an ``EventsDropped`` record in either stream.
     """
-    captured_effects, contexts = _effects(captured, "captured")
-    replayed_effects, _ = _effects(replayed, "replayed")
-    total = max(len(captured_effects), len(replayed_effects))
-    matched = sum(a == b for a, b in zip(captured_effects, replayed_effects))
+    matched = total = 0
     first = None
-    for index in range(total):
-        mine = captured_effects[index] if index < len(captured_effects) else None
-        theirs = replayed_effects[index] if index < len(replayed_effects) else None
-        if mine != theirs:
-            step, last_input = contexts[min(index, len(contexts) - 1)] if contexts else (-1, None)
-            first = Divergence(index, step, mine, theirs, last_input)
-            break
+    context: tuple[int, Record | None] = (-1, None)  # of the last captured effect seen
+    pairs = itertools.zip_longest(_effects(captured, "captured"), _effects(replayed, "replayed"))
+    for index, (mine, theirs) in enumerate(pairs):
+        if mine is not None:
+            mine, *context = mine
+        if theirs is not None:
+            theirs = theirs[0]
+        total += 1
+        if mine == theirs:
+            matched += 1
+        elif first is None:
+            first = Divergence(index, context[0], mine, theirs, context[1])
     return Fidelity(matched, total, first)
 
 
-def _effects(stream: Iterable[Record], name: str) -> tuple[list[Record], list[tuple]]:
-    """The effect records of ``stream`` and, for each, (step, last input record) before it."""
-    effects, contexts = [], []
+def _effects(stream: Iterable[Record], name: str) -> Iterator[tuple[Record, int, Record | None]]:
+    """The effect records of ``stream``, each with the step and the last input before it."""
     step, last_input = -1, None
     for record in stream:
         if type(record) is EventsDropped:
             raise _dropped_error(name, record.count)
         family = record.family
         if family == "effect":
-            effects.append(record)
-            contexts.append((step, last_input))
+            yield record, step, last_input
         elif family == "input":
             last_input = record
             if type(record) is StepStarted:
@@ -144,7 +167,6 @@ def _effects(stream: Iterable[Record], name: str) -> tuple[list[Record], list[tu
     num_dropped = getattr(stream, "num_dropped", 0)
     if num_dropped:
         raise _dropped_error(name, num_dropped)
-    return effects, contexts
 
 
 def _dropped_error(name: str, count: int) -> KvtraceError:

@@ -4,10 +4,13 @@
 variant on the same ``EngineConfig``, drives it (``reschedule``: the scheduler model from the
 arrivals; ``lockstep``: the captured calls re-issued) and writes every record the backend
 reports into ``OUTDIR/<source>.<variant>.kvtrace``. Everything is checked before the first
-backend is built, and outputs appear only when every variant succeeded: a failed run leaves
-nothing in OUTDIR. With ``write_traces`` off, the records only feed the summaries (a sweep runs
-many configurations and keeps their figures, not their traces; a backend that can counts the
-figures itself and makes no record), and a ``Source`` read once can serve many runs.
+backend is built (the header's engine before the records are read), and outputs appear only
+when every variant succeeded: a failed or terminated run leaves nothing in OUTDIR. The source
+is streamed, never held: a ``Source`` keeps its arrivals (hash ids as compact arrays), and
+lockstep re-reads the captured calls. With ``write_traces`` off, the records only feed the
+summaries (a sweep runs many configurations and keeps their figures, not their traces; a
+backend that can counts the figures itself and makes no record), and a ``Source`` read once
+can serve many runs.
 
 The summary is computed from the records themselves (``ReplaySummary``), so it reads the same
 for any trace in the schema, a live capture included.
@@ -17,11 +20,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import hashlib
 import os
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -29,8 +31,15 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from kvtrace import __version__
-from kvtrace.engine_config import Overrides, SchedulerSettings, derive
+from kvtrace.engine_config import (
+    Overrides,
+    SchedulerSettings,
+    check_possible,
+    check_request,
+    derive,
+)
 from kvtrace.errors import ConfigError, KvtraceError
+from kvtrace.files import StagedOutput, cannot_write, file_digest, require_regular_file
 from kvtrace.events import (
     BlockRemoved,
     BlockStored,
@@ -48,10 +57,11 @@ from kvtrace.events import (
     StaleKeyLeft,
     StoreKind,
     TraceHeader,
+    enum_label,
 )
 from kvtrace.replay.backend import BACKENDS, open_backend, open_counting_backend
 from kvtrace.replay.execute import ExecuteOptions
-from kvtrace.replay.scheduler import Scheduler, arrivals_of
+from kvtrace.replay.scheduler import Arrival, Scheduler, arrivals_of
 from kvtrace.traceio import TraceReader, TraceWriter
 
 if TYPE_CHECKING:
@@ -77,21 +87,48 @@ class ReplayOptions:
 
 @dataclass(frozen=True)
 class Source:
-    """A source trace read into memory: everything ``replay`` needs of it."""
+    """What ``replay`` keeps of a source trace, read once: its arrivals, and what the lockstep
+    checks need of the rest (lockstep re-reads the captured calls from ``path``)."""
 
     path: str
     header: TraceHeader
-    records: list[Record]
+    arrivals: list[Arrival]
     truncated: bool
-    num_dropped: int
+    num_dropped: int  # the closing record's count, else the sum of the drop markers
+    num_captured_calls: int  # allocate_slots records: what lockstep re-issues
     digest: str
 
 
+def read_header(path: str) -> TraceHeader:
+    """The header alone (the records are not read), from a file replay may read again."""
+    require_regular_file(path, "replay reads it more than once")
+    with TraceReader(path) as reader:
+        return reader.header
+
+
 def read_source(path: str) -> Source:
+    require_regular_file(path, "replay reads it more than once")
     reader = TraceReader(path)
-    records = list(reader)
-    return Source(path, reader.header, records, reader.truncated, reader.num_dropped,
-                  _digest(path))
+    counts: Counter = Counter()
+
+    def counted(batches):
+        for batch in batches:
+            for record_type, columns in zip(batch.types, batch.columns):
+                if record_type is SlotsAllocated:
+                    counts["calls"] += len(columns[0])
+                elif record_type is EventsDropped:
+                    counts["dropped"] += sum(columns[0])
+            yield batch
+
+    arrivals = arrivals_of(counted(reader.batches()))
+    config = reader.header.config  # without one, replay refuses the source anyway
+    if config is not None:
+        check_possible(config)
+    for arrival in arrivals if config else ():
+        check_request(arrival.req, arrival.prompt_len, arrival.max_tokens,
+                      len(arrival.hash_ids), config.hash_block_size)
+    return Source(path, reader.header, arrivals, reader.truncated,
+                  reader.num_dropped or counts["dropped"], counts["calls"], file_digest(path))
 
 
 # --- summaries ----------------------------------------------------------------------------------
@@ -134,12 +171,12 @@ class ReplaySummary:
                 self.hit_blocks[group] += 1
         elif kind is BlockStored:
             self._block_group[record.block_id] = record.group
-            self.stored.setdefault(record.group, Counter())[StoreKind(record.kind).name.lower()] += 1
+            self.stored.setdefault(record.group, Counter())[
+                enum_label(StoreKind, record.kind).lower()] += 1
             self.checkpoints_published += record.kind == StoreKind.CHECKPOINT
         elif kind is BlockRemoved:
-            reason = RemoveReason(record.reason)
-            self.evictions[reason.name.lower()] += 1
-            self.evicted[record.group] += reason == RemoveReason.LRU_REUSE
+            self.evictions[enum_label(RemoveReason, record.reason).lower()] += 1
+            self.evicted[record.group] += record.reason == RemoveReason.LRU_REUSE
         elif kind is ComputedBlocksFound:
             self._lookups[record.req] = record.num_hit_tokens
         elif kind is SlotsAllocated:
@@ -204,6 +241,7 @@ class ReplayResult:
     variants: list[VariantResult]
     fidelity: Fidelity | None = None  # when --verify ran
     fidelity_variant: str = ""
+    warnings: list[str] = dataclasses.field(default_factory=list)  # e.g. a truncated source
 
     def summary_json(self) -> dict[str, Any]:
         fidelity = None
@@ -240,9 +278,7 @@ def replay(options: ReplayOptions,
     """Run every variant of ``options``; ``progress(variant, num_requests)`` may return a
     callback that gets the number of finished requests after each step. ``source``: the
     already read ``options.source``."""
-    source = source or read_source(options.source)
-    records = source.records
-    header = source.header
+    header = source.header if source else read_header(options.source)
     if options.execute is not None and options.execute.model is None:
         # The model the workload was written for (a capture or an older trace names none:
         # execute mode's default then).
@@ -258,9 +294,11 @@ def replay(options: ReplayOptions,
     if options.backend not in BACKENDS:
         raise ConfigError(f"unknown backend {options.backend!r}",
                           f"Known backends: {', '.join(BACKENDS)}.")
+    source = source or read_source(options.source)
     if mode == "lockstep":
         _check_lockstep_source(options, source)
-    arrivals = arrivals_of(records)
+    records = _CapturedRecords(options.source)  # re-read by lockstep, never held
+    arrivals = source.arrivals
     if not arrivals:
         raise KvtraceError(f"{options.source} has no requests (no request_arrived records)",
                            "Replay a workload (kvtrace synth / import) or a captured trace.")
@@ -269,14 +307,19 @@ def replay(options: ReplayOptions,
     if options.write_traces:
         if outdir.exists() and not outdir.is_dir():
             raise ConfigError(f"output directory {outdir} is a file", "Give -o a directory.")
-        outdir.mkdir(parents=True, exist_ok=True)
+        try:
+            outdir.mkdir(parents=True, exist_ok=True)
+        except OSError as error:
+            raise cannot_write(outdir, error) from None
     stem = Path(options.source).name.removesuffix(".kvtrace")
-    result = ReplayResult(mode, config, [])
-    staged: list[tuple[str, str]] = []  # (partial path, final path)
+    result = ReplayResult(mode, config, [], warnings=_source_warnings(source, mode))
+    staged: list[StagedOutput] = []
     try:
         for variant in variants:
             final = str(outdir / f"{stem}.{variant}.kvtrace") if options.write_traces else ""
-            partial = f"{final}.partial" if final else ""
+            if final:
+                staged.append(StagedOutput(final))
+            partial = staged[-1].path if final else ""
             replay_header = TraceHeader(
                 kvtrace_version=__version__, created_ns=time.time_ns(), source="replay",
                 config=config, vllm_version=_vllm_version(), includes_hash_bytes=False,
@@ -284,8 +327,6 @@ def replay(options: ReplayOptions,
                                   source_path=os.path.abspath(options.source),
                                   source_digest=source.digest),
                 params={**_params(settings, mode), **_execute_params(options.execute)})
-            if final:
-                staged.append((partial, final))
             on_step = progress(variant, len(arrivals)) if progress else None
             keep = mode == "lockstep" and options.verify and variant == engine_variant
             summary, replayed, steps, wall_s = _run_variant(
@@ -298,16 +339,39 @@ def replay(options: ReplayOptions,
                 result.fidelity = verify(records, replayed)
                 result.fidelity_variant = variant
     except BaseException:
-        for partial, _ in staged:
-            Path(partial).unlink(missing_ok=True)
+        for output in staged:
+            output.discard()
         raise
-    for partial, final in staged:
-        os.replace(partial, final)
+    for output in staged:
+        output.publish()
     return result
 
 
+class _CapturedRecords:
+    """A source's records, read anew on each pass: lockstep streams them, never holds them."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __iter__(self) -> Iterator[Record]:
+        return iter(TraceReader(self.path))
+
+
+def _source_warnings(source: Source, mode: str) -> list[str]:
+    """What the operator must know about a source the replay reads only in part."""
+    covered = "calls" if mode == "lockstep" else "requests"
+    warnings = []
+    if source.truncated:
+        warnings.append(f"{source.path} is truncated (its writer was cut off): the replay "
+                        f"covers only the {covered} recorded before the cut")
+    if source.num_dropped:
+        warnings.append(f"{source.path} dropped {source.num_dropped:,} events during capture: "
+                        f"{covered} whose records were dropped are missing from the replay")
+    return warnings
+
+
 def _run_variant(path: str, header: TraceHeader, backend_name: str, config: EngineConfig,
-                 variant: str, mode: str, records: list[Record], arrivals,
+                 variant: str, mode: str, records: Iterable[Record], arrivals,
                  settings: SchedulerSettings, on_step: Callable[[int], None] | None,
                  keep_records: bool, execute: ExecuteOptions | None
                  ) -> tuple[dict[str, Any], list[Record], int, float]:
@@ -380,19 +444,16 @@ def _variants_for(options: ReplayOptions, engine_variant: str) -> list[str]:
 
 
 def _check_lockstep_source(options: ReplayOptions, source: Source) -> None:
-    records = source.records
-    if not any(isinstance(r, SlotsAllocated) for r in records):
+    if not source.num_captured_calls:
         raise ConfigError(
             f"{options.source} holds no captured allocate_slots calls (a workload, not a "
             "capture), so there is nothing to re-issue in lockstep",
             "Drop --lockstep/--verify to reschedule the workload, or capture a trace first.")
     if options.verify:
-        dropped = source.num_dropped or sum(r.count for r in records
-                                            if isinstance(r, EventsDropped))
-        if dropped:
+        if source.num_dropped:
             raise KvtraceError(
-                f"{options.source} dropped {dropped} events during capture, so its effects "
-                "cannot be compared record by record",
+                f"{options.source} dropped {source.num_dropped} events during capture, so its "
+                "effects cannot be compared record by record",
                 "Capture again with a larger buffer, or replay without --verify.")
         if source.truncated:
             raise KvtraceError(f"{options.source} is truncated; its last effects are missing",
@@ -414,14 +475,6 @@ def _execute_params(execute: ExecuteOptions | None) -> dict[str, str]:
     from kvtrace.replay.execute.model import get_model
 
     return CostModel(get_model(execute.model), gpu_throughput(execute.gpu)).header_params()
-
-
-def _digest(path: str) -> str:
-    sha = hashlib.sha256()
-    with open(path, "rb") as file:
-        for chunk in iter(lambda: file.read(1 << 20), b""):
-            sha.update(chunk)
-    return f"sha256:{sha.hexdigest()}"
 
 
 def _vllm_version() -> str:

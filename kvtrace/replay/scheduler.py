@@ -43,14 +43,19 @@ orders arrivals against steps; it is not a latency model.
 
 from __future__ import annotations
 
+import dataclasses
+from array import array
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+
+import msgspec
 
 from kvtrace.engine_config import SchedulerSettings, check_fits_model_len
 from kvtrace.errors import ConfigError
 from kvtrace.events import EngineConfig, HashesExtended, Record, RequestArrived
 from kvtrace.replay.backend import CacheBackend
+from kvtrace.traceio import RecordBatch
 
 
 def mamba_checkpoint_position(num_tokens: int, unit: int, drop_eagle_block: bool) -> int:
@@ -152,39 +157,50 @@ class MambaAlignedSplit:
         return max(end - start, 0)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Arrival:
-    """One request of a workload: what ``RequestArrived`` (+ ``HashesExtended``) say."""
+    """One request of a workload: what ``RequestArrived`` (+ ``HashesExtended``) say.
+    ``arrivals_of`` gives the hash ids as ``array('q')``: 8 bytes an id, for whole traces."""
 
     req: int
     prompt_len: int
-    hash_ids: list[int]
+    hash_ids: Sequence[int]
     max_tokens: int
     arrival_ns: int = 0
-    output_hash_ids: list[int] | None = None
+    output_hash_ids: Sequence[int] | None = None
 
 
-def arrivals_of(records: Iterable[Record]) -> list[Arrival]:
+def arrivals_of(source: Iterable[Record | RecordBatch]) -> list[Arrival]:
     """The requests of a workload or captured trace, in arrival order.
 
     A ``HashesExtended`` names the output units decode will complete (a later turn's prompt
-    can share them); a captured trace may extend a request many times: the extensions add up."""
-    arrivals: dict[int, RequestArrived] = {}
-    outputs: dict[int, list[int]] = {}
-    for record in records:
-        if isinstance(record, RequestArrived):
-            if record.req in arrivals:
+    can share them); a captured trace may extend a request many times: the extensions add up.
+    Batches (``TraceReader.batches()``) are read from their columns, never as records: what
+    stays in memory is the arrivals alone."""
+    arrivals: dict[int, Arrival] = {}
+    outputs: dict[int, array] = {}
+    for kind, req, *fields in _arrival_rows(source):
+        if kind is RequestArrived:
+            if req in arrivals:
                 continue  # a captured trace re-reports a resumed request; the first is the arrival
-            arrivals[record.req] = record
-        elif isinstance(record, HashesExtended) and record.req in arrivals:
-            outputs.setdefault(record.req, []).extend(record.hash_ids)
-    requests = [
-        Arrival(a.req, a.prompt_len, list(a.hash_ids), a.max_tokens, a.arrival_ns,
-                        outputs.get(a.req))
-        for a in arrivals.values()
-    ]
+            prompt_len, hash_ids, max_tokens, arrival_ns = fields[:4]
+            arrivals[req] = Arrival(req, prompt_len, array("q", hash_ids), max_tokens, arrival_ns)
+        elif req in arrivals:
+            outputs.setdefault(req, array("q")).extend(array("q", fields[0]))
+    requests = [dataclasses.replace(a, output_hash_ids=outputs[a.req]) if a.req in outputs
+                else a for a in arrivals.values()]
     requests.sort(key=lambda r: r.arrival_ns)  # stable: file order breaks ties
     return requests
+
+
+def _arrival_rows(source: Iterable[Record | RecordBatch]) -> Iterator[tuple]:
+    """``(type, *fields)`` of the arrivals and extensions among records or batches."""
+    wanted = (RequestArrived, HashesExtended)
+    for item in source:
+        if isinstance(item, RecordBatch):
+            yield from item.field_rows(wanted)
+        elif type(item) in wanted:
+            yield (type(item), *msgspec.structs.astuple(item))
 
 
 class _Request:
@@ -241,8 +257,9 @@ class Scheduler:
                 self.clock_ns = max(self.clock_ns, pending[0].arrival_ns)
             while pending and pending[0].arrival_ns <= self.clock_ns:
                 spec = pending.popleft()
-                self.backend.add_request(spec.req, spec.prompt_len, spec.hash_ids, spec.max_tokens,
-                                         spec.output_hash_ids)
+                self.backend.add_request(
+                    spec.req, spec.prompt_len, list(spec.hash_ids), spec.max_tokens,
+                    None if spec.output_hash_ids is None else list(spec.output_hash_ids))
                 self.waiting.append(_Request(spec))
             self.step()
             if on_step is not None:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import socket
 import tempfile
 import time
 from collections.abc import Callable
@@ -39,7 +40,7 @@ from kvtrace.engine_config import (
 from kvtrace.errors import ConfigError, KvtraceError
 from kvtrace.replay.backend import BACKENDS, open_backend
 from kvtrace.replay.run import DEFAULT_VARIANTS, ReplayOptions, Source, read_source, replay
-from kvtrace.replay.scheduler import Arrival, arrivals_of
+from kvtrace.replay.scheduler import Arrival
 from kvtrace.workloads.workload import (
     Workload,
     WorkloadRequest,
@@ -137,7 +138,7 @@ def plan_sweep(grid: SweepGrid) -> SweepPlan:
                      f"running on {backend!r}")
     source = _source_for(grid.source)
     derive(source.header.config, grid.source)  # the source's own engine, before its geometry
-    arrivals = arrivals_of(source.records)
+    arrivals = source.arrivals
     if not arrivals:
         raise KvtraceError(f"{grid.source} has no requests (no request_arrived records)",
                            "Sweep a workload (kvtrace synth / import) or a captured trace.")
@@ -326,6 +327,17 @@ def _warm_up(plan: SweepPlan) -> None:
         pass
 
 
+def _check_listening(address: str) -> None:
+    """Ray retries a ``HOST:PORT`` where nothing listens for minutes: try it first, briefly."""
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit() or "://" in address:
+        return  # auto, or a form Ray itself refuses at once
+    try:
+        socket.create_connection((host, int(port)), timeout=5).close()
+    except (OSError, OverflowError) as error:
+        raise ConnectionError(f"nothing answers there ({error})") from None
+
+
 def _run_on_ray(plan: SweepPlan, address: str, jobs: int,
                 finished: Callable[[SweepTask, dict[str, Any]], None]) -> str:
     """The same tasks as Ray tasks; the source travels through Ray's object store, so workers
@@ -342,6 +354,7 @@ def _run_on_ray(plan: SweepPlan, address: str, jobs: int,
             if address == "local":
                 ray.init(num_cpus=jobs, include_dashboard=False, log_to_driver=False)
             else:
+                _check_listening(address)
                 ray.init(address=address, log_to_driver=False)
         except (ConnectionError, RuntimeError, ValueError) as error:
             raise KvtraceError(f"cannot connect to Ray at {address}: {error}",

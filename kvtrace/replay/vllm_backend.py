@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from kvtrace.engine_config import check_pool_fits, validate
+from kvtrace.engine_config import check_added_request, validate
 from kvtrace.errors import ConfigError, KvtraceError
 from kvtrace.events import EngineConfig, FinishStatus, HashInterner
 from kvtrace.probes import CacheProbes
@@ -115,15 +115,8 @@ class VllmBackend:
     def add_request(self, req: int, prompt_len: int, hash_ids: list[int], max_tokens: int,
                     output_hash_ids: list[int] | None = None) -> None:
         unit = self.config.hash_block_size
-        if len(hash_ids) != prompt_len // unit:
-            raise KvtraceError(
-                f"request {req}: {len(hash_ids)} hash ids for a {prompt_len}-token prompt "
-                f"(hash unit {unit} needs {prompt_len // unit})",
-                "Each full hash unit of the prompt needs exactly one hash id.")
-        if req in self._requests:
-            raise KvtraceError(f"request {req} was added twice",
-                               "Request numbers must be unique within a trace.")
-        check_pool_fits(self.config, req, prompt_len + max_tokens)
+        check_added_request(self.config, req, prompt_len, hash_ids, max_tokens,
+                            req in self._requests)
         known_ids = [*hash_ids, *(output_hash_ids or ())]
         self._requests[req] = new_request(req, prompt_len, max_tokens, known_ids, unit,
                                           self.made_up_hash_id)

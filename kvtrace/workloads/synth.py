@@ -38,10 +38,18 @@ import random
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
+from kvtrace.engine_config import MAX_INT64, MAX_REQUEST_TOKENS
 from kvtrace.errors import ConfigError
 from kvtrace.workloads.workload import Workload, WorkloadRequest
 
 SYSTEM_PROMPT_SIGMA = 0.5
+# A bound on every length drawn (each is at most half of it), so that a request and its output
+# stay within what a replay runs.
+MAX_PROMPT_LEN = MAX_REQUEST_TOKENS // 2
+# A workload is generated and held in memory whole: 4M requests is 180 times the Mooncake trace.
+MAX_REQUESTS = 1 << 22
+# Each request draws its system prompt over all of them: more than any deployment serves.
+MAX_SYSTEM_PROMPTS = 1 << 16
 
 
 # --- synthetic traffic ------------------------------------------------------------------------------
@@ -286,13 +294,23 @@ def preset_params(preset: str, overrides: Mapping[str, object] = {}) -> SharedPr
     for name in names:
         value = getattr(params, name)
         if name == "rate":
-            bad, wanted = value <= 0, "positive"
+            bad, wanted = not 0 < value < math.inf, "positive and finite"
         elif name in ("zipf", "length_sigma", "think_time"):
-            bad, wanted = value < 0, "at least 0"
+            bad, wanted = not 0 <= value < math.inf, "at least 0 and finite"
+        elif name == "max_prompt_len":
+            bad, wanted = not 1 <= value <= MAX_PROMPT_LEN, f"from 1 to {MAX_PROMPT_LEN:,}"
+        elif name == "system_prompts":
+            bad, wanted = not 1 <= value <= MAX_SYSTEM_PROMPTS, f"from 1 to {MAX_SYSTEM_PROMPTS:,}"
         else:
-            bad, wanted = value < 1, "at least 1"
+            bad, wanted = not 1 <= value < math.inf, "at least 1"
         if bad:
-            raise ConfigError(f"--{name.replace('_', '-')} must be {wanted}, not {value}")
+            raise ConfigError(f"--{name.replace('_', '-')} must be {wanted}, not {value}",
+                              "`kvtrace synth --help` lists each preset's parameters.")
+    max_turns = getattr(params, "max_turns", 1)
+    if max_turns > params.max_prompt_len:
+        raise ConfigError(f"--max-turns {max_turns} is more turns than a session can have: "
+                          f"each adds tokens to a prompt capped at {params.max_prompt_len}",
+                          "Give --max-turns at most --max-prompt-len.")
     return params
 
 
@@ -316,14 +334,18 @@ def _first_arrivals(sessions: Iterator[list[_Draft]], count: int) -> list[_Draft
 def synthesize(preset: str, num_requests: int, seed: int, hash_unit: int,
                overrides: Mapping[str, object] = {}) -> Workload:
     """A deterministic (per seed) hybrid-KDA workload of ``num_requests`` requests."""
-    if num_requests < 1:
-        raise ConfigError(f"--requests must be at least 1, not {num_requests}")
+    if not 1 <= num_requests <= MAX_REQUESTS:
+        raise ConfigError(f"--requests must be from 1 to {MAX_REQUESTS:,}, not {num_requests:,}",
+                          "A workload is held in memory whole; generate fewer requests.")
     params = preset_params(preset, overrides)
     sampler = _Sampler(seed, params.max_prompt_len // 2)
     drafts = _first_arrivals(PRESETS[preset].sessions(params, sampler), num_requests)
     hasher = UnitHasher(hash_unit)
     requests = []
     for draft in drafts:
+        if not draft.arrival_s * 1e9 <= MAX_INT64:
+            raise ConfigError(f"request {draft.request_id} would arrive {draft.arrival_s:.3g} s "
+                              "in, beyond a trace's 64-bit clock (292 years)", "Raise --rate.")
         prompt_len = _tokens(draft.prompt)
         units = hasher.unit_ids(draft.prompt + (draft.output,))
         split = prompt_len // hash_unit

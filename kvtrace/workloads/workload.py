@@ -27,8 +27,12 @@ from kvtrace import __version__
 from kvtrace.engine_config import (
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
     DEFAULT_MAX_NUM_SEQS,
+    MAX_INT64,
+    MAX_KV_CACHE_GROUPS,
     SchedulerSettings,
     check_pool_fits,
+    check_pool_memory,
+    check_request,
     validate,
 )
 from kvtrace.errors import ConfigError, KvtraceError
@@ -40,6 +44,7 @@ from kvtrace.events import (
     RequestArrived,
     TraceHeader,
 )
+from kvtrace.files import cannot_write
 from kvtrace.geometry import Geometry
 from kvtrace.geometry.bundled import geometry_for
 from kvtrace.traceio import TraceWriter
@@ -111,6 +116,9 @@ class EngineShape:
         if self.pool_fraction is not None and not 0 < self.pool_fraction <= 1:
             raise ConfigError(f"pool fraction must be in (0, 1], not {self.pool_fraction}",
                               "Use a share of the workload's distinct attention blocks, e.g. 0.25.")
+        if self.mamba_groups is not None and not 1 <= self.mamba_groups < MAX_KV_CACHE_GROUPS:
+            raise ConfigError(f"--mamba-groups must be from 1 to {MAX_KV_CACHE_GROUPS - 1}, "
+                              f"not {self.mamba_groups}", "The presets have 3 to 6.")
         groups = self.groups()
         blocks = {g.kind: g.block_size for g in groups}
         model_groups = sum(g.kind == "mamba" for g in self.geometry.groups)
@@ -247,7 +255,7 @@ def distinct_attention_blocks(workload: Workload, attention_block: int) -> int:
     shared: set[int] = set()
     unique = 0
     for request in workload.requests:
-        units = request.hash_ids + request.output_hash_ids
+        units = [*request.hash_ids, *request.output_hash_ids]
         shared.update(units[units_per_block - 1::units_per_block])
         filled = request.num_tokens // attention_block
         unique += filled - len(units) // units_per_block
@@ -286,6 +294,7 @@ def write_workload(path: str | os.PathLike, workload: Workload, shape: EngineSha
         raise ConfigError(f"the workload was hashed at {workload.hash_unit} tokens, the engine "
                           f"uses {shape.hash_block_size}",
                           "Hash the workload at the engine's hash unit (shape.hash_block_size).")
+    _check_requests(workload, shape)
     num_gpu_blocks, rule = pool_size(workload, shape)
     config = engine_config_for(workload, shape, num_gpu_blocks)
     validate(config)
@@ -301,10 +310,25 @@ def write_workload(path: str | os.PathLike, workload: Workload, shape: EngineSha
         params={**workload.params, **shape.describe(), "num_gpu_blocks_rule": rule},
     )
     try:
-        writer = TraceWriter(path, header, atomic=True)
+        with TraceWriter(path, header, atomic=True) as writer:
+            writer.write_many(workload_records(workload))
     except OSError as error:
-        raise KvtraceError(f"cannot write {os.fspath(path)}: {error.strerror}",
-                           "Check that the output directory exists and is writable.") from None
-    with writer:
-        writer.write_many(workload_records(workload))
+        raise cannot_write(path, error) from None
     return header
+
+
+def _check_requests(workload: Workload, shape: EngineShape) -> None:
+    """Refuse a request no replay could run: one that arrives beyond a trace's clock, or
+    that alone needs a pool this machine cannot hold."""
+    for request in workload.requests:
+        check_request(request.request_id, request.prompt_len, request.max_tokens,
+                      len(request.hash_ids), workload.hash_unit)
+        if not 0 <= request.arrival_ns <= MAX_INT64:
+            raise ConfigError(
+                f"request {request.request_id} arrives at {request.arrival_ns} ns, outside a "
+                "trace's 64-bit clock (0 to 292 years)", "Check its arrival time.")
+    longest = max(workload.requests, key=lambda request: request.num_tokens)
+    blocks = minimum_pool_blocks(longest, shape)
+    check_pool_memory(blocks, f"request {longest.request_id} alone ({longest.num_tokens:,} "
+                              f"tokens, {blocks:,} blocks)",
+                      "Check the request's prompt and output lengths.")

@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from kvtrace.engine_config import check_pool_memory
 from kvtrace.errors import ConfigError, KvtraceError
 from kvtrace.events import (
     BlockRemoved,
@@ -235,6 +236,12 @@ class ExecuteEngine:
         spec = config.kv_cache_groups[mamba[0]]
         self.chunk_size = math.gcd(self.unit, spec.prefill_checkpoint_alignment or DEFAULT_CHUNK)
         self.shape = self._shape(model, len(mamba), options.state_scale, config.num_gpu_blocks)
+        on_cuda = self.device.type == "cuda"
+        check_pool_memory(
+            config.num_gpu_blocks, f"--execute's state pool of {config.num_gpu_blocks:,} blocks "
+            f"at state scale {self.shape.scale:g}", "Lower --state-scale (or --num-gpu-blocks).",
+            self.shape.nbytes, torch.cuda.mem_get_info(self.device)[0] if on_cuda else None,
+            "the GPU" if on_cuda else "this machine")
         self.dtype = TORCH_DTYPES[self.shape.dtype]
         rows = self.shape.recurrences
         self.rows = rows

@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from kvtrace.engine_config import check_pool_fits, validate
+from kvtrace.engine_config import check_added_request, validate
 from kvtrace.errors import ConfigError, KvtraceError
 from kvtrace.events import (
     ComputedBlocksFound,
@@ -71,22 +71,6 @@ class CachePlan:
         return cls(hybrid, partial_hits,
                    config.hash_block_size if partial_hits else config.scheduler_block_size,
                    spec_groups, len(spec_groups) == 2 and not spec_groups[0][0][0])
-
-
-def check_request(config: EngineConfig, req: int, prompt_len: int, hash_ids: list[int],
-                  max_tokens: int, known: bool) -> None:
-    """Refuse a request as the ``vllm`` backend does: hash ids per full unit, a new number, a
-    sequence the pool can hold."""
-    unit = config.hash_block_size
-    if len(hash_ids) != prompt_len // unit:
-        raise KvtraceError(
-            f"request {req}: {len(hash_ids)} hash ids for a {prompt_len}-token prompt "
-            f"(hash unit {unit} needs {prompt_len // unit})",
-            "Each full hash unit of the prompt needs exactly one hash id.")
-    if known:
-        raise KvtraceError(f"request {req} was added twice",
-                           "Request numbers must be unique within a trace.")
-    check_pool_fits(config, req, prompt_len + max_tokens)
 
 
 def check_release(block_ids: list[int], num_blocks: int, ref_count) -> None:
@@ -160,7 +144,8 @@ class ModelBackend:
 
     def add_request(self, req: int, prompt_len: int, hash_ids: list[int], max_tokens: int,
                     output_hash_ids: list[int] | None = None) -> None:
-        check_request(self.config, req, prompt_len, hash_ids, max_tokens, req in self.requests)
+        check_added_request(self.config, req, prompt_len, hash_ids, max_tokens,
+                            req in self.requests)
         known_ids = [*hash_ids, *(output_hash_ids or ())]
         if known_ids:
             self.made_up_hash_id.skip_past(max(known_ids))

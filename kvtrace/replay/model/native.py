@@ -14,7 +14,7 @@ import os
 from typing import TYPE_CHECKING
 
 from kvtrace import events
-from kvtrace.engine_config import validate
+from kvtrace.engine_config import check_added_request, validate
 from kvtrace.errors import KvtraceError
 from kvtrace.events import EngineConfig
 from kvtrace.replay import variants
@@ -22,7 +22,6 @@ from kvtrace.replay.backend import RecordSink
 from kvtrace.replay.model.backend import (
     CachePlan,
     check_release,
-    check_request,
     check_vllm_accepts,
 )
 from kvtrace.replay.model.reports import Counts
@@ -106,7 +105,8 @@ if built is not None:
 
         def add_request(self, req: int, prompt_len: int, hash_ids: list[int], max_tokens: int,
                         output_hash_ids: list[int] | None = None) -> None:
-            check_request(self.config, req, prompt_len, hash_ids, max_tokens, self._knows(req))
+            check_added_request(self.config, req, prompt_len, hash_ids, max_tokens,
+                                self._knows(req))
             self._add(req, prompt_len, max(1, max_tokens), [*hash_ids, *(output_hash_ids or ())])
 
         def _knows(self, req: int) -> bool:

@@ -1,0 +1,162 @@
+"""Hand-built traces for the hardening and fuzz tests: valid frames and checksums around
+contents that are ill-typed, impossible or from a newer writer.
+
+``write_frames`` writes frames as the format defines them (docs/trace-format.md: preamble,
+then ``u32 length, u32 crc32, type byte + msgpack``), so a test can put anything inside a
+frame whose framing is correct."""
+
+from __future__ import annotations
+
+import struct
+import zlib
+from pathlib import Path
+
+import msgspec
+
+from kvtrace.events import (
+    BlockRemoved,
+    BlockStored,
+    EngineConfig,
+    HashesExtended,
+    KVCacheGroup,
+    RequestArrived,
+    StoreKind,
+    TraceClosed,
+    TraceHeader,
+)
+from kvtrace.traceio import FORMAT_MAJOR, FORMAT_MINOR, MAGIC, encode_batch
+
+UNIT, BLOCK = 16, 64
+SMALL_CONFIG = EngineConfig(
+    kv_cache_groups=[
+        KVCacheGroup(kind="full_attention", block_size=BLOCK),
+        KVCacheGroup(kind="mamba", block_size=BLOCK, mamba_cache_mode="align",
+                     num_prefill_checkpoint_blocks=1, prefill_checkpoint_alignment=UNIT),
+    ],
+    hash_block_size=UNIT, num_gpu_blocks=200, retention_interval=0,
+    max_num_batched_tokens=256, max_num_seqs=4)
+
+
+def header(config: EngineConfig | None = SMALL_CONFIG, **fields) -> TraceHeader:
+    return TraceHeader(kvtrace_version="test", created_ns=0, source="synth", config=config,
+                       **fields)
+
+
+def requests(count: int = 6, prompt_len: int = 160) -> list:
+    """``count`` requests sharing a 64-token prefix, one second apart."""
+    records = []
+    for req in range(count):
+        units = prompt_len // UNIT
+        hash_ids = [0, 1, 2, 3] + [100 * (req + 1) + i for i in range(units - 4)]
+        records.append(RequestArrived(req=req, prompt_len=prompt_len, hash_ids=hash_ids,
+                                      max_tokens=3, arrival_ns=req * 10**9))
+        records.append(HashesExtended(req=req, hash_ids=[]))
+    return records
+
+
+def frame(frame_type: bytes, body: bytes) -> bytes:
+    payload = frame_type + body
+    return struct.pack("<II", len(payload), zlib.crc32(payload)) + payload
+
+
+def write_frames(path: Path, *frames: bytes, major: int = FORMAT_MAJOR) -> Path:
+    path.write_bytes(struct.pack("<8sHH", MAGIC, major, FORMAT_MINOR) + b"".join(frames))
+    return path
+
+
+def header_frame(trace_header: TraceHeader | dict) -> bytes:
+    return frame(b"H", msgspec.msgpack.encode(trace_header))
+
+
+def closing_frame(num_records: int = 0) -> bytes:
+    return frame(b"C", msgspec.msgpack.encode(TraceClosed(num_records=num_records,
+                                                          num_dropped=0, ended_ns=0)))
+
+
+def batch_frame(records: list) -> bytes:
+    """A B (columns) batch of ``records``, as the writer encodes it."""
+    return frame(b"B", encode_batch(records)[0])
+
+
+def rows_frame(rows: list) -> bytes:
+    """An R (rows) batch: each row ``[tag, field values...]``, encoded as msgpack as is."""
+    return frame(b"R", msgspec.msgpack.encode(rows))
+
+
+def column_batch_frame(tag: str, columns: list, count: int) -> bytes:
+    """A B batch of ``count`` records of kind ``tag`` with hand-made ``columns`` (each as
+    traceio's column codec: ("i", code, bytes), ("l", lengths, values) or ("o", msgpack))."""
+    return frame(b"B", msgspec.msgpack.encode([[tag], bytes(count), [columns]]))
+
+
+def object_column(values: list) -> tuple:
+    return ("o", msgspec.msgpack.encode(values))
+
+
+def int_column(values: list[int]) -> tuple:
+    from array import array
+
+    return ("i", "q", array("q", values).tobytes())
+
+
+def trace(path: Path, records: list, trace_header: TraceHeader | None = None) -> Path:
+    """A well-formed trace (B batches) of ``records``."""
+    return write_frames(path, header_frame(trace_header or header()), batch_frame(records),
+                        closing_frame(len(records)))
+
+
+def unknown_enum_records() -> list:
+    """Effects whose enum values a newer writer added (removal reason 9, store kind 7)."""
+    return [BlockStored(block_id=3, hash_id=1, group=0, num_tokens=16, kind=StoreKind.FULL,
+                        req=0),
+            BlockRemoved(block_id=3, hash_id=1, group=0, num_tokens=16, reason=9),
+            BlockStored(block_id=4, hash_id=2, group=0, num_tokens=16, kind=7, req=0),
+            BlockRemoved(block_id=4, hash_id=2, group=0, num_tokens=16, reason=0)]
+
+
+def impossible_configs() -> dict[str, EngineConfig]:
+    """Engine configs that decode (every field has its type) but that no engine can have."""
+    replace = msgspec.structs.replace
+    attention, mamba = SMALL_CONFIG.kv_cache_groups
+    return {
+        "no groups": replace(SMALL_CONFIG, kv_cache_groups=[]),
+        "zero hash unit": replace(SMALL_CONFIG, hash_block_size=0),
+        "negative hash unit": replace(SMALL_CONFIG, hash_block_size=-16),
+        "zero block size": replace(SMALL_CONFIG, kv_cache_groups=[
+            replace(attention, block_size=0), mamba]),
+        "unknown group kind": replace(SMALL_CONFIG, kv_cache_groups=[
+            replace(attention, kind="sliding_window"), mamba]),
+        "negative pool": replace(SMALL_CONFIG, num_gpu_blocks=-5),
+        "huge pool": replace(SMALL_CONFIG, num_gpu_blocks=2**62),
+        "negative retention": replace(SMALL_CONFIG, retention_interval=-64),
+        "odd retention": replace(SMALL_CONFIG, retention_interval=70),
+        "negative budget": replace(SMALL_CONFIG, max_num_batched_tokens=-1),
+        "too many groups": replace(SMALL_CONFIG,
+                                   kv_cache_groups=SMALL_CONFIG.kv_cache_groups * 200),
+    }
+
+
+def ill_typed_traces(directory: Path) -> dict[str, Path]:
+    """Traces whose frames are sound and whose records are not: values of the wrong type in
+    columns and rows, too few columns, a header of the wrong shape."""
+    empty_list = ("l", int_column([0]), int_column([]))
+    arrived = [int_column([0]), int_column([160]), empty_list, int_column([3])]
+    cases = {
+        "str in an int column": [object_column(["zero"]), *arrived[1:]],
+        "int in a list column": [*arrived[:2], int_column([5]), arrived[3]],
+        "list in an int column": [arrived[0], empty_list, *arrived[2:]],
+        "int where a string goes": [*arrived, int_column([0]), int_column([0]), int_column([7])],
+        "too few columns": arrived[:2],
+    }
+    paths = {name: write_frames(directory / f"{name.replace(' ', '_')}.kvtrace",
+                                header_frame(header()),
+                                column_batch_frame("request_arrived", columns, 1),
+                                closing_frame(1))
+             for name, columns in cases.items()}
+    paths["str in a row"] = write_frames(
+        directory / "row.kvtrace", header_frame(header()),
+        rows_frame([["request_arrived", "zero", 160, [], 3]]), closing_frame(1))
+    paths["a header of the wrong shape"] = write_frames(
+        directory / "header.kvtrace", header_frame({"kvtrace_version": 1, "created_ns": "x",
+                                                   "source": "synth"}), closing_frame(0))
+    return paths
