@@ -2,7 +2,7 @@
 
 The trace comes from a small free-queue simulation on the default model's geometry (Kimi-K3:
 384-token blocks, one MLA and three KDA groups; a pool of 4,096 blocks, zipf-popular system
-prompts, one published transient checkpoint per request), so evictions, hits and pushouts are
+prompts, one published transient checkpoint per request in each KDA group), so evictions, hits and pushouts are
 all present. It is generated once, in a child process (so that its memory does
 not count), and cached beside the output. Target: load + query <= 30 s on 2 cores.
 
@@ -38,7 +38,8 @@ def generate(path: str, num_events: int, seed: int = 0) -> None:
     config = shape.engine_config(num_gpu_blocks=POOL_BLOCKS + 1)
     unit = shape.attention_block
     kinds = [group.kind for group in config.kv_cache_groups]
-    attention, mamba = kinds.index("full_attention"), kinds.index("mamba")
+    attention = kinds.index("full_attention")
+    mamba_groups = [index for index, kind in enumerate(kinds) if kind == "mamba"]
     prompt_len = 4 * unit
     header = TraceHeader(kvtrace_version="bench", created_ns=time.time_ns(), source="synth",
                          config=config)
@@ -58,13 +59,14 @@ def generate(path: str, num_events: int, seed: int = 0) -> None:
             out = [StepStarted(step, step), RequestArrived(req, prompt_len, units, 1)]
             hit_block = cached.get((system_prompt, attention))
             hit = unit if hit_block is not None else 0
-            out += [ComputedBlocksFound(req, hit, 0), SlotsAllocated(req, prompt_len - hit, 0, hit, 0, 0, prompt_len,
-                                                            True)]
+            out += [ComputedBlocksFound(req, hit, 0),
+                    SlotsAllocated(req, prompt_len - hit, 0, hit, 0, 0, prompt_len, True)]
             if hit_block is not None:
                 out.append(BlockTouched(hit_block, req))
                 free_queue.pop(hit_block, None)
             blocks = []
-            for _ in range(5 - (1 if hit else 0)):
+            num_full = 4 - (1 if hit else 0)
+            for _ in range(num_full + len(mamba_groups)):
                 block, _ = free_queue.popitem(last=False)
                 if block in keys:
                     hash_id, group, num_tokens = keys.pop(block)
@@ -72,7 +74,7 @@ def generate(path: str, num_events: int, seed: int = 0) -> None:
                     out.append(BlockRemoved(block, hash_id, group, num_tokens, lru))
                 out.append(BlockAllocated(block, req))
                 blocks.append(block)
-            *full_blocks, checkpoint_block = blocks
+            full_blocks, checkpoint_blocks = blocks[:num_full], blocks[num_full:]
             first_unit = 0 if hit_block is None else 1
             for offset, block in enumerate(full_blocks):
                 index = first_unit + offset
@@ -80,10 +82,12 @@ def generate(path: str, num_events: int, seed: int = 0) -> None:
                 cached[(units[index], attention)] = block
                 out.append(BlockStored(block, units[index], attention, (index + 1) * unit, full,
                                        req))
-            out.append(CheckpointRecorded(req, mamba, 2 * unit, 1, CheckpointClass.TRANSIENT))
-            keys[checkpoint_block] = (units[1], mamba, 2 * unit)
-            cached[(units[1], mamba)] = checkpoint_block
-            out.append(BlockStored(checkpoint_block, units[1], mamba, 2 * unit, checkpoint, req))
+            for mamba, checkpoint_block in zip(mamba_groups, checkpoint_blocks):  # every KDA group
+                out.append(CheckpointRecorded(req, mamba, 2 * unit, 1, CheckpointClass.TRANSIENT))
+                keys[checkpoint_block] = (units[1], mamba, 2 * unit)
+                cached[(units[1], mamba)] = checkpoint_block
+                out.append(BlockStored(checkpoint_block, units[1], mamba, 2 * unit, checkpoint,
+                                       req))
             out.append(RequestFinished(req, 0))
             held = ([hit_block] if hit_block is not None else []) + blocks
             for block in reversed(held):  # vLLM frees a request's tail first
@@ -99,7 +103,7 @@ def main() -> None:
     parser.add_argument("--trace", help="trace path (generated if missing)")
     parser.add_argument("--generate-only", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    trace = args.trace or os.path.join(tempfile.gettempdir(), f"kvtrace-bench-{args.events}-kimi-k3.kvtrace")
+    trace = args.trace or os.path.join(tempfile.gettempdir(), f"kvtrace-bench-{args.events}-kimi-k3-v2.kvtrace")
     if args.generate_only:
         generate(trace, args.events)
         return

@@ -24,7 +24,7 @@ import msgspec
 import numpy as np
 
 from kvtrace import __version__
-from kvtrace.analysis.attribution import ROW_COLUMNS, iter_rows, new_attributor
+from kvtrace.analysis.attribution import ROW_COLUMNS, attribute_trace, iter_rows
 from kvtrace.analysis.database import (
     ATTRIBUTION_TABLE,
     DB_SCHEMA_VERSION,
@@ -234,11 +234,7 @@ def attribution_rows(path: str, run: int, variant: str, backend: str) -> bytes:
     """The miss-attribution rows of one trace, msgpack-encoded; or, for a ``KvtraceError``, its
     class name, message and hint (so that a child hands back the same error)."""
     try:
-        reader = TraceReader(path)
-        attributor = new_attributor(reader.header, path)
-        for batch in reader.batches():
-            attributor.feed(batch)
-        rows = list(iter_rows(run, variant, backend, attributor.lookups))
+        rows = list(iter_rows(run, variant, backend, attribute_trace(path).lookups))
     except KvtraceError as error:
         return msgspec.msgpack.encode({"error": [type(error).__name__, str(error), error.hint]})
     return msgspec.msgpack.encode({"rows": rows})
