@@ -68,7 +68,7 @@ def main() -> None:
             if args.load:
                 results["load"].append(timed(lambda: load_traces([args.trace], db)))
                 with mock.patch("kvtrace.analysis.load.attribution_rows",
-                                lambda *_: msgspec.msgpack.encode([])), \
+                                lambda *_: msgspec.msgpack.encode({"rows": []})), \
                         mock.patch("kvtrace.analysis.load.PARALLEL_ATTRIBUTION_BYTES", 2**63):
                     results["load without"].append(timed(lambda: load_traces([args.trace], db)))
     reader = TraceReader(args.trace)

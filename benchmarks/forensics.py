@@ -103,7 +103,8 @@ def main() -> None:
     parser.add_argument("--trace", help="trace path (generated if missing)")
     parser.add_argument("--generate-only", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    trace = args.trace or os.path.join(tempfile.gettempdir(), f"kvtrace-bench-{args.events}-kimi-k3-v2.kvtrace")
+    trace = args.trace or os.path.join(tempfile.gettempdir(),
+                                       f"kvtrace-bench-{args.events}-kimi-k3-v2.kvtrace")
     if args.generate_only:
         generate(trace, args.events)
         return
