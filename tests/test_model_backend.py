@@ -477,7 +477,8 @@ def test_the_seed_junction_scenario_on_the_model(variant, published, stripped, s
 @pytest.mark.parametrize("backend", ["vllm", *TWINS])
 def test_inconsistent_calls_are_refused_alike(vllm_backend_class, backend):
     """A hit the last lookup did not find, a release of blocks not held, a duplicate or
-    ill-hashed request: the same KvtraceError on every backend, and nothing recorded."""
+    ill-hashed request, a sync to fewer tokens than held: the same KvtraceError on every
+    backend, and nothing recorded."""
     records: list = []
     with open_cache(backend, seed_config(0), "fixed", records.append) as cache:
         cache.add_request(0, 240, SEED_HASH_IDS, 4)
@@ -489,6 +490,8 @@ def test_inconsistent_calls_are_refused_alike(vllm_backend_class, backend):
             cache.add_request(0, 240, SEED_HASH_IDS, 4)
         with pytest.raises(KvtraceError, match="15 hash ids for a 256-token prompt"):
             cache.add_request(1, 256, SEED_HASH_IDS, 4)
+        with pytest.raises(KvtraceError, match="holds 240 tokens, the trace says 239"):
+            cache.sync_request(0, 0, 239)
     assert records == []
 
 

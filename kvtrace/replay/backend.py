@@ -103,6 +103,16 @@ def take_pending_hit(pending_hits: dict[int, tuple[Hit | None, int]], req: int,
     return hits
 
 
+def tokens_to_sync(req: int, num_tokens_held: int, num_tokens: int) -> int:
+    """The output tokens a request must append to hold a captured ``num_tokens`` (lockstep's
+    ``sync_request``); holding more than the trace says means the trace contradicts itself."""
+    if num_tokens < num_tokens_held:
+        raise KvtraceError(
+            f"request {req} holds {num_tokens_held} tokens, the trace says {num_tokens}",
+            "The trace's inputs are inconsistent; was it edited?")
+    return num_tokens - num_tokens_held
+
+
 BackendFactory = Callable[[EngineConfig, str, RecordSink], CacheBackend]
 CountingFactory = Callable[[EngineConfig, str, "ReplaySummary"], CacheBackend]
 

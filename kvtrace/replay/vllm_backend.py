@@ -18,7 +18,7 @@ from kvtrace.engine_config import check_added_request, validate
 from kvtrace.errors import ConfigError, KvtraceError
 from kvtrace.events import EngineConfig, FinishStatus, HashInterner
 from kvtrace.probes import CacheProbes
-from kvtrace.replay.backend import RecordSink, take_pending_hit
+from kvtrace.replay.backend import RecordSink, take_pending_hit, tokens_to_sync
 from kvtrace.replay.variants import get_variant
 
 _HASH_ID_BYTES = 8
@@ -193,11 +193,7 @@ class VllmBackend:
         tokens appended until it holds ``num_tokens``."""
         request = self._requests[req]
         request.num_computed_tokens = num_computed_tokens
-        missing = num_tokens - request.num_tokens
-        if missing < 0:
-            raise KvtraceError(
-                f"request {req} holds {request.num_tokens} tokens, the trace says {num_tokens}",
-                "The trace's inputs are inconsistent; was it edited?")
+        missing = tokens_to_sync(req, request.num_tokens, num_tokens)
         if missing:
             request.append_output_token_ids([0] * missing)
 

@@ -31,7 +31,7 @@ from kvtrace.events import (
     SlotsAllocated,
     StepStarted,
 )
-from kvtrace.replay.backend import RecordSink, take_pending_hit
+from kvtrace.replay.backend import RecordSink, take_pending_hit, tokens_to_sync
 from kvtrace.replay.model.managers import FullAttentionManager, MambaManager, Request
 from kvtrace.replay.model.pool import NULL_BLOCK, BlockPool
 from kvtrace.replay.model.reports import Records, Tally
@@ -241,11 +241,7 @@ class ModelBackend:
     def sync_request(self, req: int, num_computed_tokens: int, num_tokens: int) -> None:
         request = self.requests[req]
         request.num_computed_tokens = num_computed_tokens
-        missing = num_tokens - request.num_tokens
-        if missing < 0:
-            raise KvtraceError(
-                f"request {req} holds {request.num_tokens} tokens, the trace says {num_tokens}",
-                "The trace's inputs are inconsistent; was it edited?")
+        missing = tokens_to_sync(req, request.num_tokens, num_tokens)
         if missing:
             self.append_tokens(request, missing)
 
