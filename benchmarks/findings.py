@@ -16,6 +16,7 @@ TRANSIENT checkpoint, in use or cached; mean over steps and peak).
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import sys
 import tempfile
@@ -105,7 +106,8 @@ def measure(model: str, workload: str, requests: int, directory: Path) -> dict:
     row = {"model": model, "workload": workload, "pool": config.num_gpu_blocks,
            "block": config.kv_cache_groups[0].block_size,
            "groups": len(config.kv_cache_groups),
-           "commands": " && ".join(" ".join(c) for c in (make, replay)),
+           "commands": " && ".join(" ".join(c) for c in (make, replay)).replace(
+               str(MOONCAKE), os.path.relpath(MOONCAKE, ROOT)),  # as run from the checkout
            "wall_s": 0.0, "variants": {}}
     for variant in VARIANTS:
         mean, peak, _, stripped = transient_share(str(outdir / f"{name}.{variant}.kvtrace"))
