@@ -24,7 +24,13 @@ import msgspec
 import numpy as np
 
 from kvtrace import __version__
-from kvtrace.analysis.attribution import ROW_COLUMNS, attribute_trace, iter_rows
+from kvtrace.analysis.attribution import (
+    ROW_COLUMNS,
+    attribute_trace,
+    cyclic_gc_paused,
+    iter_rows,
+    new_attributor,
+)
 from kvtrace.analysis.database import (
     ATTRIBUTION_TABLE,
     DB_SCHEMA_VERSION,
@@ -207,20 +213,26 @@ def _load_trace(connection, run: int, path: str, digest: str) -> LoadedRun:
     reader = TraceReader(path)
     variant, backend, mode = run_labels(reader.header)
     labels = (run, variant, backend)
-    aside = None  # a child interpreter attributing while this one loads
-    if reader.header.config is not None and os.path.getsize(path) >= PARALLEL_ATTRIBUTION_BYTES:
-        aside = subprocess.Popen(
-            [sys.executable, "-m", __name__, path, *map(str, labels)],
-            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE)
+    aside = attributor = None  # a child interpreter attributing while this one loads, or not
+    if reader.header.config is not None:
+        if os.path.getsize(path) >= PARALLEL_ATTRIBUTION_BYTES:
+            aside = subprocess.Popen(
+                [sys.executable, "-m", __name__, path, *map(str, labels)],
+                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE)
+        else:
+            attributor = new_attributor(reader.header, path)
     try:
         sink = _RunSink(connection, run, variant, backend)
-        for batch in reader.batches():
-            sink.add_batch(batch)
+        with cyclic_gc_paused():
+            for batch in reader.batches():
+                if attributor is not None:
+                    attributor.feed(batch)
+                sink.add_batch(batch)
         sink.flush_all()
-        if reader.header.config is not None:
-            rows = (attribution_rows(path, *labels) if aside is None
-                    else _collect(aside, path))
-            _insert_attribution(connection, _rows_or_raise(rows))
+        if aside is not None:
+            _insert_attribution(connection, _rows_or_raise(_collect(aside, path)))
+        elif attributor is not None:
+            _insert_attribution(connection, list(iter_rows(*labels, attributor.lookups)))
     finally:
         if aside is not None and aside.poll() is None:
             aside.kill()
@@ -231,8 +243,9 @@ def _load_trace(connection, run: int, path: str, digest: str) -> LoadedRun:
 
 
 def attribution_rows(path: str, run: int, variant: str, backend: str) -> bytes:
-    """The miss-attribution rows of one trace, msgpack-encoded; or, for a ``KvtraceError``, its
-    class name, message and hint (so that a child hands back the same error)."""
+    """What the child of ``_load_trace`` hands back: the miss-attribution rows of one trace,
+    msgpack-encoded; or, for a ``KvtraceError``, its class name, message and hint (so that the
+    loading process raises the same error)."""
     try:
         rows = list(iter_rows(run, variant, backend, attribute_trace(path).lookups))
     except KvtraceError as error:
