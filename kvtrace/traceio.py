@@ -170,7 +170,11 @@ def _field_codecs(record_type: type[Record]) -> list[tuple[Any, str]]:
 
 
 _FIELD_CODECS = {cls: _field_codecs(cls) for cls in TAG_TO_TYPE.values()}
-_OBJECT_FIELD_TYPES = {"str": str, "bytes": bytes}
+_OBJECT_FIELD_TYPES = {"str": str, "bytes": bytes, "dict[str, int]": dict,
+                       "dict[str, list[int]]": dict}
+# Object fields whose contents are typed too (a snapshot's maps): checked with msgspec.
+_TYPED_OBJECT_FIELDS = {"dict[str, int]": list[dict[str, int]],
+                        "dict[str, list[int]]": list[dict[str, list[int]]]}
 # Per kind, its enum fields: (field index, name, the values this reader knows as bytes; a
 # column of only known values is an int8 column, since the writer picks the narrowest width).
 _ENUM_FIELDS = {
@@ -337,6 +341,11 @@ def _check_column_types(record_type: type[Record], columns: list) -> None:
             fits = isinstance(column, array)
         else:
             fits = isinstance(column, list) and all(type(v) is object_type for v in column)
+            if fits and annotation in _TYPED_OBJECT_FIELDS:
+                try:
+                    msgspec.convert(column, _TYPED_OBJECT_FIELDS[annotation], strict=True)
+                except msgspec.ValidationError:
+                    fits = False
         if not fits:
             raise ValueError(f"{tag_of(record_type)}.{name} holds values that are not "
                              f"{annotation}")

@@ -92,9 +92,14 @@ def is_enum_field(field_type: object) -> bool:
     return isinstance(field_type, type) and issubclass(field_type, enum.IntEnum)
 
 
+def is_map_field(field_type: object) -> bool:
+    """A snapshot's named values (``dict[str, ...]``): stored as JSON text."""
+    return typing.get_origin(field_type) is dict
+
+
 def _sql_type(field_type: object) -> str:
-    if is_enum_field(field_type):
-        return "VARCHAR"  # a name, or the number of a value this kvtrace does not know
+    if is_enum_field(field_type) or is_map_field(field_type):
+        return "VARCHAR"  # a name, or the number of a value this kvtrace does not know; JSON
     return {int: "BIGINT", bool: "BOOLEAN", str: "VARCHAR", bytes: "BLOB"}[field_type]
 
 

@@ -44,6 +44,7 @@ from kvtrace.analysis.database import (
     element_column,
     is_enum_field,
     is_list_field,
+    is_map_field,
     open_database,
     record_fields,
     schema_statements,
@@ -387,6 +388,8 @@ def _as_numpy(column, field_type) -> np.ndarray:
         return values.astype(bool) if field_type is bool else values
     if field_type in (str, bytes):
         return np.array(column, dtype=object)
+    if is_map_field(field_type):
+        return np.array([msgspec.json.encode(v).decode() for v in column], dtype=object)
     return np.asarray([int(v) for v in column], dtype=np.int64 if field_type is not bool else bool)
 
 
