@@ -130,12 +130,12 @@ def _capture(pid: int, path: Path, engine) -> int:
 
     (target,) = attach.find_engine_cores(pid)
     attach.ensure_hook(target, "auto", lambda message: None)
-    attach.arm(target, {"path": str(path), "gpu_interval_ms": 0})
-    try:
-        engine.send("start")
-        engine.expect("kvtrace engine: done (")
-    finally:
-        final = attach.disarm(target)
+    with attach.arm(target, {"path": str(path), "gpu_interval_ms": 0}):
+        try:
+            engine.send("start")
+            engine.expect("kvtrace engine: done (")
+        finally:
+            final = attach.disarm(target)
     return final["written"]
 
 

@@ -218,6 +218,18 @@ class CacheProbes(object if native.built is None else native.built.ProbeState):
         self._request = request
         return req
 
+    def adopt_request(self, request: Any, hash_block_size: int) -> tuple[int, list[int]]:
+        """Take over a request already in flight when the capture armed (the start snapshot):
+        number it and intern every block hash it has; no ``RequestArrived`` is reported for
+        it. Returns its ``req`` and hash ids."""
+        request_id = request.request_id
+        req = self._req_number(request_id) if self._req_number else self._num_requests
+        self._num_requests += 1
+        hashes = request.block_hashes
+        hash_ids = self._hash_ids(hashes, 0, len(hashes), hash_block_size)
+        self._reqs[request_id] = (req, len(hashes))
+        return req, hash_ids
+
     def _hash_ids(self, hashes: list, start: int, stop: int, hash_block_size: int) -> list[int]:
         """Intern a request's hash units (a prompt has hundreds: comprehensions, not a loop; with
         a plain HashInterner and the native core, all of it in C)."""
