@@ -124,8 +124,8 @@ def test_a_malformed_arm_leaves_the_engine_able_to_arm_again(engine, tmp_path):
         assert "gpu_interval" in reply.message
         assert patched_functions() == before and hook.active_session() is None
         assert not trace.exists()
-    with control.Lease(os.getpid(), ArmRequest(CaptureOptions(path=str(trace),
-                                                             gpu_interval_ms=0))) as lease:
+    with control.Lease.take(os.getpid(), ArmRequest(CaptureOptions(
+            path=str(trace), gpu_interval_ms=0))) as lease:
         status = lease.status
         assert type(status) is CaptureStatus and status.armed and status.path == str(trace)
         # Armed: the engine's next step takes the snapshot and patches the rest.
@@ -150,13 +150,16 @@ def test_a_capture_ends_with_its_lease(engine, tmp_path):
     """The arm's connection is the controller's lease: closing it (as the controller's death
     does, however it dies) disarms the engine and restores every patched function."""
     before = patched_functions()
-    lease = control.Lease(os.getpid(), ArmRequest(CaptureOptions(
+    lease = control.Lease.take(os.getpid(), ArmRequest(CaptureOptions(
         path=str(tmp_path / "cap.kvtrace"), gpu_interval_ms=0)))
     assert control.request(os.getpid(), StatusRequest()).armed
+    assert control.request(os.getpid(), PingRequest()).patched == [
+        "vllm.v1.core.kv_cache_manager.KVCacheManager.new_step_starts"]  # the next step's trigger
     lease.close()
     status = wait_until_disarmed()
     assert status.error.endswith("its controller closed the control connection"), status
     assert patched_functions() == before and hook.active_session() is None
+    assert control.request(os.getpid(), PingRequest()).patched == []
 
 
 def test_a_silent_controller_loses_its_lease(engine, tmp_path):
@@ -172,8 +175,8 @@ def test_a_silent_controller_loses_its_lease(engine, tmp_path):
         status = wait_until_disarmed()
         assert 0.4 < time.monotonic() - started < 5
         assert status.error.endswith("renewed no lease for 0.5 s"), status
-    with control.Lease(os.getpid(), ArmRequest(CaptureOptions(path=str(trace), gpu_interval_ms=0),
-                                               lease_s=0.5)):
+    renewed = ArmRequest(CaptureOptions(path=str(trace), gpu_interval_ms=0), lease_s=0.5)
+    with control.Lease.take(os.getpid(), renewed):
         time.sleep(2)
         assert control.request(os.getpid(), StatusRequest()).armed
     wait_until_disarmed()
@@ -192,7 +195,7 @@ def test_an_engine_error_arrives_as_the_same_class(engine, tmp_path):
     """A second arm is refused in the engine with AlreadyCapturingError; the operator side
     raises that class, with the engine's message and hint."""
     first = ArmRequest(CaptureOptions(path=str(tmp_path / "one.kvtrace"), gpu_interval_ms=0))
-    with control.Lease(os.getpid(), first), pytest.raises(AlreadyCapturingError) as error:
+    with control.Lease.take(os.getpid(), first), pytest.raises(AlreadyCapturingError) as error:
         control.request(os.getpid(), ArmRequest(CaptureOptions(path=str(tmp_path / "two"))))
     assert str(error.value) == f"pid {os.getpid()} is already capturing to {tmp_path}/one.kvtrace"
     assert error.value.hint == AlreadyCapturingError.default_hint

@@ -395,7 +395,7 @@ def arm(target: Target, options: CaptureOptions | dict) -> control.Lease:
     it after disarming (this process's end closes it too, and the engine then disarms)."""
     options = options_from(options)
     check_not_in_runtime_dir(options.path, target.uid)
-    return control.Lease(target.pid, ArmRequest(options), uid=target.uid)
+    return control.Lease.take(target.pid, ArmRequest(options), uid=target.uid)
 
 
 def status(target: Target) -> CaptureStatus:

@@ -122,8 +122,10 @@ def handle_request(request: Request) -> Reply:
     try:
         match request:
             case PingRequest():
+                from kvtrace.probes.signatures import replaced_methods
+
                 return Pong(os.getpid(), __version__, hook.vllm_version(), hook.process_title(),
-                            hook.active_session() is not None)
+                            hook.active_session() is not None, replaced_methods())
             case ArmRequest(options=options):
                 return hook.arm(options)
             case StatusRequest():
@@ -306,40 +308,52 @@ def request(pid: int, message: Request, uid: int | None = None,
 
 
 class Lease:
-    """A controller's hold on the capture it armed in engine ``pid``: the arm's connection,
-    kept open, on which a daemon thread writes a line every fifth of ``lease_s``. The engine
-    disarms when it closes (``close``, or this process's death, however it dies) or falls
-    silent for ``lease_s``. ``status`` is the arm's reply."""
+    """A controller's hold on the capture it armed in an engine (``Lease.take``): the arm's
+    connection, kept open, on which a daemon thread writes a line every fifth of the lease.
+    The engine disarms when it closes (``close``, or this process's death, however it dies)
+    or falls silent for ``lease_s``. ``status`` is the arm's reply."""
 
-    def __init__(self, pid: int, arm: ArmRequest, uid: int | None = None,
-                 timeout_s: float = 30.0) -> None:
-        self._client = _connect(pid, uid, timeout_s)
-        try:
-            self.status = _exchange(self._client, pid, arm)
-        except BaseException:
-            self._client.close()
-            raise
+    def __init__(self, client: socket.socket, status: CaptureStatus, lease_s: float) -> None:
+        self._client, self.status = client, status
         self._closed = threading.Event()
-        self._interval_s = arm.lease_s / 5
-        threading.Thread(target=self._renew, name="kvtrace-lease", daemon=True).start()
+        # The renewing thread holds no reference to the lease: a lease dropped without
+        # ``close`` (an exception on the way) is collected, and that closes it.
+        threading.Thread(target=_renew, args=(client, self._closed, lease_s / 5),
+                         name="kvtrace-lease", daemon=True).start()
 
-    def _renew(self) -> None:
-        while not self._closed.wait(self._interval_s):
-            try:
-                self._client.sendall(b"\n")
-            except OSError:
-                return  # the engine ended it; its status says why
+    @classmethod
+    def take(cls, pid: int, arm: ArmRequest, uid: int | None = None,
+             timeout_s: float = 30.0) -> Lease:
+        """Arm engine ``pid`` (``arm``) and hold the capture."""
+        client = _connect(pid, uid, timeout_s)
+        try:
+            return cls(client, _exchange(client, pid, arm), arm.lease_s)
+        except BaseException:
+            client.close()
+            raise
 
     def close(self) -> None:
         """Let go: the engine disarms if it still captures."""
         self._closed.set()
         self._client.close()
 
+    __del__ = close
+
     def __enter__(self) -> Lease:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _renew(client: socket.socket, closed: threading.Event, interval_s: float) -> None:
+    """A lease's renewals: a line every ``interval_s`` until it is closed (or the engine ended
+    it: its status says why)."""
+    while not closed.wait(interval_s):
+        try:
+            client.sendall(b"\n")
+        except OSError:
+            return
 
 
 def _connect(pid: int, uid: int | None, timeout_s: float) -> socket.socket:

@@ -92,6 +92,8 @@ class Pong(Reply, tag="pong"):
     vllm_version: str
     process_title: str
     capturing: bool
+    # The probed vLLM methods kvtrace has replaced right now: [] when only vLLM's code runs.
+    patched: list[str] = []
 
 
 class CaptureStatus(Reply, tag="status"):

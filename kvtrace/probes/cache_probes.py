@@ -184,6 +184,22 @@ class CacheProbes(object if native.built is None else native.built.ProbeState):
             self._records.append(HashInterned(hash_id, hash_bytes))
         return hash_id, _GROUP_OF_KEY(key, -4)[0]
 
+    def intern_keys(self, keys: list[bytes]) -> list[tuple[int, int]]:
+        """(hash id, group) of many keys at once (the start snapshot's thousands): with a plain
+        ``HashInterner``, new ids are given in bulk, in order of first appearance, announced
+        by ``HashInterned`` records when hash bytes are emitted."""
+        groups = [_GROUP_OF_KEY(key, -4)[0] for key in keys]
+        hashes = [key[:-4] for key in keys]
+        ids = self._interned_ids
+        if ids is None:
+            return [(self.interner.intern(h)[0], g) for h, g in zip(hashes, groups)]
+        new = [h for h in dict.fromkeys(hashes) if h not in ids]
+        first = len(ids)
+        ids.update(zip(new, range(first, first + len(new))))
+        if self.emit_hash_bytes:
+            self._records.extend([HashInterned(first + i, h) for i, h in enumerate(new)])
+        return list(zip(map(ids.__getitem__, hashes), groups))
+
     def _keys_on(self, pool: Any, block: Any) -> list[bytes]:
         keys = [] if block.block_hash is None else [block.block_hash]
         keys.extend(pool.cached_block_hashes_by_block.get(block.block_id, ()))

@@ -15,9 +15,12 @@ is rebuilt. Imports: stdlib and kvtrace.events; vLLM only inside ``restore``.
 
 from __future__ import annotations
 
+import gc
 import time
+from operator import attrgetter
 from typing import Any, Callable
 
+from kvtrace import native
 from kvtrace.events import (
     BlockState,
     FreeQueueState,
@@ -33,6 +36,7 @@ from kvtrace.events import (
 # How a per-request value is written as ints: an int; membership of a set (no values); a pair
 # of ints; a (block index, block) pair; a (block, int) pair. Blocks are written by id.
 _INT, _MEMBER, _PAIR, _INDEX_BLOCK, _BLOCK_INT = "int", "member", "pair", "index_block", "block_int"
+_BLOCK_ID = attrgetter("block_id")
 
 # A group manager's per-request state besides ``req_to_blocks`` (vLLM 0.33,
 # ``single_type_kv_cache_manager.py``): attribute name -> encoding. A manager has the ones its
@@ -69,15 +73,18 @@ def _encode_field(encoding: str, value: Any) -> list[int]:
     return [value[0].block_id, int(value[1])]  # _BLOCK_INT
 
 
-def request_fields(manager: Any, request_id: str) -> dict[str, list[int]]:
-    """The per-request state ``manager`` keeps for ``request_id``, as ints."""
-    fields = {}
+def _group_fields(manager: Any, requests: dict[str, int]) -> dict[str, dict[str, list[int]]]:
+    """The per-request state ``manager`` keeps for the ``requests`` (by request id), as ints:
+    request id -> {attribute: values}. Each container is read once, not once a request."""
+    fields: dict[str, dict[str, list[int]]] = {}
     for name, encoding in REQUEST_FIELDS.items():
         container = getattr(manager, name, None)
-        if container is None or request_id not in container:
+        if not container:
             continue
-        fields[name] = _encode_field(encoding, None if encoding == _MEMBER
-                                     else container[request_id])
+        for request_id in container:
+            if request_id in requests:
+                fields.setdefault(request_id, {})[name] = _encode_field(
+                    encoding, None if encoding == _MEMBER else container[request_id])
     return fields
 
 
@@ -88,13 +95,24 @@ def _status_queue(status_name: str) -> RequestQueue:
 def take(manager: Any, scheduler: Any, probes: Any) -> list[Record]:
     """The state of ``manager`` (and of the requests ``scheduler`` holds) as records, taken
     through the capture's probe set ``probes``, which learns every hash and request on the way.
-    Call it on the scheduler thread, between steps: it reads vLLM's objects without locks."""
+    Call it on the scheduler thread, between steps: it reads vLLM's objects without locks. The
+    cyclic garbage collector waits meanwhile: a pass over the engine's heap, set off by the
+    snapshot's thousands of new objects, would stretch the pause many times over."""
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        return _take(manager, scheduler, probes)
+    finally:
+        if collecting:
+            gc.enable()
+
+
+def _take(manager: Any, scheduler: Any, probes: Any) -> list[Record]:
     started = time.perf_counter_ns()
     records: list[Record] = []
     pool = manager.block_pool
     unit = pool.hash_block_size
     probes._records = records  # the interner's HashInterned records go with the snapshot
-    key_of = probes._key
     requests = _requests_in_flight(manager, scheduler)
     head = SnapshotStarted(0, len(pool.blocks), len(requests), 0, {})
     records.append(head)
@@ -111,42 +129,53 @@ def take(manager: Any, scheduler: Any, probes: Any) -> list[Record]:
             request.shared_prefix_boundary,
             max(0, int(request.arrival_time * 1e9) - probes.created_ns),
             probes._salt_id(request), request.request_id))
-    depth = probes._depth
-    for block in pool.blocks:
-        key = block.block_hash
-        if block.ref_cnt or key is not None or block.block_id in pool.cached_block_hashes_by_block:
-            if block.is_null:
-                continue
-            if key is None:
-                records.append(BlockState(block.block_id, block.ref_cnt, -1, 0, -1))
-                continue
-            hash_id, group = key_of(key)
-            num_tokens = block.block_hash_num_tokens
-            depth.setdefault(hash_id, num_tokens or 0)
-            records.append(BlockState(block.block_id, block.ref_cnt, hash_id, group,
-                                      -1 if num_tokens is None else num_tokens))
-    num_keys = 0
-    for key, holders in pool.cached_block_hash_to_block._cache.items():
-        hash_id, group = key_of(key)
-        block_ids = ([holders.block_id] if hasattr(holders, "block_id")
-                     else [block.block_id for block in holders.values()])
-        records.append(KeyCached(hash_id, group, depth.get(hash_id, 0), block_ids))
-        num_keys += 1
+    num_keys = _pool_records(probes, pool)
     records.extend(request_records)
-    for (request, _), state in zip(requests, request_records):
-        for manager_of_group in manager.coordinator.single_type_managers:
-            blocks = manager_of_group.req_to_blocks.get(request.request_id, ())
-            fields = request_fields(manager_of_group, request.request_id)
-            if blocks or fields:
-                records.append(RequestBlocksState(
-                    state.req, manager_of_group.kv_cache_group_id,
-                    [block.block_id for block in blocks], fields))
+    reqs = {request.request_id: state.req for (request, _), state in zip(requests, request_records)}
+    for group_manager in manager.coordinator.single_type_managers:
+        group = group_manager.kv_cache_group_id
+        fields = _group_fields(group_manager, reqs)
+        tables = group_manager.req_to_blocks
+        records.extend([
+            RequestBlocksState(req, group, list(map(_BLOCK_ID, tables.get(request_id, ()))),
+                               fields.get(request_id, {}))
+            for request_id, req in reqs.items() if tables.get(request_id) or request_id in fields])
     records[0] = SnapshotStarted(
         time.time_ns() - probes.created_ns, head.num_blocks, head.num_requests, num_keys,
         _counters(manager, scheduler))
     records.append(SnapshotEnded(time.perf_counter_ns() - started))
     probes._records = []
     return records
+
+
+def _pool_records(probes: Any, pool: Any) -> int:
+    """Append the pool's state to ``probes._records``: the ``HashInterned`` records of new
+    hashes, a ``BlockState`` per held or keyed block, a ``KeyCached`` per key (in the map's
+    order, with its holders in lookup order); return the number of keys. The native core does
+    it in C (``csrc/snapshot.c``) where the probe set has a plain ``HashInterner``; this is its
+    twin, in bulk (comprehensions and dict operations, not a Python call per key)."""
+    cache = pool.cached_block_hash_to_block._cache
+    if native.core is not None and probes._interned_ids is not None:
+        return native.core.snapshot_pool(probes, pool.blocks, cache)
+    records = probes._records
+    pairs = probes.intern_keys(list(cache))
+    key_ids = dict(zip(cache, pairs))
+    key_ids[None] = (-1, 0)  # an unkeyed block
+    rows = [(block.block_id, block.ref_cnt, key_ids[block._block_hash],
+             block._block_hash_num_tokens)
+            for block in pool.blocks[1:]  # block 0 is the null block
+            if block.ref_cnt or block._block_hash is not None]
+    depth = probes._depth
+    depth.update({hash_id: num_tokens or 0 for _, _, (hash_id, _), num_tokens in rows
+                  if hash_id >= 0 and hash_id not in depth})
+    records.extend([BlockState(block_id, ref_cnt, hash_id, group,
+                               -1 if num_tokens is None else num_tokens)
+                    for block_id, ref_cnt, (hash_id, group), num_tokens in rows])
+    records.extend([KeyCached(hash_id, group, depth.get(hash_id, 0),
+                              [holders.block_id] if type(holders) is not dict
+                              else [block.block_id for block in holders.values()])
+                    for (hash_id, group), holders in zip(pairs, cache.values())])
+    return len(cache)
 
 
 def _requests_in_flight(manager: Any, scheduler: Any) -> list[tuple[Any, RequestQueue]]:

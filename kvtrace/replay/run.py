@@ -65,7 +65,8 @@ from kvtrace.events import (
 from kvtrace.replay.backend import BACKENDS, open_backend, open_counting_backend
 from kvtrace.replay.execute import ExecuteOptions
 from kvtrace.replay.scheduler import Arrival, InFlight, Scheduler, arrivals_of
-from kvtrace.replay.snapshot import STATE_TYPES, CaptureEnds, StartSnapshot, snapshot_of
+from kvtrace.replay.captured import CaptureEnds, StepCosts, StepFit
+from kvtrace.replay.snapshot import STATE_TYPES, StartSnapshot, snapshot_of
 from kvtrace.traceio import TraceReader, TraceWriter
 
 if TYPE_CHECKING:
@@ -87,6 +88,9 @@ class ReplayOptions:
     verify: bool = False
     write_traces: bool = True  # False: summaries only; outdir is not used
     execute: ExecuteOptions | None = None  # --execute: re-execute the recurrent state
+    # From a source's start snapshot (``Source.start``); never with a cache the snapshot cannot
+    # describe (another pool or retention), nor in lockstep without one.
+    warm_start: bool = True
 
 
 @dataclass(frozen=True)
@@ -103,6 +107,7 @@ class Source:
     digest: str
     snapshot: StartSnapshot | None = None  # a capture that armed mid-flight starts with one
     ends: CaptureEnds | None = None  # how far a capture's requests got (a capture only)
+    step_fit: StepFit | None = None  # how long the captured engine's steps took
 
     def start(self, warm: bool) -> RunStart:
         """What a run of this source starts from. A capture that armed mid-flight starts from
@@ -158,7 +163,7 @@ def read_source(path: str) -> Source:
     counts: Counter = Counter()
     state: list[Record] = []
     in_flight: set[int] = set()
-    ends = CaptureEnds()
+    ends, step_costs = CaptureEnds(), StepCosts()
 
     def counted(batches):
         for batch in batches:
@@ -172,6 +177,7 @@ def read_source(path: str) -> Source:
             if any(record_type in STATE_TYPES for record_type in batch.types):
                 state.extend(r for r in batch.records() if r.family == "state")
             ends.add_batch(batch)
+            step_costs.add_batch(batch)
             yield batch
 
     in_flight_outputs: dict[int, Any] = {}
@@ -191,7 +197,8 @@ def read_source(path: str) -> Source:
                       len(arrival.hash_ids), config.hash_block_size)
     return Source(path, reader.header, arrivals, reader.truncated,
                   reader.num_dropped or counts["dropped"], counts["calls"], file_digest(path),
-                  snapshot, ends if counts["calls"] else None)
+                  snapshot, ends if counts["calls"] else None,
+                  step_costs.fit() if counts["calls"] else None)
 
 
 # --- summaries ----------------------------------------------------------------------------------
@@ -371,13 +378,19 @@ def replay(options: ReplayOptions,
         raise ConfigError(f"unknown backend {options.backend!r}",
                           f"Known backends: {', '.join(BACKENDS)}.")
     source = source or read_source(options.source)
+    if source.step_fit is not None:  # a capture: its arrivals are on the engine's clock
+        settings = dataclasses.replace(settings, step_overhead_ns=source.step_fit.overhead_ns,
+                                       ns_per_token=source.step_fit.ns_per_token)
     if mode == "lockstep":
         _check_lockstep_source(options, source)
     records = _CapturedRecords(options.source)  # re-read by lockstep, never held
     if not source.arrivals and source.snapshot is None:
         raise KvtraceError(f"{options.source} has no requests (no request_arrived records)",
                            "Replay a workload (kvtrace synth / import) or a captured trace.")
-    warm = not options.overrides.changes_cache
+    warm = options.warm_start and not options.overrides.changes_cache
+    if mode == "lockstep" and source.snapshot is not None and not warm:
+        raise ConfigError("lockstep re-issues calls made on the captured cache, which starts "
+                          "from the capture's snapshot", "Replay it without --lockstep.")
     start = source.start(warm)
 
     outdir = Path(options.outdir)
@@ -441,9 +454,9 @@ def _source_warnings(source: Source, mode: str, warm: bool) -> list[str]:
     warnings = []
     if source.snapshot is not None and not warm:
         warnings.append(f"{source.path} starts from a snapshot of the captured cache, which "
-                        "another pool or retention cannot hold: this replay starts from an "
-                        f"empty cache, and the {len(source.snapshot.requests)} requests in "
-                        "flight at the snapshot arrive then")
+                        "this replay does not take (another pool or retention, or a sweep): it "
+                        f"starts from an empty cache, and the {len(source.snapshot.requests)} "
+                        "requests in flight at the snapshot arrive then")
     if source.truncated:
         warnings.append(f"{source.path} is truncated (its writer was cut off): the replay "
                         f"covers only the {covered} recorded before the cut")

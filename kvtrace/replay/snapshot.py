@@ -1,23 +1,16 @@
-"""A trace's start snapshot, read and checked, and what a capture says about its requests' ends.
+"""A trace's start snapshot, read and checked.
 
 A capture that armed on a serving engine begins with ``state`` records (``events.SnapshotStarted``
 and what follows it): the cache and the requests in flight at that moment. ``StartSnapshot``
 holds them for the replay backends to rebuild (``CacheBackend.restore``) and for the scheduler
 model to continue from. It is checked when read, so a damaged or hand-made snapshot is refused
 with a message, not met as an ``IndexError`` inside a backend.
-
-A capture also tells how long each request really decoded (a live request stops at its end of
-sequence, not at ``max_tokens``), and which requests were still running when it stopped:
-``CaptureEnds`` collects that, so that a rescheduled replay decodes each request as far as the
-capture saw it, and cuts those that outlived the window where the window ended.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-
-import numpy as np
 
 from kvtrace.errors import KvtraceError
 from kvtrace.events import (
@@ -27,14 +20,11 @@ from kvtrace.events import (
     KeyCached,
     Record,
     RequestBlocksState,
-    RequestFinished,
     RequestQueue,
     RequestState,
-    SlotsAllocated,
     SnapshotEnded,
     SnapshotStarted,
 )
-from kvtrace.traceio import RecordBatch
 
 # vLLM's ``RequestStatus`` names of a request the scheduler holds, unfinished.
 IN_FLIGHT_STATUSES = ("WAITING", "WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR", "WAITING_FOR_REMOTE_KVS",
@@ -189,44 +179,3 @@ def snapshot_of(records: Iterable[Record]) -> StartSnapshot | None:
         elif record.family in ("input", "effect"):
             break  # the snapshot was cut short
     return snapshot
-
-
-class CaptureEnds:
-    """How far each request of a capture got: the tokens it held after its last successful
-    chunk (``SlotsAllocated``; a chunk that reaches the last token samples one more), and
-    whether it finished inside the window. Fed a trace's batches, read as columns."""
-
-    def __init__(self) -> None:
-        self._num_tokens = np.zeros(0, dtype=np.int64)  # by req
-        self.finished: set[int] = set()
-
-    def add_batch(self, batch: RecordBatch) -> None:
-        for record_type, columns in zip(batch.types, batch.columns):
-            if record_type is RequestFinished:
-                self.finished.update(columns[0])
-            elif record_type is SlotsAllocated:
-                self._add_allocations(columns)
-
-    def _add_allocations(self, columns: list) -> None:
-        (req, num_new, num_computed, num_new_computed, _, _, num_tokens,
-         success) = (np.asarray(column, dtype=np.int64) for column in columns[:8])
-        ok = (success != 0) & (req >= 0)
-        req, num_tokens = req[ok], num_tokens[ok]
-        after = num_tokens + (num_computed[ok] + num_new_computed[ok] + num_new[ok] >= num_tokens)
-        if not len(req):
-            return
-        if req.max() >= len(self._num_tokens):
-            grown = np.zeros(int(req.max()) + 1, dtype=np.int64)
-            grown[:len(self._num_tokens)] = self._num_tokens
-            self._num_tokens = grown
-        np.maximum.at(self._num_tokens, req, after)
-
-    def decode_length(self, req: int, prompt_len: int, tokens_before: int = 0) -> int | None:
-        """The outputs request ``req`` had when it finished, or when the capture ended (a
-        request that outlived the window is cut there); None when no chunk of it was seen and
-        it held nothing before (``tokens_before``: its tokens at the snapshot)."""
-        seen = int(self._num_tokens[req]) if 0 <= req < len(self._num_tokens) else 0
-        num_tokens = max(seen, tokens_before)
-        if not num_tokens:
-            return None
-        return max(1, num_tokens - prompt_len)
