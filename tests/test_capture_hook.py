@@ -103,6 +103,28 @@ def test_disarm_restores_every_original_function(vllm_backend_class, capture):
     assert all(after[key] is before[key] for key in before)
 
 
+def test_a_failing_snapshot_stops_the_capture_not_the_engine(vllm_backend_class, capture,
+                                                              monkeypatch):
+    """The start snapshot raises (a vLLM that changed underneath, say): the engine's step goes
+    on and its results are unchanged, the capture stops with the error, nothing stays
+    patched."""
+    from kvtrace.probes import snapshot
+
+    uncaptured = run_engine(vllm_backend_class)
+    before = patched_functions()
+
+    def broken(*args):
+        raise RuntimeError("vLLM moved its blocks")
+
+    monkeypatch.setattr(snapshot, "take", broken)
+    results = run_engine(vllm_backend_class, start_capture=capture)
+    assert results == uncaptured
+    status = hook.status()
+    assert not status.armed and "the start snapshot failed" in status.error
+    assert "vLLM moved its blocks" in status.error
+    assert patched_functions() == before
+
+
 def test_disarm_before_any_step_restores_the_trigger(capture):
     before = patched_functions()
     capture()

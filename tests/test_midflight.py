@@ -76,6 +76,7 @@ def test_a_capture_armed_mid_flight_replays_from_its_snapshot(tmp_path, model):
                           str(trace))
         out, err = capture.communicate(timeout=120)
         assert capture.returncode == 0, err
+        assert "the start snapshot held its scheduler" in out
         assert engine.process.poll() is None, "the engine must survive the capture"
         assert not control.request(engine.pid, StatusRequest()).armed
     finally:
@@ -116,6 +117,25 @@ def small_workload(tmp_path_factory) -> Path:
                               num_requests=400)
 
 
+def controller(*args: str) -> subprocess.Popen:
+    """`kvtrace capture ...` with Python's fault handler on: a run that hangs is made to show
+    where (``finish``)."""
+    import os
+
+    return kvtrace(*args, env={**os.environ, "PYTHONFAULTHANDLER": "1"})
+
+
+def finish(process: subprocess.Popen, timeout_s: float = 60) -> tuple[str, str]:
+    """``process``'s output once it exits; if it does not within ``timeout_s``, it is aborted
+    and the test fails with every thread's stack (the fault handler's)."""
+    try:
+        return process.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        process.send_signal(signal.SIGABRT)
+        out, err = process.communicate(timeout=30)
+        raise AssertionError(f"{process.args} still ran {timeout_s} s later:\n{err}") from None
+
+
 def wait_until_vllm_runs_alone(pid: int, timeout_s: float = 10) -> float:
     """Seconds until engine ``pid`` no longer captures and every probed vLLM method is vLLM's
     own again; fails after ``timeout_s``."""
@@ -137,14 +157,14 @@ def test_a_capture_ends_with_its_controller(small_workload, tmp_path, signum):
     engine = serving_engine(small_workload)
     trace = tmp_path / "cap.kvtrace"
     try:
-        capture = kvtrace("capture", "--pid", str(engine.pid), "-o", str(trace))
+        capture = controller("capture", "--pid", str(engine.pid), "-o", str(trace))
         wait_for_stderr_line(capture, "kvtrace: capturing pid")
         deadline = time.monotonic() + 30
         while not control.request(engine.pid, PingRequest()).patched:  # the next step armed
             assert time.monotonic() < deadline
             time.sleep(0.05)
         capture.send_signal(signum)
-        out, err = capture.communicate(timeout=60)
+        out, err = finish(capture)
         assert wait_until_vllm_runs_alone(engine.pid) < 5
         assert engine.process.poll() is None, "the engine must survive its controller"
     finally:
@@ -165,11 +185,11 @@ def test_a_controller_killed_while_arming_leaves_nothing_armed(small_workload, t
     engine = serving_engine(small_workload)
     try:
         for index, delay_s in enumerate((0.0, 0.05, 0.1, 0.2, 0.35, 0.5, 0.8)):
-            capture = kvtrace("capture", "--pid", str(engine.pid), "-o",
-                              str(tmp_path / f"cap{index}.kvtrace"))
+            capture = controller("capture", "--pid", str(engine.pid), "-o",
+                                 str(tmp_path / f"cap{index}.kvtrace"))
             time.sleep(delay_s)
             capture.send_signal(signum)
-            capture.communicate(timeout=60)
+            finish(capture)
             assert wait_until_vllm_runs_alone(engine.pid) < 5
         again = kvtrace("capture", "--pid", str(engine.pid), "--duration", "1s", "-o",
                         str(tmp_path / "again.kvtrace"))

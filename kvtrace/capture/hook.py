@@ -236,7 +236,8 @@ class NextStep:
 
         self._owner = KVCacheManager
         self._original = KVCacheManager.__dict__["new_step_starts"]
-        self._lock = threading.Lock()
+        # Reentrant: ``begin`` runs under it and may stop the capture, which cancels.
+        self._lock = threading.RLock()
         original, lock, restore = self._original, self._lock, self._restore
 
         def new_step_starts(self):  # vLLM's own parameters, as every wrapper keeps
@@ -393,7 +394,7 @@ class CaptureSession:
             self.snapshot_pause_ns = records[-1].pause_ns
             self._probes.arm()
         except BaseException as error:  # noqa: BLE001 - the engine must never see it
-            self._disarm_probes()
+            self._probes.disarm()
             self.error = f"the start snapshot failed: {error!r}"
             self._stop.set()
 

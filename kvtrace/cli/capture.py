@@ -212,6 +212,12 @@ def _still_alive(pid: int, grace_s: float = 2.0) -> bool:
 def _print_summary(target, path: str, final) -> None:
     click.echo(f"kvtrace: pid {target.pid}: {final.written:,} records written, "
                f"{final.dropped:,} dropped, {final.bytes / 2**20:.1f} MiB -> {path}")
+    if final.snapshot_pause_ns >= 0:
+        click.echo(f"kvtrace: pid {target.pid}: the start snapshot held its scheduler "
+                   f"{final.snapshot_pause_ns / 1e6:.1f} ms")
+    else:
+        click.echo(f"kvtrace: pid {target.pid}: no scheduler step came while armed: nothing "
+                   "was captured")
     if final.gpu:
         click.echo(f"kvtrace: pid {target.pid}: {final.gpu}")
 
