@@ -133,14 +133,14 @@ def _overall_hit_rates(timeline: Result) -> Result:
 def _gpu_seconds_per_variant(per_prefix: Result) -> Result:
     """Per source and variant: the prefixes' rows summed."""
     columns = ["source", "variant", "other_variant", "lookups", "tokens_recomputed",
-               "gpu_seconds", "cost_source"]
+               "gpu_seconds", "cost_model"]
     totals: dict[tuple, list] = {}
     for row in map(lambda r: dict(zip(per_prefix.columns, r)), per_prefix.rows):
-        key = (row["source"], row["variant"], row["other_variant"], row["cost_source"])
+        key = (row["source"], row["variant"], row["other_variant"], row["cost_model"])
         total = totals.setdefault(key, [0, 0, 0.0])
         total[0] += row["lookups"]
         total[1] += row["tokens_recomputed"]
-        total[2] += row["gpu_seconds"]
+        total[2] += row["gpu_seconds"] or 0.0
     rows = [(source, variant, other, *total, cost)
             for (source, variant, other, cost), total in totals.items()]
     rows.sort(key=lambda r: (r[0], -r[5]))
