@@ -230,6 +230,7 @@ def test_gpu_presets_and_overrides():
     h200 = gpu_throughput("H200")
     assert h200.flops_per_s == pytest.approx(989.4e12 * UTILISATION)
     assert "989.4 TFLOP/s" in h200.source and f"{UTILISATION:.0%}" in h200.source
+    assert h200.title == "an NVIDIA H200 SXM"
     assert gpu_throughput("b200").flops_per_s == pytest.approx(2250e12 * UTILISATION)
     assert gpu_throughput("350").flops_per_s == 350e12
     for bad in ("a100", "0", "-5", "inf", "nan"):

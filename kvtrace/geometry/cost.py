@@ -85,7 +85,8 @@ class GpuThroughput:
 
     name: str
     flops_per_s: float
-    source: str
+    source: str  # how the figure was arrived at
+    title: str  # for a sentence: "an NVIDIA H200 SXM", "a GPU of 350 TFLOP/s effective"
 
 
 def gpu_throughput(spec: str) -> GpuThroughput:
@@ -95,8 +96,8 @@ def gpu_throughput(spec: str) -> GpuThroughput:
     if key in GPU_PRESETS:
         name, peak = GPU_PRESETS[key]
         return GpuThroughput(key, peak * UTILISATION,
-                             f"{name}: {peak / 1e12:,.1f} TFLOP/s dense BF16 peak x "
-                             f"{UTILISATION:.0%} utilisation (assumed)")
+                             f"{peak / 1e12:,.1f} TFLOP/s dense BF16 peak x "
+                             f"{UTILISATION:.0%} utilisation (assumed)", f"an {name}")
     try:
         tflops = float(key)
     except ValueError:
@@ -105,7 +106,8 @@ def gpu_throughput(spec: str) -> GpuThroughput:
         raise ConfigError(f"--gpu {spec!r} is neither a device preset nor a throughput",
                           f"Give one of {', '.join(GPU_PRESETS)}, or effective TFLOP/s "
                           "(e.g. --gpu 350).")
-    return GpuThroughput(f"{tflops:g} TFLOP/s", tflops * 1e12, "given with --gpu")
+    return GpuThroughput(f"{tflops:g} TFLOP/s", tflops * 1e12, "given with --gpu",
+                         f"a GPU of {tflops:g} TFLOP/s effective")
 
 
 @dataclass(frozen=True)

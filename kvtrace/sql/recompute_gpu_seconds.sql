@@ -34,29 +34,6 @@ WITH run_pairs AS (
     JOIN runs b ON b.source_key = a.source_key AND b.backend = a.backend AND b.mode = a.mode
     WHERE (a.variant = $fixed AND b.variant = $unfixed)
        OR (a.variant = $unfixed AND b.variant = $fixed)),
-figures AS (
-    SELECT run,
-           coalesce(json_extract_string(header_json, '$.params."cost.model"'),
-                    json_extract_string(header_json, '$.params."execute.model"')) AS model,
-           TRY_CAST(coalesce(
-               json_extract_string(header_json, '$.params."cost.flops_per_token"'),
-               json_extract_string(header_json, '$.params."execute.flops_per_token"'))
-               AS DOUBLE) AS per_token,
-           TRY_CAST(coalesce(
-               json_extract_string(header_json, '$.params."cost.flops_per_token_per_position"'),
-               json_extract_string(header_json,
-                                   '$.params."execute.flops_per_token_per_position"'))
-               AS DOUBLE) AS per_position
-    FROM runs),
-costs AS (
-    SELECT run,
-           CASE WHEN per_token IS NOT NULL AND per_position IS NOT NULL THEN model
-                WHEN $flops_per_token > 0 THEN '(parameters)' END AS cost_model,
-           CASE WHEN per_token IS NOT NULL AND per_position IS NOT NULL THEN per_token
-                WHEN $flops_per_token > 0 THEN $flops_per_token END AS per_token,
-           CASE WHEN per_token IS NOT NULL AND per_position IS NOT NULL THEN per_position
-                WHEN $flops_per_token > 0 THEN $flops_per_position END AS per_position
-    FROM figures),
 kept AS (
     SELECT p.*, own.req, own.num_hit_tokens AS own_hit, twin.num_hit_tokens AS depth
     FROM run_pairs p
@@ -73,7 +50,7 @@ SELECT k.source_key AS source, k.backend, k.variant, k.other_variant,
            / $gpu_flops_per_s) AS gpu_seconds,
        c.cost_model
 FROM kept k
-JOIN costs c ON c.run = k.run
+JOIN run_costs($flops_per_token, $flops_per_position) c ON c.run = k.run
 JOIN request_hashes h
     ON h.run = k.other_run AND h.req = k.req AND h.unit = k.depth // k.hash_block_size - 1
 GROUP BY ALL
