@@ -9,7 +9,7 @@ the ``runs`` table, for short labels. Recomputed tokens are priced with the mode
 names in its header (``kvtrace replay`` writes its figures), or ``--model`` for runs that name
 none, on ``--gpu``. Warnings come before the tables: a run whose hit rate is near zero although
 it need not be (a *silent zero*, ``attribution.silent_zero_warning``), named by its dominant
-cause.
+cause: the data behind the verdict is suspect then.
 """
 
 from __future__ import annotations
@@ -512,12 +512,12 @@ def verdict_title(verdict: Verdict) -> str:
 
 
 def render_text(data: ReportData) -> str:
-    parts = ["== Verdict ==\n"]
-    parts += _verdict_text(data, bullet="  ", code=lambda s: s)
-    parts.append("\n")
-    parts += [f"WARNING: {warning}\n" for warning in data.warnings]
+    parts = [f"WARNING: {warning}\n" for warning in data.warnings]
     if data.warnings:
         parts.append("\n")
+    parts.append("== Verdict ==\n")
+    parts += _verdict_text(data, bullet="  ", code=lambda s: s)
+    parts.append("\n")
     for table in data.tables:
         parts.append(f"== {table.title} ==\n{table.note}\n")
         if table.result.rows:
@@ -555,11 +555,11 @@ MARKDOWN_TABLES = ("hit_rates", "pushouts", "lost_hits", "gpu_per_variant")
 
 def render_markdown(data: ReportData) -> str:
     """The verdict and the top tables, to paste into an incident ticket."""
-    parts = [f"## kvtrace report: {os.path.basename(data.db)}\n\n", "### Verdict\n\n"]
+    parts = [f"## kvtrace report: {os.path.basename(data.db)}\n\n"]
+    parts += [f"> **Warning:** {warning}\n\n" for warning in data.warnings]
+    parts.append("### Verdict\n\n")
     parts += _verdict_text(data, bullet="- ", code=lambda s: f"`{s}`",
                            title=lambda s: f"**{s}**\n")
-    for warning in data.warnings:
-        parts.append(f"\n> **Warning:** {warning}\n")
     for table in (data.table(key) for key in MARKDOWN_TABLES):
         parts.append(f"\n### {table.title}\n\n{table.note}\n\n")
         parts.append(format_markdown(table.result.columns, table.result.rows, max_rows=TOP_ROWS)

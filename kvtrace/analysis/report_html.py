@@ -98,8 +98,9 @@ def plotly_js() -> str:
 def render_html(data: ReportData) -> str:
     title = f"kvtrace report: {data.db.rsplit('/', 1)[-1]}"
     figures: dict[str, dict] = {}
-    body = [f"<h1>{_e(title)}</h1>", _verdict_html(data)]
+    body = [f"<h1>{_e(title)}</h1>"]
     body += [f'<p class="warning">WARNING: {_e(warning)}</p>' for warning in data.warnings]
+    body.append(_verdict_html(data))
     body.append('<nav><a href="#plots">plots</a><a href="#tables">tables</a>'
                 + ('<a href="#sweep">sweep</a>' if data.sweep.rows else "")
                 + ('<a href="#drill-down">drill-down</a>' if data.explanations else "") + "</nav>")
