@@ -44,9 +44,10 @@ class Chromium:
         self.profile = tempfile.mkdtemp(prefix="kvtrace-chromium-")
         to_browser_r, self._to_browser = os.pipe()
         self._from_browser, from_browser_w = os.pipe()
-        # The browser reads commands on fd 3 and writes replies on fd 4.
+        # The browser reads commands on fd 3 and writes replies on fd 4 (bash: dash refuses
+        # descriptors above 9 in a redirection).
         self.process = subprocess.Popen(
-            ["sh", "-c", f'exec "$@" 3<&{to_browser_r} 4>&{from_browser_w}', "sh", executable,
+            ["bash", "-c", f'exec "$@" 3<&{to_browser_r} 4>&{from_browser_w}', "bash", executable,
              *FLAGS, f"--user-data-dir={self.profile}", "about:blank"],
             pass_fds=(to_browser_r, from_browser_w), stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL, stderr=open(os.path.join(self.profile, "stderr"), "wb"))
@@ -87,12 +88,20 @@ class Chromium:
         with self._arrived:
             while number not in self._replies:
                 if not self._reader.is_alive() or time.monotonic() > deadline:
-                    raise BrowserError(f"no reply to {method} (see {self.profile}/stderr)")
+                    raise BrowserError(f"no reply to {method}; Chromium said: {self.stderr()}")
                 self._arrived.wait(0.5)
             reply = self._replies.pop(number)
         if "error" in reply:
             raise BrowserError(f"{method}: {reply['error']}")
         return reply.get("result", {})
+
+    def stderr(self) -> str:
+        """The end of what the browser wrote to its stderr."""
+        try:
+            with open(os.path.join(self.profile, "stderr"), "rb") as file:
+                return file.read()[-2000:].decode(errors="replace")
+        except OSError:
+            return ""
 
     def events(self) -> list[dict]:
         """Events that arrived since the last call."""
@@ -118,7 +127,7 @@ class Chromium:
     def close(self) -> None:
         try:
             self.send("Browser.close")
-        except BrowserError:
+        except (BrowserError, OSError):  # already gone
             pass
         try:
             self.process.wait(timeout=15)
