@@ -488,7 +488,7 @@ def verdict_lines(verdict: Verdict) -> list[tuple[str, str, str]]:
                       "traffic_hours"))
         gpu = row["gpu_seconds_saved_per_hour"]
         lines.append(("GPU-seconds saved per hour",
-                      f"{gpu:+,.3g} ({row['cost_model']})" if gpu is not None
+                      f"{gpu:+,.3g}, priced as {row['cost_model']}" if gpu is not None
                       else "not priced (give --model)",
                       "gpu_seconds_saved_per_hour, cost_model"))
     return lines
