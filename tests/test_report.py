@@ -22,23 +22,9 @@ from kvtrace.analysis.report import (
 )
 from kvtrace.cli import cli
 from kvtrace.geometry.cost import cost_model, gpu_throughput
-from kvtrace.traceio import write_trace
 
+from test_analysis_cli import db as scenario_db  # noqa: F401 (a fixture: the scenario, loaded)
 from test_analysis_cli import report_figures
-from test_analysis_scenario import header, scenario
-
-
-@pytest.fixture(scope="module")
-def scenario_runs(tmp_path_factory):
-    """The hand-built scenario's two replays (test_analysis_scenario), loaded."""
-    directory = tmp_path_factory.mktemp("report")
-    runs = directory / "runs"
-    runs.mkdir()
-    write_trace(runs / "fixed.kvtrace", header("fixed"), scenario(unfixed=False))
-    write_trace(runs / "unfixed.kvtrace", header("unfixed"), scenario(unfixed=True))
-    result = CliRunner().invoke(cli, ["load", str(runs), "-o", str(directory / "s.duckdb")])
-    assert result.exit_code == 0, result.output
-    return directory
 
 
 def invoke(*args):
@@ -77,9 +63,8 @@ def test_the_sentence_says_what_to_do():
                      "priced: give --model).")
 
 
-def test_the_verdict_comes_first_and_its_command_reproduces_it(scenario_runs):
-    db = scenario_runs / "s.duckdb"
-    text = report_database(str(db), model="kimi-linear-48b-a3b", gpu="350")
+def test_the_verdict_comes_first_and_its_command_reproduces_it(scenario_db):
+    text = report_database(str(scenario_db), model="kimi-linear-48b-a3b", gpu="350")
     verdict = text.split("\n\n")[0].splitlines()
     assert verdict[0] == "== Verdict =="
     assert verdict[1] == "unfixed -> fixed on scenario.kvtrace (model, reschedule; runs 1 and 0)"
@@ -88,14 +73,14 @@ def test_the_verdict_comes_first_and_its_command_reproduces_it(scenario_runs):
            "GPU of 350 TFLOP/s effective" in text
     command = re.search(r"Reproduce: kvtrace sql \S+ (--query variant_verdict[^;]*);", text)
     assert command, text
-    result = invoke("sql", db, *command.group(1).split(), "--json")
+    result = invoke("sql", scenario_db, *command.group(1).split(), "--json")
     row = json.loads(result.stdout)
     assert f"GPU-seconds saved per hour: {row['gpu_seconds_saved_per_hour']:+,.3g}" in text
     assert f"{row['prefill_tokens_saved_per_hour']:+,.0f}" in text
 
 
-def test_markdown_for_an_incident_ticket(scenario_runs):
-    result = invoke("report", scenario_runs / "s.duckdb", "--markdown")
+def test_markdown_for_an_incident_ticket(scenario_db):
+    result = invoke("report", scenario_db, "--markdown")
     assert result.exit_code == 0, result.stderr
     lines = result.stdout.splitlines()
     assert lines[0] == "## kvtrace report: s.duckdb"
@@ -139,8 +124,8 @@ def test_a_replay_prices_its_own_model_and_the_report_says_so(tmp_path):
     assert row["from_gpu_seconds"] >= flops.constant * row["from_prefill_tokens"] / 395.76e12
 
 
-def test_eviction_causes_fold_the_groups(scenario_runs):
-    connection = open_database(scenario_runs / "s.duckdb")
+def test_eviction_causes_fold_the_groups(scenario_db):
+    connection = open_database(scenario_db)
     try:
         data = collect(connection, "s.duckdb")
         unfolded = run_query(connection, "eviction_causes")
@@ -153,13 +138,13 @@ def test_eviction_causes_fold_the_groups(scenario_runs):
     assert folded.columns[3] == "groups"
 
 
-def test_the_drill_down_renders_kvtrace_why_from_the_database(scenario_runs, tmp_path):
+def test_the_drill_down_renders_kvtrace_why_from_the_database(scenario_db, tmp_path):
     """The pushed-out prefix S (hash 100) links to the lookups that lost it; each links to
     its request's explanation, whose lines are what `kvtrace why` says of that request, in its
     order: every range of missed tokens, each with its decisive key (`kvtrace why` reads the
     trace again and adds the other keys and examples of the checkpoints behind)."""
     page = tmp_path / "r.html"
-    assert invoke("report", scenario_runs / "s.duckdb", "--html", page).exit_code == 0
+    assert invoke("report", scenario_db, "--html", page).exit_code == 0
     html = page.read_text()
     assert 'href="#prefix-1-100"' in html and 'id="prefix-1-100"' in html
     requests = re.findall(r'href="#why-1-(\d+)"', html)
@@ -168,7 +153,7 @@ def test_the_drill_down_renders_kvtrace_why_from_the_database(scenario_runs, tmp
         rendered = re.search(rf'<details class="why" id="why-1-{req}">.*?<pre>(.*?)</pre>', html,
                              re.DOTALL).group(1)
         rendered = rendered.replace("&#x27;", "'").replace("&amp;", "&").splitlines()
-        why = invoke("why", scenario_runs / "runs" / "unfixed.kvtrace", "--request", req)
+        why = invoke("why", scenario_db.parent / "runs" / "unfixed.kvtrace", "--request", req)
         assert why.exit_code == 0, why.stderr
         said = [line.split(", e.g. ")[0].rstrip(".") for line in why.stdout.splitlines()]
         rendered = [line.rstrip(".") for line in rendered[1:]]

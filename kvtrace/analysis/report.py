@@ -171,11 +171,11 @@ def sql_command(db: str, query: str, values: dict[str, str] | None = None) -> st
 
 def collect(connection, db: str, *, bucket_steps: int = 10, min_hits: int = 2,
             pricing: Pricing | None = None) -> ReportData:
+    import msgspec
+
     from kvtrace.analysis.database import has_attribution
     from kvtrace.analysis.explain import describe, lookups_from_causes
     from kvtrace.events import TraceHeader
-
-    import msgspec
 
     pricing = pricing or pricing_for()
     runs = execute(connection, """

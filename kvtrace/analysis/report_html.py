@@ -105,7 +105,8 @@ def render_html(data: ReportData) -> str:
                 + ('<a href="#sweep">sweep</a>' if data.sweep.rows else "")
                 + ('<a href="#drill-down">drill-down</a>' if data.explanations else "") + "</nav>")
     body.append('<h2 id="plots">Hit rate over time</h2>')
-    body.append(_plot(figures, "plot-hit-rate", _hit_rate_figure(data)))
+    body.append(_plot(figures, "plot-hit-rate", _hit_rate_figure(data)) if data.timeline.rows
+                else "<p><em>No lookups in this database.</em></p>")
     if data.hits_went.rows:
         body.append("<h2>Where the hits went (first admissions, % of prompt tokens)</h2>")
         body.append(_plot(figures, "plot-hits-went", _hits_went_figure(data)))
