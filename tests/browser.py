@@ -7,7 +7,8 @@ see in the developer console (exceptions, console errors, failed loads) and ever
 page makes.
 
 Also a script, for the screenshots in docs/:
-    .venv/bin/python tests/browser.py REPORT.html OUT.png [--width 1400] [--height 1000] [--full]
+    .venv/bin/python tests/browser.py REPORT.html OUT.png [--width 1400] [--height 1000]
+        [--full] [--scroll-to ID] [--fragment ID]
 """
 
 from __future__ import annotations
@@ -110,7 +111,9 @@ class Chromium:
             found.append(self._events.get())
         return found
 
-    def open(self, path: str | os.PathLike, width: int = 1400, height: int = 1000) -> Page:
+    def open(self, path: str | os.PathLike, width: int = 1400, height: int = 1000,
+             fragment: str = "") -> Page:
+        """A new page showing the file at ``path`` (at ``#fragment``), once loaded."""
         target = self.send("Target.createTarget", {"url": "about:blank"})["targetId"]
         session = self.send("Target.attachToTarget", {"targetId": target,
                                                       "flatten": True})["sessionId"]
@@ -120,7 +123,8 @@ class Chromium:
         self.send("Emulation.setDeviceMetricsOverride", {
             "width": width, "height": height, "deviceScaleFactor": 1, "mobile": False},
             session=session)
-        self.send("Page.navigate", {"url": Path(path).resolve().as_uri()}, session=session)
+        url = Path(path).resolve().as_uri() + (f"#{fragment}" if fragment else "")
+        self.send("Page.navigate", {"url": url}, session=session)
         page.wait_for_event("Page.loadEventFired")
         return page
 
@@ -226,14 +230,15 @@ def main() -> None:
     parser.add_argument("--height", type=int, default=1000)
     parser.add_argument("--full", action="store_true", help="the whole page, not the viewport")
     parser.add_argument("--scroll-to", metavar="ID", help="an element to scroll to first")
+    parser.add_argument("--fragment", default="", help="open the page at #FRAGMENT")
     args = parser.parse_args()
     with Chromium() as browser:
-        page = browser.open(args.report, args.width, args.height)
+        page = browser.open(args.report, args.width, args.height, args.fragment)
         page.wait_until("document.querySelectorAll('.kvtrace-plot:not([data-rendered])')"
                         ".length === 0")
         if args.scroll_to:
             page.evaluate(f"document.getElementById({json.dumps(args.scroll_to)})"
-                          ".scrollIntoView()")
+                          ".scrollIntoView(); window.scrollBy(0, -70)")  # with its heading
         page.screenshot(args.png, full_page=args.full)
         for problem in page.console_errors() + page.foreign_requests():
             print(f"problem: {problem}")

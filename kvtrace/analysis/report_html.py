@@ -46,7 +46,7 @@ td,th{border:1px solid #ccc;padding:2px 7px;text-align:right;white-space:nowrap}
 td.text,th.text{text-align:left}th{background:#eee;cursor:pointer;user-select:none}
 th[data-order=asc]::after{content:" \\25B2"}th[data-order=desc]::after{content:" \\25BC"}
 code{font-size:85%;background:#f4f4f4;padding:1px 4px;word-break:break-all}
-pre{background:#f8f8f8;border:1px solid #ddd;padding:.6em;font-size:80%;overflow-x:auto}
+pre{background:#f8f8f8;border:1px solid #ddd;padding:.6em;font-size:80%;white-space:pre-wrap}
 .verdict{border:2px solid #4f81bd;border-radius:6px;padding:.4em 1.2em 1em;background:#f5f8fc}
 .verdict h2{margin-top:.6em}.advice{font-size:1.1em;font-weight:600}
 .figures td,.figures th{border:none;text-align:left;padding:1px 10px 1px 0;font-size:95%}
