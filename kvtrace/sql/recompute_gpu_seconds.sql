@@ -20,7 +20,7 @@
 -- $fixed and $unfixed), each in both roles, and so do their admitted lookups (by request and
 -- admission number). A lookup whose hit h is shorter than its twin's hit d recomputed tokens
 -- [h, d); the token at depth t costs flops_per_token + flops_per_position * (t + 1) FLOPs
--- (docs/execute.md: the model's own blocks, causal attention), so the lookup costs
+-- (docs/cost-model.md: the model's own blocks, causal attention), so the lookup costs
 -- flops_per_token * (d - h) + flops_per_position * (d(d+1) - h(h+1)) / 2, over its
 -- tensor-parallel group. A replay names its model and carries its figures in its header
 -- (params cost.model, cost.flops_per_token, cost.flops_per_token_per_position, written by
