@@ -247,7 +247,7 @@ def test_the_report_shows_the_gpu_seconds_per_variant(executed):
     text = report_database(str(work / "w.duckdb"))
     section = text.partition("== GPU-seconds recomputing hits the other variant kept ==")[2]
     section = section.partition("\n== ")[0]
-    rows = [line.split() for line in section.splitlines() if line.startswith("sha256:")]
+    rows = [line.split() for line in section.splitlines() if line.startswith("w.kvtrace")]
     assert {(row[1], row[2]) for row in rows} <= {("unfixed", "fixed"), ("fixed", "unfixed")}
     assert rows and all(row[-1] == "kimi-k3" for row in rows)
     assert "== Top prefixes by GPU-seconds recomputed ==" in text
