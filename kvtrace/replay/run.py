@@ -62,6 +62,7 @@ from kvtrace.events import (
     TraceHeader,
     enum_label,
 )
+from kvtrace.geometry.cost import DEFAULT_GPU, CostModel, cost_model, gpu_throughput
 from kvtrace.replay.backend import BACKENDS, open_backend, open_counting_backend
 from kvtrace.replay.execute import ExecuteOptions
 from kvtrace.replay.scheduler import Arrival, InFlight, Scheduler, arrivals_of
@@ -88,6 +89,7 @@ class ReplayOptions:
     verify: bool = False
     write_traces: bool = True  # False: summaries only; outdir is not used
     execute: ExecuteOptions | None = None  # --execute: re-execute the recurrent state
+    model: str | None = None  # --model: what prices the lookups; None: the one the source names
     # From a source's start snapshot (``Source.start``); never with a cache the snapshot cannot
     # describe (another pool or retention), nor in lockstep without one.
     warm_start: bool = True
@@ -362,11 +364,11 @@ def replay(options: ReplayOptions,
     callback that gets the number of finished requests after each step. ``source``: the
     already read ``options.source``."""
     header = source.header if source else read_header(options.source)
-    if options.execute is not None and options.execute.model is None:
-        # The model the workload was written for (a capture or an older trace names none:
-        # execute mode's default then).
+    pricing, pricing_warning = _pricing(options, header)
+    if options.execute is not None:
         options = dataclasses.replace(options, execute=dataclasses.replace(
-            options.execute, model=header.params.get("model")))
+            options.execute, model=pricing.model.name if pricing else options.model,
+            tensor_parallel_size=pricing.tensor_parallel_size if pricing else None))
     if options.verify and options.overrides.changes_cache:
         raise ConfigError("--verify compares with the captured run, so the cache must be the "
                           "captured one", "Drop --num-gpu-blocks / --retention with --verify.")
@@ -402,7 +404,8 @@ def replay(options: ReplayOptions,
         except OSError as error:
             raise cannot_write(outdir, error) from None
     stem = Path(options.source).name.removesuffix(".kvtrace")
-    result = ReplayResult(mode, config, [], warnings=_source_warnings(source, mode, warm))
+    result = ReplayResult(mode, config, [], warnings=_source_warnings(source, mode, warm)
+                          + ([pricing_warning] if pricing_warning else []))
     staged: list[StagedOutput] = []
     try:
         for variant in variants:
@@ -416,7 +419,9 @@ def replay(options: ReplayOptions,
                 replay=ReplayInfo(variant=variant, backend=options.backend, mode=mode,
                                   source_path=os.path.abspath(options.source),
                                   source_digest=source.digest),
-                params={**_params(settings, mode), **_execute_params(options.execute)})
+                params={**_params(settings, mode),
+                        **(pricing.header_params() if pricing else {}),
+                        **_execute_params(options.execute)})
             on_step = (progress(variant, len(start.arrivals) + len(start.in_flight))
                        if progress else None)
             keep = mode == "lockstep" and options.verify and variant == engine_variant
@@ -569,14 +574,33 @@ def _params(settings: SchedulerSettings, mode: str) -> dict[str, str]:
     return {f"scheduler.{name}": str(value) for name, value in dataclasses.asdict(settings).items()}
 
 
+def _pricing(options: ReplayOptions, header: TraceHeader) -> tuple[CostModel | None, str]:
+    """The cost model that prices the replay's lookups (``--model``, else the model the source
+    was written for, at its tensor-parallel size), and a warning when the source names a model
+    that cannot be read (the replay then goes on unpriced). A capture names none."""
+    gpu = options.execute.gpu if options.execute else DEFAULT_GPU
+    if options.model:
+        return cost_model(options.model, None, gpu), ""
+    named = header.params.get("model")
+    if not named:
+        return None, ""
+    tensor_parallel = header.params.get("tensor_parallel_size", "")
+    try:
+        return cost_model(named, int(tensor_parallel) if tensor_parallel.isdigit() else None,
+                          gpu), ""
+    except ConfigError as error:
+        if options.execute is not None:
+            raise
+        return None, (f"the source names the model {named!r}, which cannot be read ({error}): "
+                      "its lookups are not priced; give --model")
+
+
 def _execute_params(execute: ExecuteOptions | None) -> dict[str, str]:
-    """With --execute, the cost figures the analysis side prices recomputed tokens with."""
+    """With --execute, the GPU its GPU-second estimate is priced on."""
     if execute is None:
         return {}
-    from kvtrace.replay.execute.cost import CostModel, gpu_throughput
-    from kvtrace.replay.execute.model import get_model
-
-    return CostModel(get_model(execute.model), gpu_throughput(execute.gpu)).header_params()
+    gpu = gpu_throughput(execute.gpu)
+    return {"execute.gpu": gpu.name, "execute.gpu_flops_per_s": repr(gpu.flops_per_s)}
 
 
 def _vllm_version() -> str:
