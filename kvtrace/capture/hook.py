@@ -164,6 +164,16 @@ def _scheduler_limits(scheduler_config: Any) -> dict[str, Any]:
     }
 
 
+def served_model(scheduler: Any) -> dict[str, str]:
+    """The model the engine serves, by the name it serves it as (vLLM's ``served_model_name``;
+    a replay prices recomputed tokens with it when it names a model kvtrace knows)."""
+    model_config = getattr(getattr(scheduler, "vllm_config", None), "model_config", None)
+    name = getattr(model_config, "served_model_name", None) or getattr(model_config, "model", "")
+    if isinstance(name, list):
+        name = name[0] if name else ""
+    return {"model": name} if isinstance(name, str) and name else {}
+
+
 def engine_variant(manager: Any) -> str:
     """The checkpoint variant kvtrace's own engine installed, else the vLLM's own code."""
     for single_type_manager in manager.coordinator.single_type_managers:
@@ -352,7 +362,8 @@ class CaptureSession:
             includes_hash_bytes=self.options.hash_bytes,
             params={"buffer_capacity": str(self.options.buffer_capacity),
                     "num_kv_cache_managers": str(len(managers)),
-                    "variant": engine_variant(managers[0][0]) if managers else "upstream"},
+                    "variant": engine_variant(managers[0][0]) if managers else "upstream",
+                    **(served_model(managers[0][1]) if managers else {})},
         )
         trace_file = self._trace_file = NewTraceFile(self.options.path, self._default_path)
         try:
