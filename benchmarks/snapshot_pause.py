@@ -34,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import callgrind  # noqa: E402
 
 from kvtrace.events import HashInterner  # noqa: E402
+from kvtrace.probes import CacheProbes, snapshot  # noqa: E402
 
 DEFAULT_MODELS = ("kimi-k3", "qwen3-next-80b-a3b")  # the default model; the largest pool
 COUNTED_STEPS = 5
@@ -66,10 +67,9 @@ def full_engine(model: str, directory: str):
     return engine
 
 
-def take_snapshot(engine) -> list:
-    from kvtrace.probes import CacheProbes
-    from kvtrace.probes import snapshot
-
+def take_snapshot(engine):
+    """What a capture's arming holds the scheduler for: reading the snapshot (its records are
+    made later, on the capture's writer thread)."""
     probes = CacheProbes(lambda record: None, HashInterner(), emit_hash_bytes=True)
     manager = engine.scheduler.kv_cache_manager
     return snapshot.take(manager, engine.scheduler, probes)
@@ -78,7 +78,7 @@ def take_snapshot(engine) -> list:
 def describe(engine) -> dict:
     manager = engine.scheduler.kv_cache_manager
     pool = manager.block_pool
-    records = take_snapshot(engine)
+    records = take_snapshot(engine).records()
     return {"blocks": pool.num_gpu_blocks, "groups": len(manager.coordinator.single_type_managers),
             "held": sum(block.ref_cnt > 0 for block in pool.blocks),
             "keys": len(pool.cached_block_hash_to_block),

@@ -41,9 +41,7 @@ void dealloc_with(PyObject *self, inquiry clear);
     X(BlockAllocated, BLOCK_ALLOCATED)                                                         \
     X(BlockTouched, BLOCK_TOUCHED)                                                             \
     X(BlockFreed, BLOCK_FREED)                                                                 \
-    X(BlocksReleased, BLOCKS_RELEASED)                                                         \
-    X(BlockState, BLOCK_STATE)                                                                 \
-    X(KeyCached, KEY_CACHED)
+    X(BlocksReleased, BLOCKS_RELEASED)
 
 #define STEP_STARTED(V) V(step) V(ts_ns)
 #define SLOTS_ALLOCATED(V) V(req) V(num_new_tokens) V(num_computed_tokens)                    \
@@ -56,8 +54,6 @@ void dealloc_with(PyObject *self, inquiry clear);
 #define BLOCK_TOUCHED(V) V(block_id) V(req)
 #define BLOCK_FREED(V) V(block_id) V(ref_cnt) V(hashed)
 #define BLOCKS_RELEASED(V) V(block_ids)
-#define BLOCK_STATE(V) V(block_id) V(ref_cnt) V(hash_id) V(group) V(num_tokens)
-#define KEY_CACHED(V) V(hash_id) V(group) V(num_tokens) V(block_ids)
 
 /* The most positional arguments a record's constructor gets from the native core. */
 #define MAX_RECORD_ARGS 16

@@ -160,7 +160,7 @@ failed:
     return -1;
 }
 
-/* configure(StepStarted, ..., KeyCached, NO_REQ, STALE_CHECKPOINT, LRU_REUSE): the record
+/* configure(StepStarted, ..., BlocksReleased, NO_REQ, STALE_CHECKPOINT, LRU_REUSE): the record
  * types (kvtrace.events) and constants the probes' fast paths use. Each type's field order is
  * read from the type; a type the native core cannot build by field name is refused, and a
  * refusal changes nothing. */
@@ -217,14 +217,14 @@ static PyMethodDef module_methods[] = {
      "write_rows_frame(fd, chunks) -> number of records: one R frame of pre-encoded rows, "
      "written with the interpreter lock released."},
     {"snapshot_pool", snapshot_pool, METH_VARARGS,
-     "snapshot_pool(probe, blocks, cache) -> number of keys: the pool part of a start snapshot "
-     "(kvtrace/probes/snapshot.py's _pool_records), appended to the probe set's records."},
+     "snapshot_pool(probe, blocks, cache) -> (block rows, key rows, holders): the pool part of "
+     "a start snapshot, packed int64 (kvtrace/probes/snapshot.py's _read_pool)."},
     {"probes_changed", probes_changed, METH_NOARGS,
      "A probe set was armed or disarmed: forget which probe set observes which cache."},
     {"configure", configure, METH_VARARGS,
      "configure(StepStarted, SlotsAllocated, BlockStored, BlockRemoved, HashInterned, "
-     "BlockAllocated, BlockTouched, BlockFreed, BlocksReleased, BlockState, KeyCached, NO_REQ, "
-     "STALE_CHECKPOINT, LRU_REUSE): the record types and constants the fast paths use. Each type's field order "
+     "BlockAllocated, BlockTouched, BlockFreed, BlocksReleased, NO_REQ, STALE_CHECKPOINT, "
+     "LRU_REUSE): the record types and constants the fast paths use. Each type's field order "
      "is read from the type; one the native core cannot build by field name is refused "
      "(TypeError, ValueError) and nothing changes."},
     {NULL},

@@ -76,7 +76,7 @@ def test_a_snapshot_rebuilt_into_a_fresh_cache_reads_back_the_same(workload):
     scheduler = engine.scheduler
     assert scheduler.running and scheduler.waiting, "mid-flight: requests run and wait"
     taken = live_snapshot.take(scheduler.kv_cache_manager, scheduler,
-                               CacheProbes(lambda record: None, HashInterner()))
+                               CacheProbes(lambda record: None, HashInterner())).records()
     kinds = {type(record) for record in taken}
     assert {FreeQueueState, BlockState, KeyCached, RequestState, RequestBlocksState} <= kinds
     snapshot = snapshot_of(taken)
@@ -90,7 +90,7 @@ def test_a_snapshot_rebuilt_into_a_fresh_cache_reads_back_the_same(workload):
             waiting=[r for r, s in zip(requests, snapshot.requests)
                      if s.queue == RequestQueue.WAITING],
             requests={r.request_id: r for r in requests})
-        again = live_snapshot.take(backend.manager, restored, backend.probes)
+        again = live_snapshot.take(backend.manager, restored, backend.probes).records()
     assert state_records(again) == state_records(taken)
 
 

@@ -343,9 +343,10 @@ class CaptureSession:
         """Check, patch, and start writing. All or nothing: on a failure, what was done is
         undone (probes disarmed, threads stopped, the trace file removed) and the error raised;
         a ``KvtraceError`` says what to do."""
-        from kvtrace.probes import CacheProbes, probe_targets
+        from kvtrace.probes import CacheProbes, probe_targets, snapshot
 
         probe_targets()  # signature check before anything else happens
+        self._take_snapshot = snapshot.take  # imported here: not on the scheduler's time
         managers = find_kv_cache_managers()
         config = engine_config_of(*managers[0]) if managers else None
         self.started_ns = time.time_ns()
@@ -391,18 +392,17 @@ class CaptureSession:
         """At the first step after arming, on the scheduler thread: the start snapshot goes
         first (whatever the buffer's room: it is what the rest means), then the probes arm.
         A failure stops the capture with its error, never the engine."""
-        from kvtrace.probes import snapshot
-
         try:
             if self._stopped:
                 return
-            records = snapshot.take(manager, scheduler, self._probes)
+            taken = self._take_snapshot(manager, scheduler, self._probes)
             steps = self._steps
             steps.flush()
-            steps.chunks.append((len(records), encode_rows(records)))
-            steps.num_buffered += len(records)
-            steps.num_enqueued += len(records)
-            self.snapshot_pause_ns = records[-1].pause_ns
+            # The writer thread makes its records (``_drain``): the scheduler has waited enough.
+            steps.chunks.append((len(taken), taken))
+            steps.num_buffered += len(taken)
+            steps.num_enqueued += len(taken)
+            self.snapshot_pause_ns = taken.ended.pause_ns
             self._probes.arm()
         except BaseException as error:  # noqa: BLE001 - the engine must never see it
             self._probes.disarm()
@@ -448,7 +448,8 @@ class CaptureSession:
     def _drain(self, writer: TraceWriter) -> bool:
         """Move everything buffered into the writer; False when there was nothing. The buffer's
         chunks leave it in one slice: producers only append behind them, and each of the two
-        list operations is one step under the interpreter lock."""
+        list operations is one step under the interpreter lock. The start snapshot comes as
+        read; its records are made and encoded here."""
         buffer = self._steps.chunks
         num_chunks = len(buffer)
         if not num_chunks:
@@ -456,6 +457,9 @@ class CaptureSession:
             return False
         chunks = buffer[:num_chunks]
         del buffer[:num_chunks]
+        chunks = [chunk if type(chunk[1]) is bytes  # the start snapshot comes as read:
+                  else (chunk[0], encode_rows(chunk[1].records()))  # ``snapshot.Taken``
+                  for chunk in chunks]
         self._steps.num_drained += writer.write_encoded_rows(chunks)
         return True
 

@@ -185,9 +185,9 @@ class CacheProbes(object if native.built is None else native.built.ProbeState):
         return hash_id, _GROUP_OF_KEY(key, -4)[0]
 
     def intern_keys(self, keys: list[bytes]) -> list[tuple[int, int]]:
-        """(hash id, group) of many keys at once (the start snapshot's thousands): with a plain
-        ``HashInterner``, new ids are given in bulk, in order of first appearance, announced
-        by ``HashInterned`` records when hash bytes are emitted."""
+        """(hash id, group) of many keys at once (the start snapshot's thousands, which
+        announces its new hashes itself): with a plain ``HashInterner``, new ids are given in
+        bulk, in order of first appearance."""
         groups = [_GROUP_OF_KEY(key, -4)[0] for key in keys]
         hashes = [key[:-4] for key in keys]
         ids = self._interned_ids
@@ -196,8 +196,6 @@ class CacheProbes(object if native.built is None else native.built.ProbeState):
         new = [h for h in dict.fromkeys(hashes) if h not in ids]
         first = len(ids)
         ids.update(zip(new, range(first, first + len(new))))
-        if self.emit_hash_bytes:
-            self._records.extend([HashInterned(first + i, h) for i, h in enumerate(new)])
         return list(zip(map(ids.__getitem__, hashes), groups))
 
     def _keys_on(self, pool: Any, block: Any) -> list[bytes]:

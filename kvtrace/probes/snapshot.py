@@ -17,6 +17,9 @@ from __future__ import annotations
 
 import gc
 import time
+from array import array
+from dataclasses import dataclass
+from itertools import islice
 from operator import attrgetter
 from typing import Any, Callable
 
@@ -24,6 +27,7 @@ from kvtrace import native
 from kvtrace.events import (
     BlockState,
     FreeQueueState,
+    HashInterned,
     KeyCached,
     Record,
     RequestBlocksState,
@@ -73,14 +77,14 @@ def _encode_field(encoding: str, value: Any) -> list[int]:
     return [value[0].block_id, int(value[1])]  # _BLOCK_INT
 
 
-def _group_fields(manager: Any, requests: dict[str, int]) -> dict[str, dict[str, list[int]]]:
-    """The per-request state ``manager`` keeps for the ``requests`` (by request id), as ints:
-    request id -> {attribute: values}. Each container is read once, not once a request."""
+def _group_fields(containers: dict[str, Any], requests: dict[str, int]
+                  ) -> dict[str, dict[str, list[int]]]:
+    """The per-request state in a manager's ``containers`` (``REQUEST_FIELDS`` by name) for the
+    ``requests`` (by request id), as ints: request id -> {attribute: values}. Each container is
+    read once, not once a request."""
     fields: dict[str, dict[str, list[int]]] = {}
-    for name, encoding in REQUEST_FIELDS.items():
-        container = getattr(manager, name, None)
-        if not container:
-            continue
+    for name, container in containers.items():
+        encoding = REQUEST_FIELDS[name]
         for request_id in container:
             if request_id in requests:
                 fields.setdefault(request_id, {})[name] = _encode_field(
@@ -92,12 +96,14 @@ def _status_queue(status_name: str) -> RequestQueue:
     return RequestQueue.RUNNING if status_name == "RUNNING" else RequestQueue.WAITING
 
 
-def take(manager: Any, scheduler: Any, probes: Any) -> list[Record]:
-    """The state of ``manager`` (and of the requests ``scheduler`` holds) as records, taken
-    through the capture's probe set ``probes``, which learns every hash and request on the way.
-    Call it on the scheduler thread, between steps: it reads vLLM's objects without locks. The
-    cyclic garbage collector waits meanwhile: a pass over the engine's heap, set off by the
-    snapshot's thousands of new objects, would stretch the pause many times over."""
+def take(manager: Any, scheduler: Any, probes: Any) -> Taken:
+    """The state of ``manager`` (and of the requests ``scheduler`` holds), read through the
+    capture's probe set ``probes``, which learns every hash and request on the way. Call it on
+    the scheduler thread, between steps: it reads vLLM's objects without locks, and holds the
+    engine meanwhile, so it only reads and interns; ``Taken.records()`` makes the records
+    later, on another thread. The cyclic garbage collector waits meanwhile: a pass over the
+    engine's heap, set off by the snapshot's new objects, would stretch the pause many times
+    over."""
     collecting = gc.isenabled()
     gc.disable()
     try:
@@ -107,75 +113,128 @@ def take(manager: Any, scheduler: Any, probes: Any) -> list[Record]:
             gc.enable()
 
 
-def _take(manager: Any, scheduler: Any, probes: Any) -> list[Record]:
+@dataclass(frozen=True)
+class Taken:
+    """A start snapshot as read off the engine: the records that need the live objects (the
+    requests'), the pool as packed int64 rows (``_read_pool``), and the hashes it interned
+    first; ``records()`` is the snapshot as records, in the order a trace holds them."""
+
+    started: SnapshotStarted
+    new_hashes: list[bytes]  # interned first by the snapshot, from id ``first_hash_id`` on
+    first_hash_id: int
+    free_queue: list[int]
+    pool: tuple[bytes, bytes, bytes]  # block rows, key rows, holders
+    requests: list[RequestState]
+    # Per KV-cache group: its id, each request's blocks (copied: the blocks' ids never change),
+    # and copies of the manager's per-request containers.
+    groups: list[tuple[int, dict[str, list], dict[str, Any]]]
+    ended: SnapshotEnded
+
+    def __len__(self) -> int:
+        """How many records ``records()`` makes, counted without making them."""
+        request_ids = [state.request_id for state in self.requests]
+        num_request_blocks = sum(
+            request_id in tables or any(request_id in c for c in containers.values())
+            for _, tables, containers in self.groups for request_id in request_ids)
+        return (3 + len(self.new_hashes) + len(self.pool[0]) // 40 + len(self.pool[1]) // 32
+                + len(self.requests) + num_request_blocks)
+
+    def request_blocks(self) -> list[RequestBlocksState]:
+        reqs = {state.request_id: state.req for state in self.requests}
+        records = []
+        for group, tables, containers in self.groups:
+            fields = _group_fields(containers, reqs)
+            records.extend([
+                RequestBlocksState(req, group, list(map(_BLOCK_ID, tables.get(request_id, ()))),
+                                   fields.get(request_id, {}))
+                for request_id, req in reqs.items() if request_id in tables or request_id in fields])
+        return records
+
+    def records(self) -> list[Record]:
+        block_rows, key_rows, holders = (array("q", rows) for rows in self.pool)
+        holder_ids = iter(holders)
+        return [
+            self.started,
+            *(HashInterned(hash_id, hash_bytes)
+              for hash_id, hash_bytes in enumerate(self.new_hashes, self.first_hash_id)),
+            FreeQueueState(self.free_queue),
+            *(BlockState(*block_rows[i:i + 5]) for i in range(0, len(block_rows), 5)),
+            *(KeyCached(key_rows[i], key_rows[i + 1], key_rows[i + 2],
+                        list(islice(holder_ids, key_rows[i + 3])))
+              for i in range(0, len(key_rows), 4)),
+            *self.requests, *self.request_blocks(), self.ended]
+
+
+def _take(manager: Any, scheduler: Any, probes: Any) -> Taken:
     started = time.perf_counter_ns()
-    records: list[Record] = []
     pool = manager.block_pool
     unit = pool.hash_block_size
-    probes._records = records  # the interner's HashInterned records go with the snapshot
-    requests = _requests_in_flight(manager, scheduler)
-    head = SnapshotStarted(0, len(pool.blocks), len(requests), 0, {})
-    records.append(head)
-    records.append(FreeQueueState([block.block_id for block in
-                                   pool.free_block_queue.get_all_free_blocks()]))
-    # Requests first in interning order: their hash units fix the prefix lengths keys cover.
-    request_records = []
-    for request, queue in requests:
-        req, hash_ids = probes.adopt_request(request, unit)
-        request_records.append(RequestState(
-            req, queue, request.status.name, request.num_prompt_tokens, hash_ids,
-            request.max_tokens, request.num_tokens,
-            request.num_computed_tokens, request.num_preemptions,
-            request.shared_prefix_boundary,
-            max(0, int(request.arrival_time * 1e9) - probes.created_ns),
-            probes._salt_id(request), request.request_id))
-    num_keys = _pool_records(probes, pool)
-    records.extend(request_records)
-    reqs = {request.request_id: state.req for (request, _), state in zip(requests, request_records)}
+    ids = probes._interned_ids
+    emit, probes.emit_hash_bytes = probes.emit_hash_bytes, False  # Taken makes HashInterned
+    first_hash_id = len(ids) if ids is not None else 0
+    try:
+        requests = _requests_in_flight(manager, scheduler)
+        free_queue = [block.block_id for block in pool.free_block_queue.get_all_free_blocks()]
+        # Requests first: their hash units fix the prefix lengths the keys cover.
+        request_records = []
+        for request, queue in requests:
+            req, hash_ids = probes.adopt_request(request, unit)
+            request_records.append(RequestState(
+                req, queue, request.status.name, request.num_prompt_tokens, hash_ids,
+                request.max_tokens, request.num_tokens,
+                request.num_computed_tokens, request.num_preemptions,
+                request.shared_prefix_boundary,
+                max(0, int(request.arrival_time * 1e9) - probes.created_ns),
+                probes._salt_id(request), request.request_id))
+        packed = _read_pool(probes, pool)
+    finally:
+        probes.emit_hash_bytes = emit
+    request_ids = [request.request_id for request, _ in requests]
+    groups = []
     for group_manager in manager.coordinator.single_type_managers:
-        group = group_manager.kv_cache_group_id
-        fields = _group_fields(group_manager, reqs)
         tables = group_manager.req_to_blocks
-        records.extend([
-            RequestBlocksState(req, group, list(map(_BLOCK_ID, tables.get(request_id, ()))),
-                               fields.get(request_id, {}))
-            for request_id, req in reqs.items() if tables.get(request_id) or request_id in fields])
-    records[0] = SnapshotStarted(
-        time.time_ns() - probes.created_ns, head.num_blocks, head.num_requests, num_keys,
-        _counters(manager, scheduler))
-    records.append(SnapshotEnded(time.perf_counter_ns() - started))
-    probes._records = []
-    return records
+        containers = {name: getattr(group_manager, name, None) for name in REQUEST_FIELDS}
+        groups.append((group_manager.kv_cache_group_id,
+                       {request_id: list(tables[request_id]) for request_id in request_ids
+                        if tables.get(request_id)},
+                       {name: container.copy() for name, container in containers.items()
+                        if container}))
+    new_hashes = (list(islice(ids, first_hash_id, None)) if emit and ids is not None else [])
+    head = SnapshotStarted(time.time_ns() - probes.created_ns, len(pool.blocks), len(requests),
+                           len(packed[1]) // 32, _counters(manager, scheduler))
+    return Taken(head, new_hashes, first_hash_id, free_queue, packed, request_records, groups,
+                 SnapshotEnded(time.perf_counter_ns() - started))
 
 
-def _pool_records(probes: Any, pool: Any) -> int:
-    """Append the pool's state to ``probes._records``: the ``HashInterned`` records of new
-    hashes, a ``BlockState`` per held or keyed block, a ``KeyCached`` per key (in the map's
-    order, with its holders in lookup order); return the number of keys. The native core does
-    it in C (``csrc/snapshot.c``) where the probe set has a plain ``HashInterner``; this is its
-    twin, in bulk (comprehensions and dict operations, not a Python call per key)."""
+def _read_pool(probes: Any, pool: Any) -> tuple[bytes, bytes, bytes]:
+    """The pool's state as packed native int64 rows: (block_id, ref_cnt, hash_id, group,
+    num_tokens) per held or keyed block (-1, 0, -1 for no key), (hash_id, group, num_tokens,
+    number of holders) per key in the map's order, and every key's holders in lookup order.
+    Interns the keys' hashes and teaches the probe set each primary key's prefix length. The
+    native core does it in C (``csrc/snapshot.c``) where the probe set has a plain
+    ``HashInterner``; this is its twin, in bulk (comprehensions and dict operations, not a
+    Python call per key)."""
     cache = pool.cached_block_hash_to_block._cache
     if native.core is not None and probes._interned_ids is not None:
         return native.core.snapshot_pool(probes, pool.blocks, cache)
-    records = probes._records
     pairs = probes.intern_keys(list(cache))
     key_ids = dict(zip(cache, pairs))
     key_ids[None] = (-1, 0)  # an unkeyed block
-    rows = [(block.block_id, block.ref_cnt, key_ids[block._block_hash],
+    rows = [(block.block_id, block.ref_cnt, *key_ids[block._block_hash],
              block._block_hash_num_tokens)
             for block in pool.blocks[1:]  # block 0 is the null block
             if block.ref_cnt or block._block_hash is not None]
     depth = probes._depth
-    depth.update({hash_id: num_tokens or 0 for _, _, (hash_id, _), num_tokens in rows
+    # The first block with a key gives its length, unless one is known (reversed: it wins).
+    depth.update({hash_id: num_tokens or 0 for _, _, hash_id, _, num_tokens in reversed(rows)
                   if hash_id >= 0 and hash_id not in depth})
-    records.extend([BlockState(block_id, ref_cnt, hash_id, group,
-                               -1 if num_tokens is None else num_tokens)
-                    for block_id, ref_cnt, (hash_id, group), num_tokens in rows])
-    records.extend([KeyCached(hash_id, group, depth.get(hash_id, 0),
-                              [holders.block_id] if type(holders) is not dict
-                              else [block.block_id for block in holders.values()])
-                    for (hash_id, group), holders in zip(pairs, cache.values())])
-    return len(cache)
+    holders = [[holder.block_id] if type(holder) is not dict
+               else [block.block_id for block in holder.values()] for holder in cache.values()]
+    return (array("q", [value for *row, num_tokens in rows
+                        for value in (*row, -1 if num_tokens is None else num_tokens)]).tobytes(),
+            array("q", [value for (hash_id, group), held in zip(pairs, holders)
+                        for value in (hash_id, group, depth.get(hash_id, 0), len(held))]).tobytes(),
+            array("q", [block_id for held in holders for block_id in held]).tobytes())
 
 
 def _requests_in_flight(manager: Any, scheduler: Any) -> list[tuple[Any, RequestQueue]]:
