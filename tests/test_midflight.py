@@ -34,8 +34,10 @@ pytestmark = pytest.mark.slow
 SPEED = "30"  # virtual seconds per wall second: the engine is busy for longer than the window
 
 
-def documents_workload(path: Path, model: str, num_requests: int = 120) -> Path:
-    """The #56794 seed scenario on ``model``'s cache as vLLM 0.33 builds it."""
+def documents_workload(path: Path, model: str, num_requests: int = 400) -> Path:
+    """The #56794 seed scenario on ``model``'s cache as vLLM 0.33 builds it: 400 requests arrive
+    over 13 s of wall time at --speed 30, so the engine still serves when a capture from 4 s to
+    10 s stops (120 arrive within 4 s and a slow host drained them inside the window)."""
     shape = EngineShape(model=model)
     write_workload(path, synthesize("documents", num_requests, 0, shape.hash_block_size), shape)
     return path
@@ -113,8 +115,7 @@ def _kvtrace() -> list[str]:
 
 @pytest.fixture(scope="module")
 def small_workload(tmp_path_factory) -> Path:
-    return documents_workload(tmp_path_factory.mktemp("lease") / "w.kvtrace", "nemotron-h-8b",
-                              num_requests=400)
+    return documents_workload(tmp_path_factory.mktemp("lease") / "w.kvtrace", "nemotron-h-8b")
 
 
 def controller(*args: str) -> subprocess.Popen:
