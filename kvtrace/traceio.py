@@ -302,9 +302,12 @@ def _list_rows(column: ListColumn) -> Iterator[array]:
 
 def _decode_batch(payload: memoryview, first_seq: int) -> tuple[RecordBatch, Counter]:
     raw = _BATCH_DECODER.decode(payload)
-    if len(raw.tags) != len(raw.columns) or (raw.kinds and max(raw.kinds) >= len(raw.tags)):
+    num_tags = len(raw.tags)
+    if (num_tags != len(raw.columns) or num_tags > 256
+            or raw.kinds.translate(None, bytes(range(num_tags)))):
         raise ValueError("batch kinds do not match its tags")
-    counts = Counter(raw.kinds)
+    # Per kind its number of records, counted in C (bytes.count), not byte by byte.
+    counts = [raw.kinds.count(index) for index in range(num_tags)]
     types: list[type[Record] | None] = []
     columns: list[list[Any]] = []
     unknown: Counter = Counter()
@@ -340,7 +343,7 @@ def _check_column_types(record_type: type[Record], columns: list) -> None:
         elif object_type is None:
             fits = isinstance(column, array)
         else:
-            fits = isinstance(column, list) and all(type(v) is object_type for v in column)
+            fits = isinstance(column, list) and set(map(type, column)) <= {object_type}
             if fits and annotation in _TYPED_OBJECT_FIELDS:
                 try:
                     msgspec.convert(column, _TYPED_OBJECT_FIELDS[annotation], strict=True)
@@ -574,10 +577,13 @@ class TraceReader:
     The header is read on open. Iterate ``batches()`` (columns) or the reader itself (records);
     after the stream ends, ``closing``, ``truncated`` and ``unknown_kinds`` tell how it ended,
     and ``unknown_values`` counts enum values it does not know (kept as ints), by (tag, field,
-    value).
+    value). ``source``: the file already open (the reader reads it from where it stands, and
+    closes it), so that a caller that checked a descriptor reads those very bytes; ``path`` then
+    only names it in messages.
     """
 
     path: str
+    source: BinaryIO | None = field(default=None, repr=False)
     header: TraceHeader = field(init=False)
     closing: TraceClosed | None = field(init=False, default=None)
     truncated: bool = field(init=False, default=False)
@@ -591,14 +597,7 @@ class TraceReader:
     _consumed: bool = field(init=False, default=False)
 
     def __post_init__(self) -> None:
-        try:
-            self._file = open(self.path, "rb")
-        except FileNotFoundError:
-            raise TraceNotFoundError(f"no such trace: {self.path}") from None
-        except IsADirectoryError:
-            raise TraceNotFoundError(f"{self.path} is a directory, not a trace") from None
-        except OSError as error:
-            raise TraceNotFoundError(f"cannot open {self.path}: {error.strerror}") from None
+        self._file = self._open() if self.source is None else self.source
         try:
             self._read_preamble()
             frame = self._next_frame()
@@ -613,6 +612,16 @@ class TraceReader:
         except BaseException:
             self._file.close()
             raise
+
+    def _open(self) -> BinaryIO:
+        try:
+            return open(self.path, "rb")
+        except FileNotFoundError:
+            raise TraceNotFoundError(f"no such trace: {self.path}") from None
+        except IsADirectoryError:
+            raise TraceNotFoundError(f"{self.path} is a directory, not a trace") from None
+        except OSError as error:
+            raise TraceNotFoundError(f"cannot open {self.path}: {error.strerror}") from None
 
     def _read_preamble(self) -> None:
         preamble = self._file.read(_PREAMBLE.size)
