@@ -21,7 +21,7 @@
 #include <stdint.h>
 #include <string.h>
 
-typedef long long i64;
+#include "containers.h"
 
 /* --- the Python objects the records are made of (configure()) -------------------------------- */
 
@@ -53,120 +53,6 @@ static inline i64 floordiv(i64 a, i64 b) {
     return (a % b != 0 && ((a < 0) != (b < 0))) ? q - 1 : q;
 }
 static inline i64 cdiv(i64 a, i64 b) { return -floordiv(-a, b); }
-
-/* --- growable arrays and an int64 hash map ---------------------------------------------------- */
-
-typedef struct { int32_t *v; Py_ssize_t n, cap; } IVec;
-typedef struct { i64 *v; Py_ssize_t n, cap; } LVec;
-
-static int ivec_reserve(IVec *a, Py_ssize_t cap) {
-    if (cap <= a->cap) return 0;
-    Py_ssize_t size = a->cap ? a->cap : 8;
-    while (size < cap) size *= 2;
-    int32_t *v = PyMem_Realloc(a->v, (size_t)size * sizeof(int32_t));
-    if (!v) { PyErr_NoMemory(); return -1; }
-    a->v = v;
-    a->cap = size;
-    return 0;
-}
-static inline int ivec_push(IVec *a, int32_t x) {
-    if (a->n == a->cap && ivec_reserve(a, a->n + 1)) return -1;
-    a->v[a->n++] = x;
-    return 0;
-}
-static void ivec_free(IVec *a) { PyMem_Free(a->v); a->v = NULL; a->n = a->cap = 0; }
-
-static int lvec_push(LVec *a, i64 x) {
-    if (a->n == a->cap) {
-        Py_ssize_t size = a->cap ? a->cap * 2 : 8;
-        i64 *v = PyMem_Realloc(a->v, (size_t)size * sizeof(i64));
-        if (!v) { PyErr_NoMemory(); return -1; }
-        a->v = v;
-        a->cap = size;
-    }
-    a->v[a->n++] = x;
-    return 0;
-}
-static void lvec_free(LVec *a) { PyMem_Free(a->v); a->v = NULL; a->n = a->cap = 0; }
-
-typedef struct { i64 *keys; i64 *vals; uint8_t *used; size_t cap, n; } Map;
-
-static inline size_t map_home(i64 key, size_t mask) {
-    uint64_t x = (uint64_t)key;
-    x ^= x >> 33; x *= 0xff51afd7ed558ccdULL; x ^= x >> 33; x *= 0xc4ceb9fe1a85ec53ULL;
-    x ^= x >> 33;
-    return (size_t)x & mask;
-}
-static Py_ssize_t map_find(const Map *m, i64 key) {
-    if (!m->cap) return -1;
-    size_t mask = m->cap - 1, i = map_home(key, mask);
-    while (m->used[i]) {
-        if (m->keys[i] == key) return (Py_ssize_t)i;
-        i = (i + 1) & mask;
-    }
-    return -1;
-}
-static int map_get(const Map *m, i64 key, i64 *val) {
-    Py_ssize_t i = map_find(m, key);
-    if (i < 0) return 0;
-    *val = m->vals[i];
-    return 1;
-}
-static void map_clear(Map *m) {
-    PyMem_Free(m->keys); PyMem_Free(m->vals); PyMem_Free(m->used);
-    memset(m, 0, sizeof(*m));
-}
-static int map_set(Map *m, i64 key, i64 val);
-static int map_grow(Map *m) {
-    Map bigger = {0};
-    bigger.cap = m->cap ? m->cap * 2 : 16;
-    bigger.keys = PyMem_Malloc(bigger.cap * sizeof(i64));
-    bigger.vals = PyMem_Malloc(bigger.cap * sizeof(i64));
-    bigger.used = PyMem_Calloc(bigger.cap, 1);
-    if (!bigger.keys || !bigger.vals || !bigger.used) {
-        map_clear(&bigger);
-        PyErr_NoMemory();
-        return -1;
-    }
-    for (size_t i = 0; i < m->cap; i++)
-        if (m->used[i]) map_set(&bigger, m->keys[i], m->vals[i]);
-    map_clear(m);
-    *m = bigger;
-    return 0;
-}
-static int map_set(Map *m, i64 key, i64 val) {
-    if ((m->n + 1) * 2 > m->cap && map_grow(m)) return -1;
-    size_t mask = m->cap - 1, i = map_home(key, mask);
-    while (m->used[i]) {
-        if (m->keys[i] == key) { m->vals[i] = val; return 0; }
-        i = (i + 1) & mask;
-    }
-    m->used[i] = 1;
-    m->keys[i] = key;
-    m->vals[i] = val;
-    m->n++;
-    return 0;
-}
-static void map_del_at(Map *m, size_t i) {  /* backward-shift deletion (linear probing) */
-    size_t mask = m->cap - 1, j = i;
-    for (;;) {
-        j = (j + 1) & mask;
-        if (!m->used[j]) break;
-        size_t k = map_home(m->keys[j], mask);
-        int k_in_i_j = (i <= j) ? (k > i && k <= j) : (k > i || k <= j);
-        if (!k_in_i_j) {
-            m->keys[i] = m->keys[j];
-            m->vals[i] = m->vals[j];
-            i = j;
-        }
-    }
-    m->used[i] = 0;
-    m->n--;
-}
-static void map_del(Map *m, i64 key) {
-    Py_ssize_t i = map_find(m, key);
-    if (i >= 0) map_del_at(m, (size_t)i);
-}
 
 /* --- the core --------------------------------------------------------------------------------- */
 
@@ -409,7 +295,7 @@ static int unmap(Core *c, i64 hash_id, int group, int32_t block) {
     Map *table = &c->cached[group];
     Py_ssize_t slot = map_find(table, hash_id);
     if (slot < 0) return 0;
-    i64 holder = table->vals[slot];
+    i64 holder = table->slots[slot].val;
     if (holder >= 0) {
         if (holder != block) return 0;
         map_del_at(table, (size_t)slot);
@@ -432,7 +318,7 @@ static int map_block(Core *c, i64 hash_id, int group, int32_t block) {
     Map *table = &c->cached[group];
     Py_ssize_t slot = map_find(table, hash_id);
     if (slot < 0) return map_set(table, hash_id, block);
-    i64 holder = table->vals[slot];
+    i64 holder = table->slots[slot].val;
     if (holder < 0) return ivec_push(&c->multi[-holder - 1], block);
     Py_ssize_t index;
     if (c->free_multi.n) {
@@ -451,7 +337,7 @@ static int map_block(Core *c, i64 hash_id, int group, int32_t block) {
     IVec *list = &c->multi[index];
     list->n = 0;
     if (ivec_push(list, (int32_t)holder) || ivec_push(list, block)) return -1;
-    table->vals[slot] = -(i64)index - 1;
+    table->slots[slot].val = -(i64)index - 1;
     return 0;
 }
 
@@ -1944,9 +1830,9 @@ static PyObject *Core_counts(Core *c, PyObject *unused) {
     PyObject *arrived = PyDict_New(), *stored = PyList_New(c->num_groups);
     if (!arrived || !stored) { Py_XDECREF(arrived); Py_XDECREF(stored); return NULL; }
     for (size_t i = 0; i < t->arrived.cap; i++) {
-        if (!t->arrived.used[i]) continue;
-        PyObject *req = PyLong_FromLongLong(t->arrived.keys[i]);
-        PyObject *prompt_len = PyLong_FromLongLong(t->arrived.vals[i]);
+        if (!map_used(&t->arrived, i)) continue;
+        PyObject *req = PyLong_FromLongLong(t->arrived.slots[i].key);
+        PyObject *prompt_len = PyLong_FromLongLong(t->arrived.slots[i].val);
         int rc = req && prompt_len ? PyDict_SetItem(arrived, req, prompt_len) : -1;
         Py_XDECREF(req);
         Py_XDECREF(prompt_len);

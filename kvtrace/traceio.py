@@ -33,6 +33,7 @@ from __future__ import annotations
 import enum
 import io
 import os
+import stat
 import struct
 import sys
 import time
@@ -725,6 +726,29 @@ class TraceReader:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def open_trace_file(path: str | os.PathLike) -> BinaryIO:
+    """``path`` opened once, for a command that reads everything of a trace from one descriptor
+    (its digest and its records): a regular file, else refused (a FIFO would block or change
+    between reads, a device never end). Opened without blocking on a FIFO, checked on the
+    descriptor, so the file checked is the file read."""
+    path = os.fspath(path)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise TraceNotFoundError(f"no such trace: {path}") from None
+    except OSError as error:
+        raise TraceNotFoundError(f"cannot open {path}: {error.strerror}") from None
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        if stat.S_ISDIR(mode):
+            raise TraceNotFoundError(f"{path} is a directory, not a trace")
+        raise TraceNotFoundError(f"{path} is not a regular file (a FIFO, socket or device)",
+                                 "Save the stream to a file first.")
+    os.set_blocking(fd, True)
+    return os.fdopen(fd, "rb")
 
 
 def read_records(path: str | os.PathLike) -> tuple[TraceReader, list[Record]]:

@@ -13,8 +13,7 @@ import dataclasses
 
 import os
 import re
-import subprocess
-import sys
+import threading
 from pathlib import Path
 
 import duckdb
@@ -26,7 +25,7 @@ from kvtrace.analysis.attribution import (BEYOND_IDEAL_CAUSES, CAUSES, SHORTFALL
                                           AttributionError, CauseTotals, attribute_trace,
                                           iter_rows)
 from kvtrace.analysis.database import open_database
-from kvtrace.analysis import load
+from kvtrace.analysis import stream
 from kvtrace.analysis.load import load_traces
 from kvtrace.analysis.queries import QueryError, run_query
 from kvtrace.analysis.report import report_database
@@ -227,41 +226,50 @@ def test_the_table_holds_the_streaming_pass_and_the_summary_adds_up(seeded_repla
             == first[0]["ideal_tokens"] - first[0]["hit_tokens"]
 
 
-def test_a_large_trace_is_attributed_aside_to_the_same_rows(seeded_replays, tmp_path,
-                                                             monkeypatch):
-    """Above the size threshold the attribution runs in a child process while the records
-    load: the same table, and a damaged trace still fails as itself with no child left."""
+def test_the_c_core_and_its_twins_load_the_same_tables(seeded_replays, tmp_path,
+                                                      monkeypatch):
+    """The streaming pass's C core (attribution, cache entries, record tables) and its twins
+    (the Python attribution, the entries' SQL, the Python table sink) load the same rows into
+    every table; a damaged trace still fails as itself, leaving no database and no thread."""
+    if stream.core is None:
+        pytest.skip("kvtrace's C core is not built here (no C compiler at install), so there is "
+                    "no second implementation to compare")
     _, connection, db = seeded_replays[("agent", 2)]
-    in_process = sorted(connection.execute("SELECT * FROM miss_attribution").fetchall(),
-                        key=repr)
     runs = [row[0] for row in connection.execute("SELECT path FROM runs ORDER BY run").fetchall()]
-    monkeypatch.setattr(load, "PARALLEL_ATTRIBUTION_BYTES", 0)
-    load_traces(runs, tmp_path / "aside.duckdb")
-    with duckdb.connect(str(tmp_path / "aside.duckdb"), read_only=True) as aside:
-        assert sorted(aside.execute("SELECT * FROM miss_attribution").fetchall(),
-                      key=repr) == in_process != []
+    monkeypatch.setattr(stream, "core", None)
+    load_traces(runs, tmp_path / "twins.duckdb")
+    monkeypatch.undo()
+    with duckdb.connect(str(tmp_path / "twins.duckdb"), read_only=True) as twins:
+        tables = [name for (name,) in twins.execute(
+            "SELECT table_name FROM duckdb_tables() WHERE table_name NOT IN ('runs', "
+            "'kvtrace_meta')").fetchall()]
+        for table in tables:
+            assert sorted(twins.execute(f"SELECT * FROM {table}").fetchall(), key=repr) \
+                == sorted(connection.execute(f"SELECT * FROM {table}").fetchall(), key=repr), table
+        assert twins.execute("SELECT count(*) FROM miss_attribution").fetchone()[0] > 0
+        assert twins.execute("SELECT count(*) FROM cache_entry_figures").fetchone()[0] > 0
     damaged = tmp_path / "damaged.kvtrace"
     data = bytearray(Path(runs[0]).read_bytes())
     data[len(data) // 2] ^= 0xFF
     damaged.write_bytes(bytes(data))
-    children = []
-    popen = subprocess.Popen
-    monkeypatch.setattr(subprocess, "Popen", lambda *a, **k: children.append(popen(*a, **k))
-                        or children[-1])
+    threads = threading.active_count()
     with pytest.raises(TraceFormatError):
         load_traces([damaged], tmp_path / "damaged.duckdb")
-    assert len(children) == 1 and children[0].returncode is not None  # not left running
+    assert threading.active_count() == threads  # the inserting thread is not left running
     assert not (tmp_path / "damaged.duckdb").exists()
 
 
-def test_an_error_in_the_child_arrives_as_its_own_class(tmp_path):
-    """What the child writes for a KvtraceError is raised again, class and hint intact."""
+def test_a_trace_without_an_engine_config_loads_unattributed(tmp_path):
+    """Its records load; `why` refuses it with the attribution's own error and hint."""
     headerless = tmp_path / "headerless.kvtrace"
-    write_trace(headerless, TraceHeader(kvtrace_version="test", created_ns=0, source="synth"), [])
-    child = subprocess.run([sys.executable, "-m", "kvtrace.analysis.load", str(headerless), "0",
-                            "unfixed", "vllm"], capture_output=True, check=True)
+    write_trace(headerless, TraceHeader(kvtrace_version="test", created_ns=0, source="synth"),
+                [ComputedBlocksFound(0, 0, 0)])
+    load_traces([headerless], tmp_path / "h.duckdb")
+    with duckdb.connect(str(tmp_path / "h.duckdb"), read_only=True) as db:
+        assert db.execute("SELECT count(*) FROM computed_blocks_found").fetchone()[0] == 1
+        assert db.execute("SELECT count(*) FROM miss_attribution").fetchone()[0] == 0
     with pytest.raises(AttributionError, match="no engine config") as raised:
-        load._rows_or_raise(child.stdout)
+        attribute_trace(headerless)
     assert raised.value.hint == AttributionError.default_hint
 
 
