@@ -391,23 +391,36 @@ MACROS = {
         pushouts AS (
             SELECT v.*, coalesce(n.seq, 9223372036854775807) AS restored_seq
             FROM hot_evictions v
-            ASOF LEFT JOIN block_stored n
+            ASOF LEFT JOIN (SELECT run, hash_id, group_id, seq FROM block_stored
+                            SEMI JOIN hot_evictions USING (run, hash_id, group_id)) n
                 ON v.run = n.run AND v.hash_id = n.hash_id AND v.group_id = n.group_id
                    AND n.seq > v.removed_seq),
-        missed AS (
-            SELECT p.run, p.removed_seq, l.seq AS lookup_seq, l.req AS lookup_req,
-                   l.num_hit_tokens
+        windows AS MATERIALIZED (
+            SELECT p.run, p.removed_seq, p.restored_seq, p.num_tokens, owner.unit,
+                   owner.hash_id AS unit_hash
             FROM pushouts p
             JOIN runs r ON r.run = p.run
             JOIN request_hashes owner
                 ON owner.run = p.run AND owner.req = p.req
-                   AND owner.unit = p.num_tokens // r.hash_block_size - 1
-            JOIN request_hashes other
-                ON other.run = p.run AND other.unit = owner.unit AND other.hash_id = owner.hash_id
-            JOIN lookups l
-                ON l.run = p.run AND l.req = other.req AND l.admitted
-                   AND l.seq > p.removed_seq AND l.seq < p.restored_seq
-            WHERE l.num_hit_tokens < p.num_tokens)
+                   AND owner.unit = p.num_tokens // r.hash_block_size - 1),
+        -- each admitted lookup's units its hit did not reach (a prefix of depth d needs unit
+        -- d // unit - 1, and a hit below d leaves it missed): joined by key, not by time
+        missed_units AS MATERIALIZED (
+            SELECT l.run, l.seq, l.req, l.num_hit_tokens, h.unit, h.hash_id
+            FROM lookups l
+            JOIN runs r ON r.run = l.run
+            JOIN request_hashes h
+                ON h.run = l.run AND h.req = l.req
+                   AND (h.unit + 2) * r.hash_block_size > l.num_hit_tokens
+            WHERE l.admitted),
+        missed AS (
+            SELECT w.run, w.removed_seq, m.seq AS lookup_seq, m.req AS lookup_req,
+                   m.num_hit_tokens
+            FROM windows w
+            JOIN missed_units m
+                ON m.run = w.run AND m.unit = w.unit AND m.hash_id = w.unit_hash
+                   AND m.seq > w.removed_seq AND m.seq < w.restored_seq
+                   AND m.num_hit_tokens < w.num_tokens)
         SELECT p.*, m.lookup_seq, m.lookup_req, m.num_hit_tokens
         FROM pushouts p
         LEFT JOIN missed m ON m.run = p.run AND m.removed_seq = p.removed_seq""",
