@@ -46,9 +46,7 @@ ENTRY_FIGURES_SCHEMA_VERSION = 3
 ATTRIBUTION_TABLE = "miss_attribution"
 
 RENAMED_FIELDS = {"group": "group_id", "step": "engine_step"}
-# A database's runs' variants and backends, as a DuckDB ENUM made when it is created: every
-# row of a run carries them, and a string per row would cost the load a third of its time.
-LABEL_TYPE = "kvtrace_label"
+
 # The sweep table: the sweep's own columns, then one per figure of a ``sweep.json`` row.
 SWEEP_COLUMNS = (
     ("sweep_id", "INTEGER"), ("source_path", "VARCHAR"), ("source_digest", "VARCHAR"),
@@ -135,18 +133,17 @@ def _sql_type(field_type: object) -> str:
     return {int: "BIGINT", bool: "BOOLEAN", str: "VARCHAR", bytes: "BLOB"}[field_type]
 
 
-def label_type_statement(labels) -> str:
-    """The ENUM of a new database's labels (its runs' variants and backends)."""
-    return (f"CREATE TYPE {LABEL_TYPE} AS ENUM ("
-            + ", ".join("'" + label.replace("'", "''") + "'" for label in sorted(set(labels)))
-            + ")")
+def _quoted(text: str) -> str:
+    return "'" + text.replace("'", "''") + "'"
 
 
-def schema_tables(label_type: str = LABEL_TYPE) -> list[tuple[str, str]]:
-    """(table, its DDL) for every table, before any view; ``variant`` and ``backend`` of type
-    ``label_type``."""
+def schema_tables(labels: list[tuple[str, str]] | None = None) -> list[tuple[str, str]]:
+    """(table, its DDL) for every table, before any view. ``labels``: per run number, its
+    (variant, backend): a run's rows carry them as columns computed from ``run`` when read
+    (stored, a string a row would cost a load a fifth of its time); None: stored columns."""
     def table(name: str, columns) -> tuple[str, str]:
-        typed = ((c, label_type if c in ("variant", "backend") else t) for c, t in columns)
+        typed = ((c, _label_column(c, labels) if c in ("variant", "backend") and labels is not None
+                  else t) for c, t in columns)
         return name, f"CREATE TABLE {name} ({', '.join(f'{c} {t}' for c, t in typed)})"
 
     tables = [table(ATTRIBUTION_TABLE, ROW_COLUMNS),
@@ -178,6 +175,11 @@ def schema_tables(label_type: str = LABEL_TYPE) -> list[tuple[str, str]]:
         ("sweep", SWEEP_TABLE),
     ]
     return tables
+
+
+def _label_column(name: str, labels: list[tuple[str, str]]) -> str:
+    values = ", ".join(_quoted(run_labels[name == "backend"]) for run_labels in labels)
+    return f"VARCHAR GENERATED ALWAYS AS (([{values}]::VARCHAR[])[run + 1]) VIRTUAL"
 
 
 def block_states_sql(entries: str) -> str:
@@ -492,7 +494,7 @@ def _stand_ins_for_older(connection, path: str, version: int) -> None:
     catalog = connection.execute("SELECT current_database()").fetchone()[0]
     present = {name for (name,) in connection.execute(
         "SELECT table_name FROM duckdb_tables() WHERE NOT temporary").fetchall()}
-    for name, ddl in schema_tables("VARCHAR"):
+    for name, ddl in schema_tables():
         if name not in present and name not in (ATTRIBUTION_TABLE, "cache_entry_figures"):
             connection.execute(ddl.replace("CREATE TABLE", "CREATE TEMP TABLE", 1))
     if version >= ATTRIBUTION_SCHEMA_VERSION:

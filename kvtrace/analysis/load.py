@@ -40,7 +40,6 @@ from kvtrace.analysis.database import (
     element_column,
     is_list_field,
     is_map_field,
-    label_type_statement,
     open_database,
     record_fields,
     schema_tables,
@@ -55,6 +54,8 @@ TRACE_SUFFIX = ".kvtrace"
 # (about 8 MB a column), so a load's memory is bounded whatever the trace's length.
 CHUNK_ROWS = 1 << 17
 INSERTS_IN_FLIGHT = 4  # chunks waiting for the inserting thread (each at most CHUNK_ROWS rows)
+# DuckDB's own buffers while it builds a database (it writes what does not fit to the file).
+LOAD_MEMORY_LIMIT = "512MB"
 
 
 @dataclass
@@ -117,24 +118,31 @@ def load_traces(paths: list[str | os.PathLike], db_path: str | os.PathLike,
     refuse_overwrite([(option, db_path)], traces)
     summary = LoadSummary(os.fspath(db_path))
     opened: list[_OpenTrace] = []
-    try:  # every trace opened, and its header read, before the database is made
+    try:  # every trace opened once, and its header read, before the database is made
+        files: dict[tuple[int, int], str] = {}  # (device, inode) -> the first path of that file
         for trace in traces:
-            opened.append(_OpenTrace(trace))
+            candidate = _OpenTrace(trace)
+            first = files.setdefault(candidate.identity, trace)
+            if first != trace:  # the same file again (a directory and a trace in it, say)
+                candidate.reader.close()
+                summary.duplicates.append((trace, first))
+            else:
+                opened.append(candidate)
 
         def fill(connection) -> None:
             loaded: dict[str, str] = {}  # digest -> path
-            for trace in opened:
-                run = _load_trace(connection, len(summary.runs), trace)
-                if run.digest in loaded:
-                    _delete_run(connection, run.run)
-                    summary.duplicates.append((run.path, loaded[run.digest]))
+            for run, trace in enumerate(opened):
+                loaded_run = _load_trace(connection, run, trace)
+                if loaded_run.digest in loaded:  # a copy: its run number stays unused
+                    _delete_run(connection, run)
+                    summary.duplicates.append((trace.path, loaded[loaded_run.digest]))
                     continue
-                loaded[run.digest] = run.path
-                summary.runs.append(run)
+                loaded[loaded_run.digest] = trace.path
+                summary.runs.append(loaded_run)
             if not stream.core:  # the cache entries by their SQL twin, once every run is in
                 connection.execute(cache_entries_insert_sql())
 
-        labels = [label for trace in opened for label in run_labels(trace.reader.header)[:2]]
+        labels = [run_labels(trace.reader.header)[:2] for trace in opened]
         _new_database(summary.db_path, fill, labels)
     finally:
         for trace in opened:
@@ -150,24 +158,25 @@ class _OpenTrace:
     def __init__(self, path: str) -> None:
         self.path = path
         self.file = _Digesting(open_trace_file(path))
+        status = os.fstat(self.file.file.fileno())
+        self.identity = (status.st_dev, status.st_ino)
         self.reader = TraceReader(path, source=self.file)
 
 
-def _new_database(db_path: str, fill, labels=()) -> None:
+def _new_database(db_path: str, fill, labels: list[tuple[str, str]] = ()) -> None:
     """Create a forensics DB at ``db_path`` (replacing one there) for runs of these ``labels``
-    (variants and backends) with what ``fill(connection)`` inserts: built in a private scratch
-    directory beside it and renamed once complete."""
+    (per run number, its variant and backend) with what ``fill(connection)`` inserts: built in
+    a private scratch directory beside it and renamed once complete."""
     import duckdb
 
     with StagedOutput(db_path) as staged:
         try:
-            connection = duckdb.connect(staged.path, config=dict(os.environ.get("KVX", "") and [x.split("=") for x in os.environ["KVX"].split(";")]))
+            connection = duckdb.connect(staged.path, config={"memory_limit": LOAD_MEMORY_LIMIT})
         except duckdb.Error as error:
             raise OutputError(f"cannot create the database {db_path}: "
                               f"{str(error).splitlines()[0]}") from None
         try:
-            connection.execute(label_type_statement(labels))
-            for _, statement in schema_tables():
+            for _, statement in schema_tables(list(labels)):
                 connection.execute(statement)
             connection.executemany(
                 "INSERT INTO kvtrace_meta VALUES (?, ?)",
@@ -225,7 +234,7 @@ def _load_trace(connection, run: int, trace: _OpenTrace) -> LoadedRun:
     one pass over its one descriptor (which also makes its digest)."""
     path, reader = trace.path, trace.reader
     variant, backend, mode = run_labels(reader.header)
-    inserts = _Inserts(connection, run, variant, backend)
+    inserts = _Inserts(connection, run)
     try:
         analysis = stream.new_pass(reader.header, path)
         sink = _RunSink(inserts, analysis.shaped_types if analysis else frozenset())
@@ -311,8 +320,8 @@ class _Inserts:
     overlap. At most ``INSERTS_IN_FLIGHT`` chunks wait; an insert's error comes back on the next
     ``put`` or on ``finish``."""
 
-    def __init__(self, connection, run: int, variant: str, backend: str) -> None:
-        self.constants = {"run": run, "variant": variant, "backend": backend}
+    def __init__(self, connection, run: int) -> None:
+        self.run = run
         self.cursor = connection.cursor()
         self.queue: queue.Queue = queue.Queue(INSERTS_IN_FLIGHT)
         self.error: BaseException | None = None
@@ -322,8 +331,6 @@ class _Inserts:
     def put(self, table: str, columns: dict[str, np.ndarray]) -> None:
         if self.error is not None:
             raise self.error
-        if table in os.environ.get("KVSKIP", "").split(","):
-            return
         if len(next(iter(columns.values()), ())):
             self.queue.put((table, columns))
 
@@ -338,10 +345,9 @@ class _Inserts:
                 self.error = error
 
     def _insert(self, table: str, columns: dict[str, np.ndarray]) -> None:
-        statement, constants = _insert_sql(table, tuple(columns))
         self.cursor.register("kvtrace_chunk", columns)
         try:
-            self.cursor.execute(statement, {name: self.constants[name] for name in constants})
+            self.cursor.execute(_insert_sql(table, tuple(columns)), {"run": self.run})
         finally:
             self.cursor.unregister("kvtrace_chunk")
 
@@ -466,9 +472,6 @@ def _as_numpy(column, field_type) -> np.ndarray:
 _BOOL_COLUMNS = {(tag_of(record_type), column_name(name))
                  for record_type in RECORD_TYPES
                  for name, field_type in record_fields(record_type) if field_type is bool}
-_CHILD_TABLES = {child_table(tag_of(record_type), name)
-                 for record_type in RECORD_TYPES
-                 for name, field_type in record_fields(record_type) if is_list_field(field_type)}
 # The streaming pass's columns: int64, NULL as stream.NONE; flags as 0/1.
 _PASS_TABLES = {ATTRIBUTION_TABLE: stream.ATTRIBUTION_COLUMNS,
                 "cache_entry_figures": stream.ENTRY_COLUMNS}
@@ -476,13 +479,10 @@ _FLAGS = {"in_flight"}
 
 
 @functools.cache
-def _insert_sql(table: str, columns: tuple[str, ...]) -> tuple[str, tuple[str, ...]]:
-    """INSERT of a chunk of ``table`` and the run's constants it takes: ``run`` first, then for
-    labelled tables ``variant`` and ``backend`` (child tables of list fields carry only ``run``:
-    join to the parent on run and seq). Enum fields go in as codes (``<name>_code``)."""
-    constants = (("run",) if table in _CHILD_TABLES or table == "cache_entry_figures"
-                 else ("run", "variant", "backend"))
-    targets, expressions = list(constants), [f"${name}" for name in constants]
+def _insert_sql(table: str, columns: tuple[str, ...]) -> str:
+    """INSERT of a chunk of ``table`` for the run ``$run`` (its labels are computed from it).
+    Enum fields go in as codes (``<name>_code``)."""
+    targets, expressions = ["run"], ["$run"]
     if table == ATTRIBUTION_TABLE:
         causes = ", ".join(f"'{cause}'" for cause in CAUSES)
         targets += ["resumed", "in_shortfall"]
@@ -496,4 +496,4 @@ def _insert_sql(table: str, columns: tuple[str, ...]) -> tuple[str, tuple[str, .
         targets.append(name)
         expressions.append(value)
     return (f"INSERT INTO {table} ({', '.join(targets)}) SELECT {', '.join(expressions)} "
-            f"FROM kvtrace_chunk", constants)
+            f"FROM kvtrace_chunk")
