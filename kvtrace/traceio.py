@@ -503,6 +503,14 @@ class TraceWriter:
                   for size, chunk in chunks]]))
         self.num_records += num_records
 
+    def write_batch(self, payload: bytes, counts: dict[str, int]) -> None:
+        """Write one batch encoded elsewhere, as ``encode_batch`` encodes it (the model
+        backend's C core writes its records so), with its number of records per tag."""
+        self.flush_batch()
+        self._write_frame(FRAME_BATCH, payload)
+        self.num_records += sum(counts.values())
+        self.counts.update(counts)
+
     def flush_batch(self) -> None:
         """Write all pending records as one batch frame."""
         if self._chunks:

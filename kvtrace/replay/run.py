@@ -59,7 +59,12 @@ from kvtrace.events import (
     TraceHeader,
     enum_label,
 )
-from kvtrace.replay.backend import BACKENDS, open_backend, open_counting_backend
+from kvtrace.replay.backend import (
+    BACKENDS,
+    open_backend,
+    open_counting_backend,
+    open_writing_backend,
+)
 from kvtrace.replay.execute import ExecuteOptions
 from kvtrace.replay.scheduler import Arrival, Scheduler, arrivals_of
 from kvtrace.traceio import TraceReader, TraceWriter
@@ -400,9 +405,14 @@ def _run_variant(path: str, header: TraceHeader, backend_name: str, config: Engi
                     kept.append(record)
 
         steps = 0
-        # Nothing but the summary wants the records: a counting backend makes none.
-        opened = (open_counting_backend(backend_name, config, variant, summary)
-                  if sink is summary else open_backend(backend_name, config, variant, sink))
+        # Nothing but the summary wants the records: a counting backend makes none; nothing but
+        # the trace and the summary: a writing backend writes and counts them itself.
+        if sink is summary:
+            opened = open_counting_backend(backend_name, config, variant, summary)
+        elif writer is not None and not keep_records and engine is None:
+            opened = open_writing_backend(backend_name, config, variant, writer, summary)
+        else:
+            opened = open_backend(backend_name, config, variant, sink)
         with opened as backend, engine or contextlib.nullcontext():
             started = time.perf_counter()
             if mode == "lockstep":
