@@ -143,7 +143,7 @@ def _warn_of_silent_zeros(result) -> None:
             continue
         lookups = attribute_trace(variant.output).lookups
         warning = silent_zero_warning(f"variant {variant.variant}",
-                                      CauseTotals.of(l for l in lookups if l.lookup == 1),
+                                      CauseTotals.of(l for l in lookups if l.first_admission),
                                       result.config.hash_block_size)
         if warning:
             click.echo(f"kvtrace: warning: {warning}; see `kvtrace why {variant.output} "

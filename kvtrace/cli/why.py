@@ -134,6 +134,8 @@ def _describe_lookup(lookup, config) -> list[str]:
     from kvtrace.analysis.attribution import DESCRIPTIONS, SHORTFALL_CAUSES
 
     kind = "first admission" if lookup.lookup == 1 else f"resumption {lookup.lookup - 1}"
+    if lookup.in_flight:
+        kind += ", in flight when the capture began"
     query = "prompt" if lookup.lookup == 1 else "tokens so far"
     lines = [f"lookup {lookup.lookup} ({kind}) at step {lookup.step}: "
              f"{lookup.query_tokens:,} {query} tokens",

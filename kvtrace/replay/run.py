@@ -145,16 +145,20 @@ class ReplaySummary:
     ``hit_tokens`` counts the joint prefix hit (``ComputedBlocksFound.num_hit_tokens``) of each
     request's *first admission*: the lookup that its first successful ``allocate_slots``
     followed (a lookup retried after a failed admission is counted once, as vLLM's prefill
-    stats do; hits after a preemption go to ``resumed_hit_tokens``). Per KV-cache group, a
-    touched block is attributed to the group of the hash it carries (its last ``BlockStored``):
-    ``hit_blocks`` are blocks taken by prefix hits, ``stored`` blocks keyed by kind, ``evicted``
-    LRU reuses of keyed blocks."""
+    stats do; hits after a preemption go to ``resumed_hit_tokens``). A request in flight when
+    the trace began (in a capture's start snapshot: it never arrives in the trace) is no
+    arrival: ``requests`` and ``prompt_tokens`` leave it out and its hits go to
+    ``in_flight_hit_tokens``, so the hit rate covers the trace's own arrivals. Per KV-cache
+    group, a touched block is attributed to the group of the hash it carries (its last
+    ``BlockStored``): ``hit_blocks`` are blocks taken by prefix hits, ``stored`` blocks keyed by
+    kind, ``evicted`` LRU reuses of keyed blocks."""
 
     def __init__(self, config: EngineConfig | None) -> None:
         self.group_kinds = [g.kind for g in config.kv_cache_groups] if config else []
         self.prompt_tokens: dict[int, int] = {}
         self.hit_tokens = 0
         self.resumed_hit_tokens = 0
+        self.in_flight_hit_tokens = 0
         self.evictions: Counter = Counter()
         self.checkpoints_published = 0
         self.checkpoints_suppressed = 0
@@ -187,7 +191,9 @@ class ReplaySummary:
         elif kind is SlotsAllocated:
             if record.success and record.req in self._lookups:
                 hit = self._lookups.pop(record.req)
-                if record.req in self._admitted:
+                if record.req not in self.prompt_tokens:  # in flight when the trace began
+                    self.in_flight_hit_tokens += hit
+                elif record.req in self._admitted:
                     self.resumed_hit_tokens += hit
                 else:
                     self._admitted.add(record.req)
@@ -218,6 +224,7 @@ class ReplaySummary:
             "stale_key_hazards": self.stale_key_hazards,
             "preemptions": self.preemptions,
             "resumed_hit_tokens": self.resumed_hit_tokens,
+            "in_flight_hit_tokens": self.in_flight_hit_tokens,
             "groups": {
                 str(g): {
                     "kind": self.group_kinds[g] if g < len(self.group_kinds) else "",

@@ -51,7 +51,8 @@ class Records(list):
 class Counts:
     """``ReplaySummary``'s figures of a replay, as a counting backend hands them over: by
     request, the prompt length of its first arrival; removals by ``RemoveReason``; per
-    KV-cache group, hit blocks, stores by ``StoreKind`` and LRU evictions."""
+    KV-cache group, hit blocks, stores by ``StoreKind`` and LRU evictions; the hits of
+    requests in flight when the trace began (they never arrived in it)."""
 
     prompt_tokens: dict[int, int]
     hit_tokens: int
@@ -63,6 +64,7 @@ class Counts:
     hit_blocks: list[int]
     stored: list[list[int]]
     evicted: list[int]
+    in_flight_hit_tokens: int = 0
 
     def fill(self, summary: ReplaySummary) -> None:
         """Set ``summary``'s figures to these: what it counts from the records the replay
@@ -70,6 +72,7 @@ class Counts:
         summary.prompt_tokens = dict(self.prompt_tokens)
         summary.hit_tokens = self.hit_tokens
         summary.resumed_hit_tokens = self.resumed_hit_tokens
+        summary.in_flight_hit_tokens = self.in_flight_hit_tokens
         summary.evictions = Counter({RemoveReason(reason).name.lower(): count
                                      for reason, count in enumerate(self.removed) if count})
         summary.checkpoints_published = sum(kinds[StoreKind.CHECKPOINT] for kinds in self.stored)
@@ -92,7 +95,8 @@ class Tally(Counts):
     A touched block counts for the group of the last key stored on it; a lookup's hit counts
     once its request's ``allocate_slots`` succeeds, for the first admission (``hit_tokens``) or
     a resumption (``resumed_hit_tokens``). Only the position of ``report_at`` is ignored:
-    nothing counted depends on where a ``SlotsAllocated`` stands among its call's effects."""
+    nothing counted depends on where a ``SlotsAllocated`` stands among its call's effects. A
+    request that never arrived (in flight when the trace began) counts apart."""
 
     def __init__(self, num_blocks: int, num_groups: int) -> None:
         super().__init__({}, 0, 0, [0] * len(RemoveReason), 0, 0, 0, [0] * num_groups,
@@ -143,7 +147,9 @@ class Tally(Counts):
                         *admission_terms: object) -> None:
         if success and req in self.lookups:
             hit = self.lookups.pop(req)
-            if req in self.admitted:
+            if req not in self.prompt_tokens:  # in flight when the trace began
+                self.in_flight_hit_tokens += hit
+            elif req in self.admitted:
                 self.resumed_hit_tokens += hit
             else:
                 self.admitted.add(req)
