@@ -701,8 +701,10 @@ class TraceReader:
                         batch, unknown = decode(body, self.num_records)
                     except (msgspec.DecodeError, msgspec.ValidationError, ValueError, TypeError) as e:
                         raise TraceFormatError(f"{self.path}: undecodable batch ({e})", offset) from None
-                    self.unknown_kinds.update(unknown)
-                    self.unknown_values.update(batch.unknown_values)
+                    if unknown:
+                        self.unknown_kinds.update(unknown)
+                    if batch.unknown_values:
+                        self.unknown_values.update(batch.unknown_values)
                     # A B batch keeps unknown kinds' rows (typeless); an R batch drops them.
                     self.num_records += len(batch) + (
                         unknown.total() if frame_type == FRAME_ROWS else 0)
