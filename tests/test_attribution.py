@@ -13,6 +13,7 @@ import dataclasses
 
 import os
 import re
+import shutil
 import threading
 from pathlib import Path
 
@@ -37,8 +38,10 @@ from kvtrace.replay.run import ReplayOptions, replay
 from kvtrace.replay.scheduler import Arrival, Scheduler
 from kvtrace.replay.vllm_backend import VllmBackend
 from kvtrace.traceio import TraceWriter, read_records, write_trace
+from kvtrace.workloads.mooncake import import_mooncake
 from kvtrace.workloads.synth import synthesize
 from kvtrace.workloads.workload import EngineShape, Workload, WorkloadRequest, write_workload
+from shared_data import MOONCAKE_SYNTHETIC
 
 SECOND = 10**9
 # Hash unit 16, full attention 16, Mamba 32 (fine-grained hits), checkpoints on 16-token
@@ -559,3 +562,169 @@ def test_an_older_database_says_to_reload(tmp_path):
     assert "WARNING" not in report
     result = CliRunner().invoke(cli, ["sql", str(db), "--query", "miss_attribution"])
     assert result.exit_code == 1 and "kvtrace load" in result.output
+
+
+# --- the C core against the Python reference ----------------------------------------------------
+
+
+def pass_output(path, native: bool, **options):
+    """The streaming pass over ``path`` on the C core or the Python reference: its attribution
+    rows (sorted) and, explaining, its lookups."""
+    from kvtrace.traceio import TraceReader
+
+    reader = TraceReader(str(path))
+    attribution = stream.new_pass(reader.header, str(path), native=native, **options)
+    for batch in reader.batches():
+        attribution.feed(batch)
+    attribution.finish()
+    if options.get("keep_lookups"):
+        return attribution.lookups
+    columns = attribution.take_rows()
+    return sorted(zip(*(columns[name].tolist() for name in stream.ATTRIBUTION_COLUMNS)))
+
+
+needs_the_core = pytest.mark.skipif(
+    stream.core is None, reason="kvtrace's C core is not built here (no C compiler at install), "
+    "so there is no second implementation to compare")
+
+
+@needs_the_core
+def test_the_c_core_attributes_row_for_row_as_the_python_reference(seeded_replays):
+    """Every lookup of every seeded schedule (15 replays: pressure, preemptions, three
+    variants, toy and real geometries): the same rows, and, explaining (`why`), the same lookups
+    with every key and every transient checkpoint named behind an eviction."""
+    rows = 0
+    for result, _, _ in seeded_replays.values():
+        for variant in result.variants:
+            reference = pass_output(variant.output, native=False)
+            assert pass_output(variant.output, native=True) == reference, variant.output
+            rows += len(reference)
+            explained = dict(keep_lookups=True, make_rows=False, explain=True)
+            assert pass_output(variant.output, native=True, **explained) \
+                == pass_output(variant.output, native=False, **explained)
+    assert rows > 1500
+    one = seeded_replays[("agent", 2)][0].variants[0].output
+    for request in (7, "7"):  # by number, and by the engine's request id (the replay's: str(req))
+        options = dict(keep_lookups=True, make_rows=False, explain=True, request=request)
+        lookups = pass_output(one, native=True, **options)
+        assert lookups and lookups == pass_output(one, native=False, **options)
+        assert {lookup.req for lookup in lookups} == {7}
+
+
+@needs_the_core
+@pytest.mark.slow
+@pytest.mark.skipif(not MOONCAKE_SYNTHETIC.exists(), reason="the Mooncake trace is not on this "
+                    "machine")
+def test_the_c_core_attributes_the_mooncake_replay_as_the_python_reference(tmp_path):
+    """The bundled Mooncake trace (3,993 requests) replayed under `unfixed` on the model backend
+    (equal to the vLLM backend record for record: tests/test_model_backend.py): 1.5 million
+    records, the same rows."""
+    source = tmp_path / "m.kvtrace"
+    shape = EngineShape()
+    write_workload(source, import_mooncake(MOONCAKE_SYNTHETIC, shape.hash_block_size), shape)
+    result = replay(ReplayOptions(source=str(source), outdir=str(tmp_path / "runs"),
+                                  variants=("unfixed",), backend="model"))
+    output = result.variants[0].output
+    reference = pass_output(output, native=False)
+    assert len(reference) > 7000
+    assert pass_output(output, native=True) == reference
+
+
+# The direct formulation of checkpoint_pushout_lookups (every pushout joined to every request
+# sharing its unit, then to their lookups, then cut to the window): the definition the faster
+# macro in kvtrace/analysis/database.py must agree with, row for row.
+DIRECT_PUSHOUT_LOOKUPS = """
+    WITH hot_evictions AS (
+        SELECT e.*, h.hits AS entry_hits
+        FROM cache_entries e
+        JOIN entry_hits h ON h.run = e.run AND h.stored_seq = e.stored_seq
+                             AND h.block_id = e.block_id
+        WHERE e.removed_reason = 'LRU_REUSE' AND h.hits >= min_hits),
+    transient_flags AS (
+        SELECT run, seq, block_id, (NOT in_use AND transient)::INTEGER AS evictable_transient
+        FROM block_states),
+    transient_deltas AS (
+        SELECT run, seq, evictable_transient - coalesce(lag(evictable_transient)
+                   OVER (PARTITION BY run, block_id ORDER BY seq), 0) AS delta
+        FROM transient_flags),
+    transient_series AS (
+        SELECT run, seq, sum(delta) OVER (PARTITION BY run ORDER BY seq
+                                          ROWS UNBOUNDED PRECEDING) AS cached_transient
+        FROM transient_deltas
+        WHERE delta <> 0),
+    pushouts AS (
+        SELECT * FROM (
+            SELECT v.*, coalesce(s.cached_transient, 0) AS cached_transient,
+                   coalesce(n.seq, 9223372036854775807) AS restored_seq
+            FROM hot_evictions v
+            ASOF LEFT JOIN transient_series s ON v.run = s.run AND s.seq < v.removed_seq
+            ASOF LEFT JOIN block_stored n
+                ON v.run = n.run AND v.hash_id = n.hash_id AND v.group_id = n.group_id
+                   AND n.seq > v.removed_seq)
+        WHERE cached_transient >= min_transient),
+    missed AS (
+        SELECT p.run, p.removed_seq, l.seq AS lookup_seq, l.req AS lookup_req, l.num_hit_tokens
+        FROM pushouts p
+        JOIN runs r ON r.run = p.run
+        JOIN request_hashes owner
+            ON owner.run = p.run AND owner.req = p.req
+               AND owner.unit = p.num_tokens // r.hash_block_size - 1
+        JOIN request_hashes other
+            ON other.run = p.run AND other.unit = owner.unit AND other.hash_id = owner.hash_id
+        JOIN lookups l
+            ON l.run = p.run AND l.req = other.req AND l.admitted
+               AND l.seq > p.removed_seq AND l.seq < p.restored_seq
+        WHERE l.num_hit_tokens < p.num_tokens)
+    SELECT p.*, m.lookup_seq, m.lookup_req, m.num_hit_tokens
+    FROM pushouts p
+    LEFT JOIN missed m ON m.run = p.run AND m.removed_seq = p.removed_seq"""
+
+
+def test_the_pushout_queries_agree_with_their_direct_formulation(seeded_replays):
+    """checkpoint_pushouts and pushed_out_prefixes read the eviction-time figures the load made
+    (hits, transient checkpoints cached) and match later lookups by key: the same rows as the
+    direct formulation, which recomputes them from every block event and joins every request
+    sharing a unit (what took 67 s on two million records)."""
+    from kvtrace.analysis.queries import get_query
+
+    compared = 0
+    for _, connection, _ in seeded_replays.values():
+        connection.execute(f"CREATE OR REPLACE TEMP MACRO direct_lookups(min_hits, min_transient) "
+                           f"AS TABLE {DIRECT_PUSHOUT_LOOKUPS}")
+        for params in ({}, {"min_hits": "1"}, {"min_hits": "0", "min_transient": "0"}):
+            for name in ("checkpoint_pushouts", "pushed_out_prefixes"):
+                query = get_query(name)
+                fast = connection.execute(query.sql, query.bind(params)).fetchall()
+                direct = connection.execute(
+                    query.sql.replace("checkpoint_pushout_lookups(", "direct_lookups("),
+                    query.bind(params)).fetchall()
+                assert sorted(fast, key=repr) == sorted(direct, key=repr), (name, params)
+                compared += len(fast)
+    assert compared > 1000
+
+
+def test_a_database_of_schema_v2_answers_every_query_as_it_did(seeded_replays, tmp_path):
+    """A database loaded before v3 (no cache_entry_figures, no in_flight, no snapshot tables,
+    its views as they were): the queries recompute the entries' figures by their SQL twin and
+    answer as a v3 database does."""
+    from kvtrace.analysis.queries import shipped_queries
+
+    _, connection, db = seeded_replays[("chat", 3)]
+    old = tmp_path / "v2.duckdb"
+    shutil.copy(db, old)
+    with duckdb.connect(str(old)) as v2:
+        v2.execute("DROP VIEW cache_entries")
+        v2.execute("CREATE TABLE cache_entries AS SELECT 1 AS stale")  # what v2 derived
+        v2.execute("DROP TABLE cache_entry_figures")
+        v2.execute("ALTER TABLE miss_attribution DROP COLUMN in_flight")
+        for table in ("request_state_hash_ids", "request_state", "key_cached_block_ids",
+                      "key_cached", "block_state"):
+            v2.execute(f"DROP TABLE {table}")
+        v2.execute("UPDATE kvtrace_meta SET value = '2' WHERE key = 'db_schema_version'")
+    reopened = open_database(old)
+    try:
+        for name in shipped_queries():
+            assert sorted(run_query(reopened, name).rows, key=repr) \
+                == sorted(run_query(connection, name).rows, key=repr), name
+    finally:
+        reopened.close()
