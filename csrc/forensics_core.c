@@ -12,7 +12,7 @@
  * - the rows of the record tables themselves (kinds whose fields are all ints or int lists: all
  *   but a few), as the loader's Python twin (kvtrace/analysis/load.py, _RunSink) makes them.
  *
- * All come out as int64 columns (take_rows, take_entries, take_tables); `why` takes whole lookups
+ * All come out as int64 columns (take_tables); `why` takes whole lookups
  * instead (take_lookups). Batches come in as kinds (one byte per record, an index into the
  * batch's kinds), per batch kind its index in kvtrace.events.RECORD_TYPES (the records spec
  * given at construction says how each is read) and its columns as the reader decoded them:
@@ -124,17 +124,21 @@ static void table_free(Table *t) {
     t->columns = NULL;
 }
 static Py_ssize_t table_rows(const Table *t) { return t->num_columns ? t->columns[0].n : 0; }
-/* The table's columns as a tuple of bytes (native int64s; NONE_VALUE for NULL); emptied. */
-static PyObject *table_take(Table *t) {
+/* The table's first `count` rows (all: count 0) as a tuple of columns of bytes (native int64s;
+   NONE_VALUE for NULL), taken out. */
+static PyObject *table_take(Table *t, Py_ssize_t count) {
+    Py_ssize_t rows = table_rows(t);
+    if (count <= 0 || count > rows) count = rows;
     PyObject *out = PyTuple_New(t->num_columns);
     if (!out) return NULL;
     for (int i = 0; i < t->num_columns; i++) {
         LVec *column = &t->columns[i];
         PyObject *data = PyBytes_FromStringAndSize((const char *)column->v,
-                                                   column->n * (Py_ssize_t)sizeof(i64));
+                                                   count * (Py_ssize_t)sizeof(i64));
         if (!data) { Py_DECREF(out); return NULL; }
         PyTuple_SET_ITEM(out, i, data);
-        column->n = 0;
+        memmove(column->v, column->v + count, (size_t)(column->n - count) * sizeof(i64));
+        column->n -= count;
     }
     return out;
 }
@@ -1177,18 +1181,22 @@ static PyObject *Core_feed(Core *c, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-/* take_tables(min_rows): [(table, columns as int64 bytes)] of the tables holding at least
-   min_rows rows (1: every table with a row), emptied. */
+/* take_tables(chunk): [(table, columns as int64 bytes)], every whole chunk of `chunk` rows of
+   every table (0: all of every table), taken out. Tables: the record tables, then the
+   attribution's rows, then the cache entries' figures. */
 static PyObject *Core_take_tables(Core *c, PyObject *arg) {
-    Py_ssize_t min_rows = PyLong_AsSsize_t(arg);
-    if (min_rows == -1 && PyErr_Occurred()) return NULL;
+    Py_ssize_t chunk = PyLong_AsSsize_t(arg);
+    if (chunk == -1 && PyErr_Occurred()) return NULL;
     PyObject *out = PyList_New(0);
-    for (int t = 0; out && t < c->num_tables; t++) {
-        if (table_rows(&c->tables[t]) < (min_rows > 0 ? min_rows : 1)) continue;
-        PyObject *columns = table_take(&c->tables[t]);
-        PyObject *item = columns ? Py_BuildValue("(iN)", t, columns) : NULL;
-        if (!item || PyList_Append(out, item)) { Py_XDECREF(item); Py_CLEAR(out); }
-        Py_XDECREF(item);
+    for (int t = 0; out && t < c->num_tables + 2; t++) {
+        Table *table = t < c->num_tables ? &c->tables[t]
+                     : t == c->num_tables ? &c->rows : &c->entry_rows;
+        while (out && table_rows(table) && table_rows(table) >= (chunk > 0 ? chunk : 1)) {
+            PyObject *columns = table_take(table, chunk);
+            PyObject *item = columns ? Py_BuildValue("(iN)", t, columns) : NULL;
+            if (!item || PyList_Append(out, item)) Py_CLEAR(out);
+            Py_XDECREF(item);
+        }
     }
     return out;
 }
@@ -1205,13 +1213,6 @@ static PyObject *Core_finish(Core *c, PyObject *unused) {
     Py_RETURN_NONE;
 }
 
-static PyObject *Core_take_rows(Core *c, PyObject *unused) { return table_take(&c->rows); }
-static PyObject *Core_take_entries(Core *c, PyObject *unused) {
-    return table_take(&c->entry_rows);
-}
-static PyObject *Core_pending(Core *c, PyObject *unused) {
-    return Py_BuildValue("(nn)", table_rows(&c->rows), table_rows(&c->entry_rows));
-}
 static PyObject *Core_take_lookups(Core *c, PyObject *unused) {
     PyObject *lookups = c->lookups;
     c->lookups = PyList_New(0);
@@ -1397,13 +1398,8 @@ static void Core_dealloc(Core *c) {
 static PyMethodDef Core_methods[] = {
     {"feed", (PyCFunction)Core_feed, METH_VARARGS, "Follow one batch of records."},
     {"finish", (PyCFunction)Core_finish, METH_NOARGS, "The trace ended: close the open entries."},
-    {"take_rows", (PyCFunction)Core_take_rows, METH_NOARGS,
-     "The miss_attribution rows so far, as columns of int64 bytes."},
-    {"take_entries", (PyCFunction)Core_take_entries, METH_NOARGS,
-     "The cache_entries rows so far, as columns of int64 bytes."},
-    {"pending", (PyCFunction)Core_pending, METH_NOARGS, "(attribution rows, entry rows) held."},
     {"take_tables", (PyCFunction)Core_take_tables, METH_O,
-     "[(table, columns)] of the record tables holding at least min_rows rows."},
+     "[(table, columns)]: every whole chunk of rows of every table (0: all)."},
     {"take_lookups", (PyCFunction)Core_take_lookups, METH_NOARGS,
      "The attributed lookups so far, as tuples (keep_lookups)."},
     {NULL, NULL, 0, NULL},

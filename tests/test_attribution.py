@@ -579,7 +579,8 @@ def pass_output(path, native: bool, **options):
     attribution.finish()
     if options.get("keep_lookups"):
         return attribution.lookups
-    columns = attribution.take_rows()
+    (columns,) = [columns for table, columns in attribution.take_tables()
+                  if table == "miss_attribution"]
     return sorted(zip(*(columns[name].tolist() for name in stream.ATTRIBUTION_COLUMNS)))
 
 

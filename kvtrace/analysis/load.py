@@ -51,8 +51,9 @@ from kvtrace.traceio import ListColumn, TraceReader, open_trace_file
 
 TRACE_SUFFIX = ".kvtrace"
 # Rows per table handed to DuckDB at a time: a table's buffer holds at most this many rows
-# (about 8 MB a column), so a load's memory is bounded whatever the trace's length.
-CHUNK_ROWS = 1 << 17
+# (about 1 MB a column), so a load's memory is bounded whatever the trace's length. DuckDB's
+# row group: an insert of another size leaves a partial group behind and costs twice as much.
+CHUNK_ROWS = 122_880
 INSERTS_IN_FLIGHT = 4  # chunks waiting for the inserting thread (each at most CHUNK_ROWS rows)
 # DuckDB's own buffers while it builds a database (it writes what does not fit to the file).
 LOAD_MEMORY_LIMIT = "512MB"
@@ -246,7 +247,7 @@ def _load_trace(connection, run: int, trace: _OpenTrace) -> LoadedRun:
                 sink.add_batch(batch)
         if analysis is not None:
             analysis.finish()
-            _take_analysis(analysis, inserts, 1)
+            _take_analysis(analysis, inserts, 0)
         sink.flush_all()
         inserts.finish()
     finally:
@@ -277,13 +278,9 @@ class _Digesting:
         return f"sha256:{self.sha.hexdigest()}"
 
 
-def _take_analysis(analysis, inserts: _Inserts, min_rows: int) -> None:
-    """What the pass holds, to the inserting thread: every table with ``min_rows`` rows."""
-    if analysis.pending() >= min_rows:
-        inserts.put(ATTRIBUTION_TABLE, analysis.take_rows())
-        if analysis.makes_entries:
-            inserts.put("cache_entry_figures", analysis.take_entries())
-    for table, columns in (analysis.take_tables(min_rows) if analysis.shaped_types else ()):
+def _take_analysis(analysis, inserts: _Inserts, chunk: int) -> None:
+    """What the pass made, to the inserting thread: every whole chunk of every table (0: all)."""
+    for table, columns in analysis.take_tables(chunk):
         inserts.put(table, columns)
 
 

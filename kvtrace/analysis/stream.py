@@ -2,18 +2,18 @@
 attribution and the cache entries, from the trace's record batches, in one pass.
 
 ``new_pass`` gives the C core (``csrc/forensics_core.c``, ``kvtrace._forensics_core``) where it
-is built and on, else its twins: the attribution's Python reference (``MissAttributor``) and, for
-the cache entries, the SQL of ``database.CACHE_ENTRIES_SQL`` (run by the loader once the run's
-records are in). Either hands over the same things:
+is built and on, else its twins: the attribution's Python reference (``MissAttributor``), the
+SQL of ``database.CACHE_ENTRIES_SQL`` for the cache entries (the loader runs it once every run's
+records are in) and the loader's own table sink (``load._RunSink``). Either hands over:
 
-* ``take_rows()``: the ``miss_attribution`` rows so far, as int64 columns in
-  ``ATTRIBUTION_COLUMNS`` order (``NONE`` for NULL);
-* ``take_entries()`` (the C core only, ``makes_entries``): the ``cache_entry_figures``
-  rows, as ``ENTRY_COLUMNS``;
+* ``take_tables(chunk)``: every whole chunk of rows made so far (0: all), per table, as int64
+  columns (``NONE`` for NULL): the ``miss_attribution`` rows (``ATTRIBUTION_COLUMNS``) and, by
+  the C core, the ``cache_entry_figures`` rows (``ENTRY_COLUMNS``) and the rows of the record
+  tables of ``shaped_types`` (``TABLES``);
 * ``lookups`` once the trace ended (``keep_lookups``): the attributed lookups as
   ``LookupAttribution`` objects, for ``why``.
 
-``tests/test_forensics_core.py`` holds the C core to both twins, row for row.
+tests/test_attribution.py holds the C core to its twins, row for row.
 """
 
 from __future__ import annotations
@@ -152,6 +152,9 @@ ENTRY_COLUMNS = ("stored_seq", "block_id", "removed_seq", "removed_step", "remov
                  "position_class_code", "hits", "last_hit_seq", "last_hit_step",
                  "transient_cached")
 
+ATTRIBUTION_TABLE = "miss_attribution"
+_CORE_TABLES = [*TABLES, (ATTRIBUTION_TABLE, ATTRIBUTION_COLUMNS),
+                ("cache_entry_figures", ENTRY_COLUMNS)]
 Columns = dict[str, np.ndarray]
 
 
@@ -174,17 +177,17 @@ def new_pass(header: TraceHeader, path: str, *, request: int | str | None = None
 
 
 class PythonPass:
-    """The twins: the attribution's Python reference; the cache entries are left to SQL."""
+    """The twins: the attribution's Python reference (the record tables and the cache entries
+    are left to the loader's sink and to SQL)."""
 
-    makes_entries = False
-    shaped_types = frozenset()
+    shaped_types: frozenset = frozenset()
 
     def __init__(self, attributor: MissAttributor, path: str, *, keep_lookups: bool,
                  make_rows: bool) -> None:
         self.attributor, self.path = attributor, path
-        self.keep_lookups, self.make_rows = keep_lookups, make_rows
+        self.keep_lookups = keep_lookups
         self.lookups: list[LookupAttribution] = []
-        self._taken = 0
+        self._taken = 0  # lookups already handed over as rows
 
     def feed(self, batch: RecordBatch) -> None:
         try:
@@ -199,23 +202,22 @@ class PythonPass:
     def dropped_events(self) -> int:
         return self.attributor.dropped_events
 
-    def pending(self) -> int:
-        return len(self.attributor.lookups) - self._taken
-
-    def take_rows(self) -> Columns:
-        new = self.attributor.lookups[self._taken:]
-        self._taken = len(self.attributor.lookups)
-        if not self.keep_lookups:
-            del self.attributor.lookups[:]
+    def take_tables(self, chunk: int = 0) -> list[tuple[str, Columns]]:
+        lookups = self.attributor.lookups
+        if len(lookups) - self._taken < max(chunk, 1):
+            return []
+        new = lookups[self._taken:]
+        self._taken = len(lookups)
+        if not self.keep_lookups:  # the rows are all that is kept
+            del lookups[:]
             self._taken = 0
-        return lookup_columns(new)
+        return [(ATTRIBUTION_TABLE, lookup_columns(new))]
 
 
 class NativePass:
     """The C core (see module docstring); it also makes the rows of ``SHAPED_TYPES``' tables
     (``take_tables``)."""
 
-    makes_entries = True
     shaped_types = SHAPED_TYPES
 
     def __init__(self, attributor: MissAttributor | None, path: str, *, keep_lookups: bool,
@@ -223,7 +225,6 @@ class NativePass:
         self.path = path
         self.keep_lookups = keep_lookups
         self.lookups: list[LookupAttribution] = []
-        self.makes_entries = attributor is not None
         geometry = None
         if attributor is not None:
             shape = attributor.geometry
@@ -259,20 +260,11 @@ class NativePass:
     def dropped_events(self) -> int:
         return self.core.dropped_events
 
-    def pending(self) -> int:
-        rows, entries = self.core.pending()
-        return rows + entries
-
-    def take_rows(self) -> Columns:
-        return _as_columns(ATTRIBUTION_COLUMNS, self.core.take_rows())
-
-    def take_entries(self) -> Columns:
-        return _as_columns(ENTRY_COLUMNS, self.core.take_entries())
-
-    def take_tables(self, min_rows: int = 1) -> list[tuple[str, Columns]]:
-        """The record tables' rows made so far, of the tables holding at least ``min_rows``."""
-        return [(TABLES[index][0], _as_columns(TABLES[index][1], data))
-                for index, data in self.core.take_tables(min_rows)]
+    def take_tables(self, chunk: int = 0) -> list[tuple[str, Columns]]:
+        """Every whole chunk of ``chunk`` rows made so far of every table (0: all of them): the
+        record tables, the attribution's rows, the cache entries' figures."""
+        return [(_CORE_TABLES[index][0], _as_columns(_CORE_TABLES[index][1], data))
+                for index, data in self.core.take_tables(chunk)]
 
 
 _CONTRADICTION_HINT = ("The trace's records contradict its header (edited, or written by a "
