@@ -16,6 +16,7 @@ import functools
 import hashlib
 import os
 import queue
+import resource
 import threading
 import time
 from collections import Counter
@@ -118,6 +119,7 @@ def load_traces(paths: list[str | os.PathLike], db_path: str | os.PathLike,
     traces = trace_paths(paths)
     refuse_overwrite([(option, db_path)], traces)
     summary = LoadSummary(os.fspath(db_path))
+    _allow_open_files(len(traces))
     opened: list[_OpenTrace] = []
     try:  # every trace opened once, and its header read, before the database is made
         files: dict[tuple[int, int], str] = {}  # (device, inode) -> the first path of that file
@@ -150,6 +152,16 @@ def load_traces(paths: list[str | os.PathLike], db_path: str | os.PathLike,
             trace.reader.close()
     summary.seconds = time.perf_counter() - started
     return summary
+
+
+def _allow_open_files(count: int) -> None:
+    """Raise this process's soft limit of open files (to at most its hard limit) so that
+    ``count`` traces can be open at once, each read from its one descriptor."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = count + 64  # DuckDB's own files, the interpreter's
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        resource.setrlimit(resource.RLIMIT_NOFILE,
+                           (wanted if hard == resource.RLIM_INFINITY else min(wanted, hard), hard))
 
 
 class _OpenTrace:
