@@ -12,7 +12,8 @@ from setuptools import Extension, setup
 
 setup(ext_modules=[
     Extension("kvtrace._native",
-              ["csrc/module.c", "csrc/probes.c", "csrc/step_buffer.c", "csrc/frames.c"],
+              ["csrc/module.c", "csrc/probes.c", "csrc/step_buffer.c", "csrc/frames.c",
+               "csrc/snapshot.c"],
               depends=["csrc/kvtrace_native.h"],  # rebuilt when it changes; shipped in an sdist
               optional=True),
     Extension("kvtrace._model_core", ["csrc/model_core.c"], depends=["csrc/containers.h"],

@@ -9,6 +9,8 @@
  * - step_buffer.c: StepBuffer, a capture's per-step hand-over (kvtrace/capture/hook.py).
  * - frames.c: write_rows_frame, a record frame written without the interpreter lock
  *   (kvtrace/traceio.py).
+ * - snapshot.c: snapshot_pool, the pool part of a capture's start snapshot
+ *   (kvtrace/probes/snapshot.py).
  * - module.c: the module, and configure(), which reads the field order of the records the
  *   probes build from their types (kvtrace/events.py is its one source).
  *
@@ -39,7 +41,9 @@ void dealloc_with(PyObject *self, inquiry clear);
     X(BlockAllocated, BLOCK_ALLOCATED)                                                         \
     X(BlockTouched, BLOCK_TOUCHED)                                                             \
     X(BlockFreed, BLOCK_FREED)                                                                 \
-    X(BlocksReleased, BLOCKS_RELEASED)
+    X(BlocksReleased, BLOCKS_RELEASED)                                                         \
+    X(BlockState, BLOCK_STATE)                                                                 \
+    X(KeyCached, KEY_CACHED)
 
 #define STEP_STARTED(V) V(step) V(ts_ns)
 #define SLOTS_ALLOCATED(V) V(req) V(num_new_tokens) V(num_computed_tokens)                    \
@@ -52,6 +56,8 @@ void dealloc_with(PyObject *self, inquiry clear);
 #define BLOCK_TOUCHED(V) V(block_id) V(req)
 #define BLOCK_FREED(V) V(block_id) V(ref_cnt) V(hashed)
 #define BLOCKS_RELEASED(V) V(block_ids)
+#define BLOCK_STATE(V) V(block_id) V(ref_cnt) V(hash_id) V(group) V(num_tokens)
+#define KEY_CACHED(V) V(hash_id) V(group) V(num_tokens) V(block_ids)
 
 /* The most positional arguments a record's constructor gets from the native core. */
 #define MAX_RECORD_ARGS 16
@@ -122,5 +128,9 @@ int step_buffer_add_type(PyObject *module);
 /* frames.c */
 void frames_init(void);
 PyObject *write_rows_frame(PyObject *module, PyObject *args);
+
+/* snapshot.c */
+int snapshot_init(void);
+PyObject *snapshot_pool(PyObject *module, PyObject *args);
 
 #endif

@@ -98,7 +98,7 @@ typedef struct {
     int32_t *block_group;  /* per block: the group of its last stored key, -1 before any */
     i64 *hit_blocks, *evicted, *stored;  /* per group; stored: group x StoreKind */
     i64 removed[NUM_REMOVE_REASONS];
-    i64 hit_tokens, resumed_hit_tokens, in_flight_hit_tokens, suppressed, stale, preemptions;
+    i64 hit_tokens, resumed_hit_tokens, suppressed, stale, preemptions;
     Map arrived;  /* req -> the prompt length of its first arrival */
     Map lookups;  /* req -> the hit of its last lookup, until an allocation succeeds */
     Map admitted;  /* req -> 1 once admitted */
@@ -248,10 +248,6 @@ static int count_report(Core *c, int type, const char *spec, va_list ap) {
     case T_SLOTS_ALLOCATED:  /* req, ..., success (8th) */
         if (!v[7] || !map_get(&t->lookups, v[0], &value)) return 0;
         map_del(&t->lookups, v[0]);
-        if (map_find(&t->arrived, v[0]) < 0) {  /* in flight when the trace began */
-            t->in_flight_hit_tokens += value;
-            return 0;
-        }
         if (map_find(&t->admitted, v[0]) >= 0) {
             t->resumed_hit_tokens += value;
             return 0;
@@ -2130,10 +2126,10 @@ static PyObject *Core_counts(Core *c, PyObject *unused) {
         if (!kinds) { Py_DECREF(arrived); Py_DECREF(stored); return NULL; }
         PyList_SET_ITEM(stored, g, kinds);
     }
-    return Py_BuildValue("NLLNLLLNNNL", arrived, t->hit_tokens, t->resumed_hit_tokens,
+    return Py_BuildValue("NLLNLLLNNN", arrived, t->hit_tokens, t->resumed_hit_tokens,
                          i64_list(t->removed, NUM_REMOVE_REASONS), t->suppressed, t->stale,
                          t->preemptions, i64_list(t->hit_blocks, c->num_groups), stored,
-                         i64_list(t->evicted, c->num_groups), t->in_flight_hit_tokens);
+                         i64_list(t->evicted, c->num_groups));
 }
 
 static PyObject *Core_close(Core *c, PyObject *unused) {

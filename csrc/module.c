@@ -160,7 +160,7 @@ failed:
     return -1;
 }
 
-/* configure(StepStarted, ..., BlocksReleased, NO_REQ, STALE_CHECKPOINT, LRU_REUSE): the record
+/* configure(StepStarted, ..., KeyCached, NO_REQ, STALE_CHECKPOINT, LRU_REUSE): the record
  * types (kvtrace.events) and constants the probes' fast paths use. Each type's field order is
  * read from the type; a type the native core cannot build by field name is refused, and a
  * refusal changes nothing. */
@@ -216,12 +216,15 @@ static PyMethodDef module_methods[] = {
     {"write_rows_frame", write_rows_frame, METH_VARARGS,
      "write_rows_frame(fd, chunks) -> number of records: one R frame of pre-encoded rows, "
      "written with the interpreter lock released."},
+    {"snapshot_pool", snapshot_pool, METH_VARARGS,
+     "snapshot_pool(probe, blocks, cache) -> number of keys: the pool part of a start snapshot "
+     "(kvtrace/probes/snapshot.py's _pool_records), appended to the probe set's records."},
     {"probes_changed", probes_changed, METH_NOARGS,
      "A probe set was armed or disarmed: forget which probe set observes which cache."},
     {"configure", configure, METH_VARARGS,
      "configure(StepStarted, SlotsAllocated, BlockStored, BlockRemoved, HashInterned, "
-     "BlockAllocated, BlockTouched, BlockFreed, BlocksReleased, NO_REQ, STALE_CHECKPOINT, "
-     "LRU_REUSE): the record types and constants the fast paths use. Each type's field order "
+     "BlockAllocated, BlockTouched, BlockFreed, BlocksReleased, BlockState, KeyCached, NO_REQ, "
+     "STALE_CHECKPOINT, LRU_REUSE): the record types and constants the fast paths use. Each type's field order "
      "is read from the type; one the native core cannot build by field name is refused "
      "(TypeError, ValueError) and nothing changes."},
     {NULL},
@@ -240,7 +243,7 @@ PyInit__native(void)
         return NULL;
     }
     frames_init();
-    if (probes_add_types(module) < 0 || step_buffer_add_type(module) < 0) {
+    if (snapshot_init() < 0 || probes_add_types(module) < 0 || step_buffer_add_type(module) < 0) {
         Py_DECREF(module);
         return NULL;
     }

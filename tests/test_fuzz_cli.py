@@ -257,8 +257,9 @@ COMMANDS: dict[str, tuple[st.SearchStrategy, int]] = {
             "bucket_steps=0", "min_hits=99999999999999999999999", "nope=1", "noequals",
             "min_hits=x"]), "--list": FLAG}), 20),
     "report": (arguments([DATABASE_IN], {
-        "--html": output(".html"), "--bucket-steps": ints(1, 20), "--min-hits": ints(0, 3)},
-        max_options=2), 10),
+        "--html": output(".html"), "--bucket-steps": ints(1, 20), "--min-hits": ints(0, 3),
+        "--markdown": FLAG, "--gpu": choice(["h200", "b200", "350"], ["a100", "0", "nan", ""]),
+        "--model": choice(["nemotron-h-8b"], ["nope", "", "/"])}, max_options=2), 10),
     "why": (arguments([files(["replayed", "truncated", "db", "runs-dir"], BROKEN_TRACES)], {
         "--request": Opt(st.sampled_from(["0", "1", "3"]), st.sampled_from(
             ["99", "²", "-1", "", "9" * 30]), True), "--variant": VARIANT}), 20),
@@ -301,7 +302,9 @@ COMMANDS: dict[str, tuple[st.SearchStrategy, int]] = {
         "--db": output(".duckdb"), "--execute": FLAG,
         "--device": choice(["auto", "cpu", "cuda"], ["tpu", "", "CPU"]),
         "--state-scale": floats("0.01", "0.1"),  # full scale: gigabytes of state
-        "--gpu": choice(["h200", "h100", "250"], ["b200", "0", "-3", "nan", "inf", "x", ""])},
+        "--gpu": choice(["h200", "h100", "b200", "250"], ["a100", "0", "-3", "nan", "inf", "x",
+                                                         ""]),
+        "--model": choice(["nemotron-h-8b", "kimi-linear-48b-a3b"], ["nope", "", "/"])},
         max_options=5), 40),
     "sweep": (arguments([TRACE_IN], {
         "--pool-fraction": choice(["0.5", "0.5,1"], ["0", "-1", "nan", "inf", "x", "", ","]),

@@ -321,8 +321,8 @@ def test_h3_the_memory_rule_covers_the_real_vllm_pool():
 
 def test_h3_an_execute_state_pool_this_machine_cannot_hold_is_refused(tmp_path, workload):
     """The state pool was allocated as asked: 10**5 blocks at full scale failed inside torch."""
-    result = run("replay", workload, "--execute", "--device", "cpu", "--state-scale", "1",
-                 "--num-gpu-blocks", 10**5, "-o", tmp_path / "runs")
+    result = run("replay", workload, "--execute", "--model", "kimi-linear-48b-a3b", "--device",
+                 "cpu", "--state-scale", "1", "--num-gpu-blocks", 10**5, "-o", tmp_path / "runs")
     assert_error(result, "--execute's state pool of 100,000 blocks at state scale 1 needs about")
     assert "this machine has available" in result.stderr
     assert not list((tmp_path / "runs").iterdir())

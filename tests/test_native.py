@@ -61,9 +61,10 @@ def patched_kinds() -> set[str]:
 
 
 # The record types the native core builds, in the order configure() takes them.
+SNAPSHOT_RECORD_TYPES = ("BlockState", "KeyCached")  # built by snapshot_pool, not a wrapper
 NATIVE_RECORD_TYPES = ("StepStarted", "SlotsAllocated", "BlockStored", "BlockRemoved",
                        "HashInterned", "BlockAllocated", "BlockTouched", "BlockFreed",
-                       "BlocksReleased")
+                       "BlocksReleased", "BlockState", "KeyCached")
 
 
 def configure_core(**record_types) -> None:
@@ -183,9 +184,41 @@ def test_native_records_take_their_field_order_from_their_types(tmp_path, monkey
 
     assert fast_kinds == {"FastWrapper"}
     built_natively = [r for r in fast if type(r) in drifted.values()]
-    assert {type(r).__name__ for r in built_natively} == set(NATIVE_RECORD_TYPES)
+    assert {type(r).__name__ for r in built_natively} == set(NATIVE_RECORD_TYPES) - set(
+        SNAPSHOT_RECORD_TYPES)
     assert {r.padding for r in built_natively} == {7}
     assert_same_records(comparable(python), comparable(fast))
+
+
+def test_the_native_snapshot_is_its_python_twin(tmp_path, monkeypatch, reconfigure):
+    """A start snapshot of vLLM's own scheduler mid-flight, on a pool with evictions, copy-on-
+    write and keys held by several blocks, taken with ``snapshot_pool`` (record types reordered
+    and padded, as above) and with its Python twin: the same records, in the same order, and
+    the same hash ids and prefix lengths learnt."""
+    from kvtrace.engine.core import VllmScheduler
+    from kvtrace.probes import CacheProbes
+    from kvtrace.probes import snapshot
+
+    workload = tight_agent_workload(tmp_path, "unfixed", 30, 30)
+    engine = VllmScheduler(workload.config, workload.settings, "unfixed")
+    for arrival in workload.arrivals:
+        engine.add_request(arrival)
+    for _ in range(40):
+        engine.step()
+    manager, taken = engine.scheduler.kv_cache_manager, {}
+    reconfigure(**{name: reordered(getattr(events, name)) for name in SNAPSHOT_RECORD_TYPES})
+    for twin, core in (("python", None), ("native", native.built)):
+        monkeypatch.setattr(native, "core", core)
+        probes = CacheProbes(print, HashInterner(), emit_hash_bytes=True)
+        records = snapshot.take(manager, engine.scheduler, probes)
+        taken[twin] = ([as_event(r) for r in records[1:-1]], probes._depth,
+                       dict(probes.interner.ids))
+    assert {type(r).__name__ for r in taken["native"][0]} >= {"BlockState", "KeyCached",
+                                                              "HashInterned"}
+    keys = [r for r in taken["native"][0] if type(r) is events.KeyCached]
+    assert any(len(key.block_ids) > 1 for key in keys), "a key held by several blocks"
+    assert_same_records(taken["python"][0], taken["native"][0])
+    assert taken["python"][1:] == taken["native"][1:]
 
 
 BAD_RECORD_TYPES = {

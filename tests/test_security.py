@@ -353,12 +353,45 @@ def test_a_trace_takes_its_name_only_when_published(shared):
     trace.publish()
     trace.close()
     assert os.listdir(shared) == ["t.kvtrace"] and old.read_text() == ""
-    (shared / "d.kvtrace").mkdir()
-    directory = NewTraceFile(str(shared / "d.kvtrace"))
-    with pytest.raises(KvtraceError, match="cannot write the trace .*d.kvtrace: Is a directory"):
-        directory.publish()
     with pytest.raises(KvtraceError, match="is not absolute"):
         NewTraceFile("t.kvtrace")
+
+
+@pytest.mark.parametrize("plant", ["directory", "socket", "fifo"])
+def test_a_trace_never_replaces_what_is_not_a_file(shared, plant):
+    """A directory, a socket (an engine's control socket, say) or a FIFO at the trace's path is
+    refused before a draft exists, and stays as it was."""
+    target = shared / "d.kvtrace"
+    if plant == "directory":
+        target.mkdir()
+    elif plant == "fifo":
+        os.mkfifo(target)
+    else:
+        listener = socket.socket(socket.AF_UNIX)
+        listener.bind(str(target))
+        listener.close()
+    before = target.lstat()
+    with pytest.raises(UnsafePathError, match="d.kvtrace exists and is not a regular file"):
+        NewTraceFile(str(target))
+    assert os.listdir(shared) == ["d.kvtrace"]
+    assert (target.lstat().st_ino, target.lstat().st_mode) == (before.st_ino, before.st_mode)
+
+
+def test_a_trace_is_never_written_into_the_runtime_directory(tmp_path, monkeypatch):
+    """`capture -o <runtime dir>/engine-PID.sock` would have replaced the engine's control
+    socket: a path in the runtime directory is refused, even through a link to it."""
+    monkeypatch.setenv("KVTRACE_RUNTIME_DIR", str(tmp_path))
+    private = control.runtime_dir()
+    private.mkdir(mode=0o700)
+    (tmp_path / "link").symlink_to(private)
+    for path in (private / f"engine-{os.getpid()}.sock", private / "x.kvtrace",
+                 tmp_path / "link" / "x.kvtrace"):
+        with pytest.raises(UnsafePathError, match="runtime directory"):
+            NewTraceFile(str(path))
+    assert list(private.iterdir()) == []
+    own = NewTraceFile(str(private / "capture-default.kvtrace"), in_runtime_dir=True)
+    own.discard()
+    own.close()
 
 
 # --- the bootstrap's report, read by root ----------------------------------------------------

@@ -2,14 +2,19 @@
 queries and the replay summary (trace format 1.2, docs/miss-attribution.md "A capture's start").
 
 A hand-built trace on a 6-block pool (one attention and one Mamba group of 16-token blocks, a
-16-token hash unit): when the capture armed, key S was cached in both groups (blocks 1 and 2)
-and request 0 was running, half prefilled, with one admission behind it. Then:
+16-token hash unit): when the capture armed, key S was cached in both groups (blocks 1 and 2),
+request 0 was running, half prefilled, with one admission behind it, and request 5 was waiting,
+never admitted. Then:
 
 * request 1 arrives and hits S (16 tokens);
-* request 0 is preempted and admitted again, hitting S: its second admission, in flight;
+* request 0 is preempted and admitted again, hitting S: its second admission (a resumption);
+* request 5 is admitted, hitting S: its first admission, inside the trace;
 * request 2 evicts every cached block, S's included (LRU, no transient checkpoint behind);
 * request 3 needs S and misses it: S was cached at the start and evicted, so the 16 tokens are
   lost to `evicted`, not `cold` (an attribution that did not know the snapshot would say cold).
+
+A request in flight counts as ReplaySummary counts it: its first lookup inside the trace is a
+first admission only if the snapshot shows it never admitted (waiting, no preemption).
 
 Every figure below is worked out by hand from these records; each test runs on the C core and on
 its Python twins.
@@ -84,13 +89,14 @@ def snapshot() -> list:
         RequestState(0, RequestQueue.RUNNING, "RUNNING", 32, [S, 201], 4, 32, 16, 0, 0),
         RequestBlocksState(0, 0, [5], {"num_cached_block": [0]}),
         RequestBlocksState(0, 1, [6], {}),
-        SnapshotEnded(1500),                                         # seq 11
+        RequestState(5, RequestQueue.WAITING, "WAITING", 32, [S, 501], 1, 32, 0, 0, 0),
+        SnapshotEnded(1500),                                         # seq 12
     ]
 
 
 def records() -> list:
     return snapshot() + [
-        StepStarted(0, 0),                                           # seq 12, step 1
+        StepStarted(0, 0),                                           # seq 13, step 1
         RequestArrived(1, 32, [S, 101], 1),
         ComputedBlocksFound(1, 16, 0),                               # hits S
         allocated(1, 32, hit=16),
@@ -102,11 +108,11 @@ def records() -> list:
         BlockStored(4, 101, 1, 32, FULL, 1),
         RequestFinished(1, 0),
         *(BlockFreed(block, 0, True) for block in (4, 3, 2, 1)),
-        StepStarted(1, 1),                                           # seq 27, step 2
+        StepStarted(1, 1),                                           # seq 28, step 2
         RequestPreempted(0),
         BlockFreed(5, 0, False),
         BlockFreed(6, 0, False),
-        ComputedBlocksFound(0, 16, 0),                               # seq 31: in flight, hits S
+        ComputedBlocksFound(0, 16, 0),                               # seq 32: in flight, hits S
         allocated(0, 32, hit=16),
         BlockTouched(1, 0),
         BlockTouched(2, 0),
@@ -114,11 +120,18 @@ def records() -> list:
         BlockAllocated(6, 0),
         RequestFinished(0, 0),
         *(BlockFreed(block, 0, block in (1, 2)) for block in (6, 5, 2, 1)),
-        StepStarted(2, 2),                                           # seq 42, step 3
+        ComputedBlocksFound(5, 16, 0),                               # seq 43: in flight, first
+        allocated(5, 32, hit=16),
+        BlockTouched(1, 5),
+        BlockTouched(2, 5),
+        RequestFinished(5, 0),
+        BlockFreed(2, 0, True),
+        BlockFreed(1, 0, True),
+        StepStarted(2, 2),                                           # seq 50, step 3
         RequestArrived(2, 64, [300, 301, 302, 303], 1),
         ComputedBlocksFound(2, 0, 0),
         allocated(2, 64),
-        BlockRemoved(1, S, 0, 16, LRU),                              # seq 46: S evicted
+        BlockRemoved(1, S, 0, 16, LRU),                              # seq 54: S evicted
         BlockAllocated(1, 2),
         BlockRemoved(2, S, 1, 16, LRU),
         BlockAllocated(2, 2),
@@ -128,7 +141,7 @@ def records() -> list:
         BlockAllocated(4, 2),
         RequestFinished(2, 0),
         *(BlockFreed(block, 0, False) for block in (4, 3, 2, 1)),
-        StepStarted(3, 3),                                           # seq 59, step 4
+        StepStarted(3, 3),                                           # seq 67, step 4
         RequestArrived(3, 32, [S, 400], 1),
         ComputedBlocksFound(3, 0, 0),                                # misses S
         allocated(3, 32),
@@ -154,8 +167,9 @@ def capture(tmp_path):
 
 def test_scenario_seq_numbers_match_the_comments():
     trace = records()
-    assert isinstance(trace[11], SnapshotEnded) and isinstance(trace[31], ComputedBlocksFound)
-    assert trace[46] == BlockRemoved(1, S, 0, 16, LRU) and trace[61] == ComputedBlocksFound(3, 0, 0)
+    assert isinstance(trace[12], SnapshotEnded) and trace[32] == ComputedBlocksFound(0, 16, 0)
+    assert trace[43] == ComputedBlocksFound(5, 16, 0) and trace[50] == StepStarted(2, 2)
+    assert trace[54] == BlockRemoved(1, S, 0, 16, LRU) and trace[69] == ComputedBlocksFound(3, 0, 0)
 
 
 def test_a_key_cached_at_the_start_and_evicted_is_an_eviction_not_cold(capture, twin):
@@ -166,12 +180,15 @@ def test_a_key_cached_at_the_start_and_evicted_is_an_eviction_not_cold(capture, 
     assert (lookups[3].ideal_tokens, lookups[3].hit_tokens) == (16, 0)
     assert causes[3] == [("evicted", 0, 16), ("cold", 16, 32)]
     (key,) = [s for s in lookups[3].segments if s.cause == "evicted"][0].keys
-    assert (key.hash_id, key.removal.seq, key.removal.by_req) == (S, 46, 2)
-    # request 1 hit S; request 0 is in flight: its admission inside the trace is its second
+    assert (key.hash_id, key.removal.seq, key.removal.by_req) == (S, 54, 2)
+    # request 1 hit S; requests 0 and 5 were in flight: 0's admission inside the trace is its
+    # second, 5's its first (its first lookup falls inside the trace)
     assert causes[1] == [("cold", 16, 32)] and not lookups[1].in_flight
-    assert (lookups[0].lookup, lookups[0].in_flight, lookups[0].first_admission) == (2, True, False)
-    assert (lookups[0].ideal_tokens, lookups[0].hit_tokens) == (16, 16)
-    assert [lookup.first_admission for lookup in lookups.values()].count(True) == 3
+    assert (lookups[0].lookup, lookups[0].in_flight) == (2, True)
+    assert (lookups[5].lookup, lookups[5].in_flight) == (1, True)
+    assert (lookups[0].ideal_tokens, lookups[0].hit_tokens) == (16, 16) \
+        == (lookups[5].ideal_tokens, lookups[5].hit_tokens)
+    assert sorted(req for req, lookup in lookups.items() if lookup.lookup == 1) == [1, 2, 3, 5]
 
 
 def test_load_keeps_the_snapshot_and_the_queries_read_it(capture, twin, tmp_path):
@@ -183,28 +200,29 @@ def test_load_keeps_the_snapshot_and_the_queries_read_it(capture, twin, tmp_path
         assert connection.execute("SELECT counters FROM snapshot_started").fetchall() == [
             ('{"prefix_cache_queries":48}',)]
         assert connection.execute(
-            "SELECT queue, num_computed_tokens FROM request_state").fetchall() == [("RUNNING", 16)]
+            "SELECT queue, num_computed_tokens FROM request_state ORDER BY req").fetchall() == [
+            ("RUNNING", 16), ("WAITING", 0)]
         assert connection.execute("SELECT count(*) FROM free_queue_state_block_ids").fetchone() \
             == (4,)
-        # the keys cached at the start are cache entries: hit twice, evicted by request 2
+        # the keys cached at the start are cache entries: hit three times, evicted by request 2
         entries = connection.execute(
             "SELECT group_id, block_id, stored_seq, hits, removed_seq, removed_reason, kind "
             "FROM cache_entries WHERE from_snapshot ORDER BY group_id").fetchall()
-        assert entries == [(0, 1, 6, 2, 46, "LRU_REUSE", None), (1, 2, 7, 2, 48, "LRU_REUSE", None)]
-        # lookups: request 0 is in flight, at its second admission; the timeline counts the
-        # first admissions of the three requests that arrived inside the trace
+        assert entries == [(0, 1, 6, 3, 54, "LRU_REUSE", None), (1, 2, 7, 3, 56, "LRU_REUSE", None)]
+        # lookups: request 0 is in flight, at its second admission; request 5 in flight, at its
+        # first; the timeline counts the first admissions (requests 1, 5, 2 and 3)
         assert connection.execute(
             "SELECT req, admission, in_flight FROM lookups WHERE admitted ORDER BY seq").fetchall() \
-            == [(1, 1, False), (0, 2, True), (2, 1, False), (3, 1, False)]
+            == [(1, 1, False), (0, 2, True), (5, 1, True), (2, 1, False), (3, 1, False)]
         timeline = run_query(connection, "hit_rate_timeline", {"bucket_steps": "100"})
-        assert [(r[4], r[5], r[6]) for r in timeline.rows] == [(3, 128, 16)]
+        assert [(r[4], r[5], r[6]) for r in timeline.rows] == [(4, 160, 32)]
         summary = run_query(connection, "miss_attribution_summary")
         kinds = {(row[4], row[9]): row[11] for row in summary.rows}
-        assert kinds[("in_flight", "cold")] == 16 and kinds[("first", "evicted")] == 16
-        assert {row[4]: row[6] for row in summary.rows} == {"first": 128, "in_flight": 32}
+        assert kinds[("resumed", "cold")] == 16 and kinds[("first", "evicted")] == 16
+        assert {row[4]: row[6] for row in summary.rows} == {"first": 160, "resumed": 32}
         hotness = run_query(connection, "prefix_hotness")
-        assert sorted((r[2], r[3], r[7], r[8]) for r in hotness.rows) == [(S, 0, 2, 1),
-                                                                          (S, 1, 2, 1)]
+        assert sorted((r[2], r[3], r[7], r[8]) for r in hotness.rows) == [(S, 0, 3, 1),
+                                                                          (S, 1, 3, 1)]
     finally:
         connection.close()
 
@@ -213,14 +231,16 @@ def test_why_names_the_eviction_of_a_key_cached_at_the_start(capture, twin):
     result = CliRunner().invoke(cli, ["why", str(capture), "--request", "3"])
     assert result.exit_code == 0, result.output
     assert "evicted - the full-attention block was evicted by LRU reuse" in result.output
-    assert "evicted from block 1 at step 3 (seq 46) to make room for request 2" in result.output
+    assert "evicted from block 1 at step 3 (seq 54) to make room for request 2" in result.output
     result = CliRunner().invoke(cli, ["why", str(capture), "--request", "0"])
     assert result.exit_code == 0, result.output
     assert "lookup 2 (resumption 1, in flight when the capture began)" in result.output
 
 
-def test_the_summary_counts_only_the_traces_own_arrivals():
-    """ReplaySummary, and the model backend's Tally that counts without records, alike."""
+def test_the_summary_counts_the_requests_whose_first_lookup_is_in_the_trace():
+    """ReplaySummary, and the model backend's Tally that counts without records, alike: the
+    arrivals and request 5 (waiting, never admitted) are first admissions; request 0 (running)
+    was admitted before the capture: its hit counts as resumed."""
     summary = ReplaySummary(CONFIG)
     tally = Tally(CONFIG.num_gpu_blocks, len(CONFIG.kv_cache_groups))
     for record in records():
@@ -228,7 +248,7 @@ def test_the_summary_counts_only_the_traces_own_arrivals():
         tally.report(type(record), *msgspec.structs.astuple(record))
     figures = summary.to_dict()
     assert (figures["requests"], figures["prompt_tokens"], figures["hit_tokens"],
-            figures["in_flight_hit_tokens"]) == (3, 128, 16, 16)
+            figures["resumed_hit_tokens"]) == (4, 160, 32, 16)
     counted = ReplaySummary(CONFIG)
     tally.fill(counted)
     assert counted.to_dict() == figures

@@ -190,13 +190,9 @@ class LookupAttribution:
     attention_hit: int | None  # the full-attention groups' own longest hit, alone
     mamba_hit: int | None  # the Mamba groups' own deepest state below the query's last token
     segments: list[Segment] = field(default_factory=list)
-    in_flight: bool = False  # the request was in flight when the capture began (its snapshot)
-
-    @property
-    def first_admission(self) -> bool:
-        """Whether this is the first admission of a request that arrived inside the trace:
-        what a hit rate over the trace's own arrivals counts."""
-        return self.lookup == 1 and not self.in_flight
+    # In flight when the capture began (its start snapshot); its lookups count on from the
+    # admissions it had then, so lookup 1 is still a first admission inside the trace.
+    in_flight: bool = False
 
     def tokens(self, cause: str) -> int:
         return sum(s.tokens for s in self.segments if s.cause == cause)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import base64
 import html
+import io
 import os
 from pathlib import Path
 from typing import Any
@@ -19,7 +20,8 @@ import msgspec
 
 from kvtrace.analysis.database import SWEEP_COLUMNS, open_database
 from kvtrace.analysis.load import load_sweep
-from kvtrace.analysis.report import _CSS, _figure, _html_cell, _png
+from kvtrace.analysis.render import cell
+from kvtrace.analysis.report_html import CSS
 from kvtrace.errors import KvtraceError
 from kvtrace.files import StagedOutput, cannot_write, check_output_dir, refuse_overwrite
 
@@ -106,7 +108,25 @@ def plot_png(sweep: dict[str, Any]) -> bytes:
                                                      lambda share: share * distinct))
         top.set_xlabel(f"share of the {distinct} distinct attention blocks")
     axes.legend(loc="lower right", fontsize="small")
-    return base64.b64decode(_png(pyplot, figure))
+    return _png(pyplot, figure)
+
+
+def _figure():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib import pyplot
+
+    figure, axes = pyplot.subplots(figsize=(9, 3.6), dpi=100)
+    return pyplot, figure, axes
+
+
+def _png(pyplot, figure) -> bytes:
+    buffer = io.BytesIO()
+    figure.tight_layout()
+    figure.savefig(buffer, format="png")
+    pyplot.close(figure)
+    return buffer.getvalue()
 
 
 def render_html(sweep: dict[str, Any], png: bytes) -> str:
@@ -116,12 +136,12 @@ def render_html(sweep: dict[str, Any], png: bytes) -> str:
              f"in {sweep['runner']}, {sweep['wall_s']:.1f} s")
     columns = [name for name, _ in SWEEP_COLUMNS if name in sweep["rows"][0]]
     head = "".join(f"<th>{html.escape(c)}</th>" for c in columns)
-    rows = "".join("<tr>" + "".join(f"<td>{html.escape(_html_cell(row[c]))}</td>"
+    rows = "".join("<tr>" + "".join(f"<td>{html.escape(cell(row[c]))}</td>"
                                     for c in columns) + "</tr>" for row in sweep["rows"])
     notes = "".join(f"<p>{html.escape(note)}</p>" for note in sweep["notes"])
     image = base64.b64encode(png).decode()
     return ("<!doctype html><html><head><meta charset=\"utf-8\">"
-            f"<title>{html.escape(title)}</title><style>{_CSS}</style></head><body>"
+            f"<title>{html.escape(title)}</title><style>{CSS}</style></head><body>"
             f"<h1>{html.escape(title)}</h1><p>{html.escape(facts)}</p>{notes}"
             f'<img alt="hit rate against pool size" src="data:image/png;base64,{image}">'
             f"<table><tr>{head}</tr>{rows}</table></body></html>\n")

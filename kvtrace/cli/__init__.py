@@ -39,13 +39,22 @@ COMMAND_MODULES = {
 
 
 class Terminated(KeyboardInterrupt):
-    """SIGTERM, raised in the main thread: what Ctrl-C stops stops cleanly for it too (a
-    capture disarms, a replay removes its partial outputs) before kvtrace exits 143."""
+    """SIGTERM or SIGHUP (a closed terminal or SSH session), raised in the main thread: what
+    Ctrl-C stops stops cleanly for them too (a capture disarms, a replay removes its partial
+    outputs) before kvtrace exits 128 + the signal's number."""
+
+    def __init__(self, signum: int = signal.SIGTERM) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+TERMINATING_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
 
 
 def _terminate(signum, frame) -> None:
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second one must not cut the clean-up
-    raise Terminated
+    for each in TERMINATING_SIGNALS:  # a second one must not cut the clean-up
+        signal.signal(each, signal.SIG_IGN)
+    raise Terminated(signum)
 
 
 class KvtraceGroup(click.Group):
@@ -70,9 +79,9 @@ class KvtraceGroup(click.Group):
             click.echo(f"kvtrace: error: {error}", err=True)
             click.echo(f"kvtrace: hint: {error.hint}", err=True)
             ctx.exit(error.exit_code)
-        except Terminated:
-            click.echo("kvtrace: stopped by SIGTERM", err=True)
-            ctx.exit(128 + signal.SIGTERM)
+        except Terminated as terminated:
+            click.echo(f"kvtrace: stopped by {signal.Signals(terminated.signum).name}", err=True)
+            ctx.exit(128 + terminated.signum)
 
 
 @click.group(cls=KvtraceGroup, context_settings={"help_option_names": ["-h", "--help"]})
@@ -99,7 +108,9 @@ def verbosity() -> int:
 
 def main(argv: list[str] | None = None) -> None:
     if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, _terminate)
+        for signum in TERMINATING_SIGNALS:
+            if signal.getsignal(signum) is not signal.SIG_IGN:  # nohup's SIGHUP stays ignored
+                signal.signal(signum, _terminate)
     cli.main(args=argv, prog_name="kvtrace")
 
 

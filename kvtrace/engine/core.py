@@ -81,6 +81,7 @@ class EngineWorkload:
     config: EngineConfig
     settings: SchedulerSettings
     arrivals: list[Arrival]
+    model: str = ""  # the model the workload was written for (its header's), if it names one
 
 
 def load_workload(options: EngineOptions) -> EngineWorkload:
@@ -100,7 +101,7 @@ def load_workload(options: EngineOptions) -> EngineWorkload:
                       len(arrival.hash_ids), config.hash_block_size)
         check_fits_model_len(settings, arrival.req, arrival.prompt_len)
         check_pool_fits(config, arrival.req, arrival.prompt_len + arrival.max_tokens)
-    return EngineWorkload(config, settings, arrivals)
+    return EngineWorkload(config, settings, arrivals, reader.header.params.get("model", ""))
 
 
 class _Quit(Exception):
@@ -117,11 +118,15 @@ class VllmScheduler:
     The runner's answer: one sampled token for each request whose scheduled chunk reached its
     last token; nothing for a chunk that ends inside the prompt (the runner discards it)."""
 
-    def __init__(self, config: EngineConfig, settings: SchedulerSettings, variant: str) -> None:
+    def __init__(self, config: EngineConfig, settings: SchedulerSettings, variant: str,
+                 model: str = "") -> None:
+        """``model``: the name the engine serves as (vLLM's ``served_model_name``, which a
+        capture records): the workload's model, whose geometry the cache has; without one,
+        ``kvtrace-engine`` (never the bundled stand-in config's path)."""
         from vllm.v1.core.sched.scheduler import Scheduler
         from vllm.v1.structured_output import StructuredOutputManager
 
-        vllm_config = _vllm_config(config, settings)
+        vllm_config = _vllm_config(config, settings, model)
         self.config = config
         self.settings = settings
         try:
@@ -201,13 +206,15 @@ class VllmScheduler:
         return output.total_num_scheduled_tokens
 
 
-def _vllm_config(config: EngineConfig, settings: SchedulerSettings) -> Any:
-    """A ``VllmConfig`` for scheduling only: the bundled model config, CPU, the trace's limits."""
+def _vllm_config(config: EngineConfig, settings: SchedulerSettings, model: str) -> Any:
+    """A ``VllmConfig`` for scheduling only: the bundled model config (served under ``model``'s
+    name), CPU, the trace's limits."""
     from vllm.config import CacheConfig, DeviceConfig, ModelConfig, SchedulerConfig, VllmConfig
 
     max_model_len = settings.max_model_len or UNLIMITED_MODEL_LEN
     model_config = ModelConfig(model=str(ENGINE_MODEL_DIR), skip_tokenizer_init=True,
-                               max_model_len=max_model_len, dtype="float32")
+                               max_model_len=max_model_len, dtype="float32",
+                               served_model_name=model or "kvtrace-engine")
     scheduler_config = SchedulerConfig(
         max_num_batched_tokens=settings.max_num_batched_tokens,
         max_num_seqs=settings.max_num_seqs, max_model_len=max_model_len,
@@ -233,7 +240,8 @@ class Engine:
         self.on_done = on_done
         self.commands: queue.Queue[str] = queue.Queue()
         # Built before "ready": a config vLLM rejects fails the start, not the run.
-        self.scheduler = VllmScheduler(workload.config, workload.settings, options.variant)
+        self.scheduler = VllmScheduler(workload.config, workload.settings, options.variant,
+                                       workload.model)
         self.summary: dict[str, Any] | None = None
         self.input_ended = False  # heard during a run
 

@@ -34,10 +34,12 @@ from kvtrace.events import (
     BlockFreed,
     BlockRemoved,
     BlocksReleased,
+    BlockState,
     BlockStored,
     BlockTouched,
     ComputedBlocksFound,
     HashInterned,
+    KeyCached,
     Record,
     RemoveReason,
     SlotsAllocated,
@@ -524,6 +526,6 @@ def _probes_changed() -> None:
 
 
 native.configure(StepStarted, SlotsAllocated, BlockStored, BlockRemoved, HashInterned,
-                 BlockAllocated, BlockTouched, BlockFreed, BlocksReleased, _NO_REQ,
-                 _STALE_CHECKPOINT, _LRU_REUSE)
+                 BlockAllocated, BlockTouched, BlockFreed, BlocksReleased, BlockState, KeyCached,
+                 _NO_REQ, _STALE_CHECKPOINT, _LRU_REUSE)
 

@@ -241,10 +241,11 @@ def run_configuration(path: str, digest: str, backend: str, task: SweepTask,
                       data: bytes | None = None) -> dict[str, Any]:
     """Replay one configuration of a sweep into its row (no trace is written)."""
     source = _source_for(path, digest, data)
+    # Every point of a curve starts alike: a snapshot's cache fits one pool and retention only.
     options = ReplayOptions(
         source=path, outdir="", variants=(task.variant,), backend=backend, write_traces=False,
         overrides=Overrides(num_gpu_blocks=task.num_gpu_blocks,
-                            retention_interval=task.retention_interval))
+                            retention_interval=task.retention_interval), warm_start=False)
     try:
         variant = replay(options, source=source).variants[0]
     except KvtraceError as error:

@@ -6,7 +6,7 @@
 --   variant: its variant (or trace source)
 --   backend: its backend
 --   step_start: first step of the bucket
---   lookups: first admissions in the bucket (lookups view, admission = 1, not in flight)
+--   lookups: first admissions in the bucket (lookups view, admission = 1)
 --   query_tokens: sum of the request's num_tokens at that allocate_slots (its prompt)
 --   hit_tokens: sum of num_hit_tokens
 --   hit_rate: hit_tokens / query_tokens in the bucket
@@ -14,14 +14,13 @@
 -- Only a request's first admitted lookup counts, as in `kvtrace replay`'s hit rate: a request
 -- that could not be allocated is looked up again, and one resumed after a preemption mostly
 -- re-reads its own blocks, which would credit the cache for the preemption.
--- A request in flight when a capture began (its start snapshot) is not one of the trace's
--- arrivals: its first lookup came before the trace. Buckets without a first admission are absent.
+-- Buckets without a first admission are absent.
 WITH buckets AS (
     SELECT run, any_value(variant) AS variant, any_value(backend) AS backend,
            step // $bucket_steps * $bucket_steps AS step_start, count(*) AS lookups,
            sum(num_query_tokens) AS query_tokens, sum(num_hit_tokens) AS hit_tokens
     FROM lookups
-    WHERE admission = 1 AND NOT in_flight
+    WHERE admission = 1
     GROUP BY run, step_start)
 SELECT run, variant, backend, step_start, lookups, query_tokens, hit_tokens,
        hit_tokens / nullif(query_tokens, 0) AS hit_rate,

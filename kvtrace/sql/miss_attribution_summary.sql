@@ -5,7 +5,7 @@
 --   variant: its variant (or trace source)
 --   backend: its backend
 --   hash_unit: the run's hash unit in tokens (hash_block_size)
---   lookups: 'first' (a request's first admission, as replay's hit rate counts), 'resumed', or 'in_flight' (requests in flight when a capture began)
+--   lookups: 'first' (a request's first admission, as replay's hit rate counts) or 'resumed'
 --   num_lookups: admitted lookups of that kind
 --   query_tokens: their query tokens
 --   ideal_tokens: their ideal hits (an unbounded cache under the same schedule)
@@ -16,34 +16,29 @@
 --   share_of_query: tokens / query_tokens
 --   share_of_missed: tokens / (query_tokens - hit_tokens)
 -- One row per run, kind and cause with tokens; hit_tokens + the sum of a kind's tokens =
--- query_tokens. A request in flight when a capture began (its start snapshot) is not one of the
--- trace's arrivals: its lookups inside the trace are all of kind 'in_flight'. Ordered by run,
--- kind (first, resumed, in_flight), then the cause order of the waterfall.
+-- query_tokens. Ordered by run, kind, then the cause order of the waterfall.
 WITH per_lookup AS (
     SELECT run, seq, any_value(variant) AS variant, any_value(backend) AS backend,
-           CASE WHEN any_value(in_flight) THEN 'in_flight'
-                WHEN any_value(resumed) THEN 'resumed' ELSE 'first' END AS kind,
-           any_value(query_tokens) AS query_tokens, any_value(ideal_tokens) AS ideal_tokens,
-           any_value(hit_tokens) AS hit_tokens
+           any_value(resumed) AS resumed, any_value(query_tokens) AS query_tokens,
+           any_value(ideal_tokens) AS ideal_tokens, any_value(hit_tokens) AS hit_tokens
     FROM miss_attribution
     GROUP BY run, seq),
 totals AS (
-    SELECT run, kind, any_value(variant) AS variant, any_value(backend) AS backend,
+    SELECT run, resumed, any_value(variant) AS variant, any_value(backend) AS backend,
            count(*) AS num_lookups, sum(query_tokens) AS query_tokens,
            sum(ideal_tokens) AS ideal_tokens, sum(hit_tokens) AS hit_tokens
     FROM per_lookup
-    GROUP BY run, kind),
+    GROUP BY run, resumed),
 per_cause AS (
-    SELECT run, CASE WHEN in_flight THEN 'in_flight' WHEN resumed THEN 'resumed'
-                     ELSE 'first' END AS kind,
-           cause, any_value(in_shortfall) AS in_shortfall, sum(tokens) AS tokens
+    SELECT run, resumed, cause, any_value(in_shortfall) AS in_shortfall, sum(tokens) AS tokens
     FROM miss_attribution
-    GROUP BY ALL)
-SELECT t.run, t.variant, t.backend, r.hash_block_size AS hash_unit, t.kind AS lookups,
+    GROUP BY run, resumed, cause)
+SELECT t.run, t.variant, t.backend, r.hash_block_size AS hash_unit,
+       CASE WHEN t.resumed THEN 'resumed' ELSE 'first' END AS lookups,
        t.num_lookups, t.query_tokens, t.ideal_tokens, t.hit_tokens, c.cause, c.in_shortfall,
        c.tokens, c.tokens / nullif(t.query_tokens, 0) AS share_of_query,
        c.tokens / nullif(t.query_tokens - t.hit_tokens, 0) AS share_of_missed
 FROM totals t
 JOIN runs r ON r.run = t.run
-JOIN per_cause c ON c.run = t.run AND c.kind = t.kind
-ORDER BY t.run, list_position(['first', 'resumed', 'in_flight'], t.kind), c.cause
+JOIN per_cause c ON c.run = t.run AND c.resumed = t.resumed
+ORDER BY t.run, t.resumed, c.cause

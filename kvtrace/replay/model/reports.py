@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 from kvtrace.events import (
     BlockRemoved,
+    BlockState,
     BlockStored,
     BlockTouched,
     CheckpointSuppressed,
@@ -24,6 +25,7 @@ from kvtrace.events import (
     RemoveReason,
     RequestArrived,
     RequestPreempted,
+    RequestState,
     SlotsAllocated,
     StaleKeyLeft,
     StoreKind,
@@ -51,8 +53,7 @@ class Records(list):
 class Counts:
     """``ReplaySummary``'s figures of a replay, as a counting backend hands them over: by
     request, the prompt length of its first arrival; removals by ``RemoveReason``; per
-    KV-cache group, hit blocks, stores by ``StoreKind`` and LRU evictions; the hits of
-    requests in flight when the trace began (they never arrived in it)."""
+    KV-cache group, hit blocks, stores by ``StoreKind`` and LRU evictions."""
 
     prompt_tokens: dict[int, int]
     hit_tokens: int
@@ -64,7 +65,6 @@ class Counts:
     hit_blocks: list[int]
     stored: list[list[int]]
     evicted: list[int]
-    in_flight_hit_tokens: int = 0
 
     def fill(self, summary: ReplaySummary) -> None:
         """Set ``summary``'s figures to these: what it counts from the records the replay
@@ -72,7 +72,6 @@ class Counts:
         summary.prompt_tokens = dict(self.prompt_tokens)
         summary.hit_tokens = self.hit_tokens
         summary.resumed_hit_tokens = self.resumed_hit_tokens
-        summary.in_flight_hit_tokens = self.in_flight_hit_tokens
         summary.evictions = Counter({RemoveReason(reason).name.lower(): count
                                      for reason, count in enumerate(self.removed) if count})
         summary.checkpoints_published = sum(kinds[StoreKind.CHECKPOINT] for kinds in self.stored)
@@ -95,8 +94,7 @@ class Tally(Counts):
     A touched block counts for the group of the last key stored on it; a lookup's hit counts
     once its request's ``allocate_slots`` succeeds, for the first admission (``hit_tokens``) or
     a resumption (``resumed_hit_tokens``). Only the position of ``report_at`` is ignored:
-    nothing counted depends on where a ``SlotsAllocated`` stands among its call's effects. A
-    request that never arrived (in flight when the trace began) counts apart."""
+    nothing counted depends on where a ``SlotsAllocated`` stands among its call's effects."""
 
     def __init__(self, num_blocks: int, num_groups: int) -> None:
         super().__init__({}, 0, 0, [0] * len(RemoveReason), 0, 0, 0, [0] * num_groups,
@@ -109,7 +107,8 @@ class Tally(Counts):
             BlockTouched: self.block_touched, ComputedBlocksFound: self.computed_blocks_found,
             SlotsAllocated: self.slots_allocated, RequestArrived: self.request_arrived,
             RequestPreempted: self.request_preempted,
-            CheckpointSuppressed: self.checkpoint_suppressed, StaleKeyLeft: self.stale_key_left}
+            CheckpointSuppressed: self.checkpoint_suppressed, StaleKeyLeft: self.stale_key_left,
+            RequestState: self.request_state, BlockState: self.block_state}
 
     def mark(self) -> int:
         return 0
@@ -147,9 +146,7 @@ class Tally(Counts):
                         *admission_terms: object) -> None:
         if success and req in self.lookups:
             hit = self.lookups.pop(req)
-            if req not in self.prompt_tokens:  # in flight when the trace began
-                self.in_flight_hit_tokens += hit
-            elif req in self.admitted:
+            if req in self.admitted:
                 self.resumed_hit_tokens += hit
             else:
                 self.admitted.add(req)
@@ -157,6 +154,21 @@ class Tally(Counts):
 
     def request_arrived(self, req: int, prompt_len: int, *fields: object) -> None:
         self.prompt_tokens.setdefault(req, prompt_len)
+
+    def request_state(self, req: int, queue: int, status: str, prompt_len: int,
+                      *fields: object) -> None:
+        """A request in flight at a start snapshot: never admitted yet, it counts as an
+        arrival; else its first admission was before (``ReplaySummary`` alike)."""
+        num_preemptions = fields[4]
+        if status == "WAITING" and not num_preemptions:
+            self.prompt_tokens.setdefault(req, prompt_len)
+        else:
+            self.admitted.add(req)
+
+    def block_state(self, block: int, ref_cnt: int, hash_id: int, group: int,
+                    num_tokens: int) -> None:
+        if hash_id >= 0:
+            self.block_group[block] = group
 
     def request_preempted(self, req: int) -> None:
         self.preemptions += 1
