@@ -172,6 +172,20 @@ static inline int id_index_set(IdIndex *x, i64 id, int32_t value) {
     x->n += map_find(&x->sparse, id) < 0;
     return map_set(&x->sparse, id, value);
 }
+/* Drop id (absent already: nothing). */
+static inline int id_index_clear_one(IdIndex *x, i64 id) {
+    if (id >= 0 && id < x->cap) {
+        x->n -= x->dense[id] >= 0;
+        x->dense[id] = -1;
+        return 0;
+    }
+    Py_ssize_t i = map_find(&x->sparse, id);
+    if (i >= 0) {
+        map_del_at(&x->sparse, (size_t)i);
+        x->n--;
+    }
+    return 0;
+}
 static inline void id_index_clear(IdIndex *x) {
     PyMem_Free(x->dense);
     map_clear(&x->sparse);

@@ -187,10 +187,11 @@ typedef struct {  /* per block */
     int32_t open_entries;  /* its open entries, newest first (Entry.next_open) */
 } Block;
 
-typedef struct {  /* an open cache entry */
+typedef struct {  /* a cache entry, while open */
     i64 stored_seq, hash_id, hits, last_hit_seq, last_hit_step;
     i64 position_class;  /* NONE_VALUE: NULL (not a checkpoint; no class recorded) */
-    int32_t block, group, next_open;
+    int32_t block, group, next_open;  /* next_open: the next open entry of its block (or key) */
+    char open;
 } Entry;
 
 enum {  /* miss_attribution columns (stream.ATTRIBUTION_COLUMNS) */
@@ -248,6 +249,7 @@ typedef struct {
     /* the cache entries' state */
     Entry *entries; Py_ssize_t num_entries, cap_entries;
     IVec free_entries;
+    IdIndex unknown_open[MAX_GROUPS];  /* the unknown block's open entries, by key (per group) */
     i64 s_num_evictable;
     /* outputs */
     Table rows, entry_rows;
@@ -294,25 +296,17 @@ static int check_group(Core *c, i64 group, const char *kind) {
     return 0;
 }
 
+/* A block's slot: its id + 1, slot 0 for the unknown block -1 (a source that names none, like
+   vLLM's own KV events). */
+static inline int32_t slot_of(i64 block_id) { return (int32_t)(block_id + 1); }
+
 static Block *block_at(Core *c, i64 block_id, const char *kind) {
-    if (block_id < 0 || block_id >= MAX_BLOCK_ID) {
-        fail("record %lld (%s) names block %lld, outside any pool", c->seq, kind, block_id);
+    if (block_id < -1 || block_id >= c->num_blocks - 1) {
+        fail("record %lld (%s) names block %lld, outside the header's pool of %lld blocks",
+             c->seq, kind, block_id, (i64)c->num_blocks - 1);
         return NULL;
     }
-    if (block_id >= c->num_blocks) {
-        Py_ssize_t size = c->num_blocks ? c->num_blocks : 1024;
-        while (size <= block_id) size *= 2;
-        Block *blocks = PyMem_Realloc(c->blocks, (size_t)size * sizeof(Block));
-        if (!blocks) { PyErr_NoMemory(); return NULL; }
-        for (Py_ssize_t b = c->num_blocks; b < size; b++) {
-            memset(&blocks[b], 0, sizeof(Block));
-            blocks[b].prev = blocks[b].next = -1;
-            blocks[b].latest_entry = blocks[b].open_entries = -1;
-        }
-        c->blocks = blocks;
-        c->num_blocks = size;
-    }
-    return &c->blocks[block_id];
+    return &c->blocks[slot_of(block_id)];
 }
 
 static Key *key_of(Core *c, i64 hash_id, int group, int create) {
@@ -405,8 +399,14 @@ static int open_entry(Core *c, int32_t block_id, Block *k, i64 hash_id, int grou
     e->block = block_id;
     e->group = group;
     e->position_class = position_class;
-    e->next_open = k->open_entries;
-    k->open_entries = index;
+    e->open = 1;
+    if (block_id == -1) {  /* any number of keys: chained by key, not by block */
+        e->next_open = id_index_get(&c->unknown_open[group], hash_id);
+        if (id_index_set(&c->unknown_open[group], hash_id, index)) return -1;
+    } else {
+        e->next_open = k->open_entries;
+        k->open_entries = index;
+    }
     k->latest_entry = index;
     k->s_keys++;
     k->s_transient = (char)transient;
@@ -418,7 +418,12 @@ static int open_entry(Core *c, int32_t block_id, Block *k, i64 hash_id, int grou
    after a store closes it), with the transient checkpoints cached just before. */
 static int close_entries(Core *c, Block *k, i64 hash_id, int group, i64 reason) {
     i64 cached = c->s_num_evictable;
+    int32_t unknown = -1;
     int32_t *link = &k->open_entries;
+    if (k == &c->blocks[slot_of(-1)]) {
+        unknown = id_index_get(&c->unknown_open[group], hash_id);
+        link = &unknown;
+    }
     while (*link >= 0) {
         int32_t index = *link;
         Entry *e = &c->entries[index];
@@ -428,9 +433,11 @@ static int close_entries(Core *c, Block *k, i64 hash_id, int group, i64 reason) 
         }
         if (entry_row(c, e, c->seq, c->step, reason, cached)) return -1;
         *link = e->next_open;
+        e->open = 0;
         if (k->latest_entry == index) k->latest_entry = -2;
         if (ivec_push(&c->free_entries, index)) return -1;
     }
+    if (link == &unknown && id_index_clear_one(&c->unknown_open[group], hash_id)) return -1;
     k->s_keys--;
     block_state_changed(c, k);
     return 0;
@@ -759,7 +766,7 @@ static int on_stored(Core *c, i64 block_id, i64 hash_id, i64 group, i64 num_toke
             }
     }
     int transient = kind == c->checkpoint_kind && position_class == c->transient_class;
-    int32_t b = (int32_t)block_id;
+    int32_t b = slot_of(block_id);
     if (transient) {
         k->transient = 1;
         k->t_req = req;
@@ -773,7 +780,7 @@ static int on_stored(Core *c, i64 block_id, i64 hash_id, i64 group, i64 num_toke
         k->in_use = 0;
         evictable_drop(c, b);
     }
-    return open_entry(c, b, k, hash_id, (int)group, position_class, transient);
+    return open_entry(c, (int32_t)block_id, k, hash_id, (int)group, position_class, transient);
 }
 
 static int on_removed(Core *c, i64 block_id, i64 hash_id, i64 group, i64 reason) {
@@ -781,7 +788,7 @@ static int on_removed(Core *c, i64 block_id, i64 hash_id, i64 group, i64 reason)
         return -1;
     Block *k = block_at(c, block_id, "block_removed");
     if (!k) return -1;
-    int32_t b = (int32_t)block_id;
+    int32_t b = slot_of(block_id);
     Key *key = key_of(c, hash_id, (int)group, 1);
     if (!key) return -1;
     if (key->copies > 1) {
@@ -810,7 +817,7 @@ static int on_removed(Core *c, i64 block_id, i64 hash_id, i64 group, i64 reason)
         removal->reason = (int8_t)reason;
         removal->seq = c->seq;
         removal->step = c->step;
-        removal->block = b;
+        removal->block = (int32_t)block_id;
         removal->by_req = NO_REQ;
         if (reason == c->lru_reuse) {
             removal->by_req = c->allocating;
@@ -823,7 +830,7 @@ static int on_removed(Core *c, i64 block_id, i64 hash_id, i64 group, i64 reason)
                         i64 *example = examples->examples[examples->num_examples++];
                         example[0] = c->blocks[o].t_req;
                         example[1] = c->blocks[o].t_position;
-                        example[2] = o;
+                        example[2] = o - 1;  /* its block id */
                     }
                 }
             }
@@ -842,7 +849,7 @@ static int on_taken(Core *c, i64 block_id, int touched) {
     if (!k) return -1;
     if (k->transient) {
         k->in_use = 1;
-        evictable_drop(c, (int32_t)block_id);
+        evictable_drop(c, slot_of(block_id));
     }
     if (touched && k->latest_entry >= 0) {
         Entry *e = &c->entries[k->latest_entry];
@@ -860,7 +867,7 @@ static int on_freed(Core *c, i64 block_id, i64 ref_cnt) {
     if (!k) return -1;
     if (ref_cnt == 0 && k->transient) {
         k->in_use = 0;
-        recheck(c, (int32_t)block_id);
+        recheck(c, slot_of(block_id));
     }
     k->s_in_use = ref_cnt > 0;
     block_state_changed(c, k);
@@ -1203,12 +1210,11 @@ static PyObject *Core_take_tables(Core *c, PyObject *arg) {
 
 /* finish(): the entries still open when the trace ends (never removed) become rows. */
 static PyObject *Core_finish(Core *c, PyObject *unused) {
-    for (Py_ssize_t b = 0; b < c->num_blocks; b++) {
-        Block *k = &c->blocks[b];
-        for (int32_t index = k->open_entries; index >= 0; index = c->entries[index].next_open)
-            if (entry_row(c, &c->entries[index], NONE_VALUE, NONE_VALUE, NONE_VALUE, NONE_VALUE))
-                return NULL;
-        k->open_entries = -1;
+    for (Py_ssize_t index = 0; index < c->num_entries; index++) {
+        Entry *e = &c->entries[index];
+        if (e->open && entry_row(c, e, NONE_VALUE, NONE_VALUE, NONE_VALUE, NONE_VALUE))
+            return NULL;
+        e->open = 0;
     }
     Py_RETURN_NONE;
 }
@@ -1294,7 +1300,8 @@ static int parse_specs(Core *c, PyObject *records) {
    records: per kvtrace.events.RECORD_TYPES kind, (K_* code or -1, the fields the attribution
    reads, whether its rows go to tables, its field kinds, its req field or -1); geometry: None
    (no attribution: a trace without an engine config), or (hash unit, per group whether Mamba,
-   attention groups, Mamba groups, attention block, Mamba block, hit alignment); enums:
+   attention groups, Mamba groups, attention block, Mamba block, hit alignment, the pool's
+   blocks); enums:
    (CHECKPOINT kind, TRANSIENT class, LRU_REUSE, STALE_CHECKPOINT, REKEY, RUNNING queue);
    request: the one request to attribute (None: all). */
 static int Core_init(Core *c, PyObject *args, PyObject *kwargs) {
@@ -1310,10 +1317,22 @@ static int Core_init(Core *c, PyObject *args, PyObject *kwargs) {
     if (c->attribute) {
         PyObject *is_mamba, *attention, *mamba;
         long long unit, attention_block, mamba_block, alignment;
-        if (!PyArg_ParseTuple(geometry, "LO!O!O!LLL", &unit, &PyTuple_Type, &is_mamba,
+        long long num_gpu_blocks;
+        if (!PyArg_ParseTuple(geometry, "LO!O!O!LLLL", &unit, &PyTuple_Type, &is_mamba,
                               &PyTuple_Type, &attention, &PyTuple_Type, &mamba, &attention_block,
-                              &mamba_block, &alignment))
+                              &mamba_block, &alignment, &num_gpu_blocks))
             return -1;
+        if (num_gpu_blocks < 1 || num_gpu_blocks >= MAX_BLOCK_ID) {
+            PyErr_SetString(PyExc_ValueError, "a pool of 1 to 2^31 blocks");
+            return -1;
+        }
+        c->num_blocks = (Py_ssize_t)num_gpu_blocks + 1;  /* the unknown block -1 first */
+        c->blocks = PyMem_Calloc((size_t)c->num_blocks, sizeof(Block));
+        if (!c->blocks) { PyErr_NoMemory(); return -1; }
+        for (Py_ssize_t b = 0; b < c->num_blocks; b++) {
+            c->blocks[b].prev = c->blocks[b].next = -1;
+            c->blocks[b].latest_entry = c->blocks[b].open_entries = -1;
+        }
         if (unit <= 0 || attention_block <= 0 || mamba_block <= 0 || alignment <= 0) {
             PyErr_SetString(PyExc_ValueError, "block sizes must be positive");
             return -1;
@@ -1383,6 +1402,7 @@ static void Core_dealloc(Core *c) {
     PyMem_Free(c->blocks);
     PyMem_Free(c->entries);
     ivec_free(&c->free_entries);
+    for (int g = 0; g < MAX_GROUPS; g++) id_index_clear(&c->unknown_open[g]);
     table_free(&c->rows);
     table_free(&c->entry_rows);
     for (int t = 0; c->tables && t < c->num_tables; t++) table_free(&c->tables[t]);

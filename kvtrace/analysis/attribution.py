@@ -131,7 +131,6 @@ _CHECKPOINT, _TRANSIENT = int(StoreKind.CHECKPOINT), int(CheckpointClass.TRANSIE
 _LRU_REUSE, _STALE_CHECKPOINT = int(RemoveReason.LRU_REUSE), int(RemoveReason.STALE_CHECKPOINT)
 _REKEY = int(RemoveReason.REKEY)
 _RUNNING = int(RequestQueue.RUNNING)
-_MAX_BLOCK_ID = 1 << 31
 
 
 class AttributionError(KvtraceError):
@@ -321,6 +320,7 @@ class MissAttributor:
         self.lookups: list[LookupAttribution] = []
         self.dropped_events = 0
         num_groups = len(config.kv_cache_groups)
+        self.num_blocks = config.num_gpu_blocks
         self.is_mamba = [g.kind == "mamba" for g in config.kv_cache_groups]
         self._copies: list[dict[int, int]] = [{} for _ in range(num_groups)]  # key -> blocks
         # key -> the fields of the Removal that took its last copy (a tuple: one per eviction)
@@ -377,7 +377,7 @@ class MissAttributor:
             values = [c.to_lists() if isinstance(c, ListColumn) else c for c in columns]
             if record_type in _BLOCK_REFERENCES:
                 blocks = np.frombuffer(columns[0], dtype=columns[0].typecode)
-                outside = (blocks < 0) | (blocks >= _MAX_BLOCK_ID)
+                outside = (blocks < -1) | (blocks >= self.num_blocks)
                 if outside.any():
                     self._seq = batch.first_seq + int(
                         np.flatnonzero(kinds == index)[np.argmax(outside)])
@@ -507,9 +507,10 @@ class MissAttributor:
                              f"(0 to {num_groups - 1})")
 
     def _check_block(self, kind: str, block_id: int) -> None:
-        if not 0 <= block_id < _MAX_BLOCK_ID:
-            raise ValueError(f"record {self._seq} ({kind}) names block {block_id}, outside any "
-                             "pool")
+        """-1 is no block a source could name (vLLM's own KV events); the rest, the pool's."""
+        if not -1 <= block_id < self.num_blocks:
+            raise ValueError(f"record {self._seq} ({kind}) names block {block_id}, outside the "
+                             f"header's pool of {self.num_blocks} blocks")
 
     def _check_key(self, kind: str, block_id: int, group: int) -> None:
         self._check_group(kind, group)

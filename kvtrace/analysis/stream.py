@@ -230,7 +230,7 @@ class NativePass:
             shape = attributor.geometry
             geometry = (shape.unit, tuple(map(int, attributor.is_mamba)),
                         shape.attention_groups, shape.mamba_groups, shape.attention_block,
-                        shape.mamba_block, shape.alignment)
+                        shape.mamba_block, shape.alignment, attributor.num_blocks)
         enums = (StoreKind.CHECKPOINT, CheckpointClass.TRANSIENT, RemoveReason.LRU_REUSE,
                  RemoveReason.STALE_CHECKPOINT, RemoveReason.REKEY, RequestQueue.RUNNING)
         self.core = core.ForensicsCore(
