@@ -729,3 +729,32 @@ def test_a_database_of_schema_v2_answers_every_query_as_it_did(seeded_replays, t
                 == sorted(run_query(connection, name).rows, key=repr), name
     finally:
         reopened.close()
+
+
+@needs_the_core
+def test_a_trace_without_block_ids_loads_the_same_on_both_twins(tmp_path, monkeypatch):
+    """vLLM's own KV events name no block (block -1, request -1: `kvtrace capture --zmq`): every
+    key lives on the unknown block, and each removal closes its own key's entry."""
+    from kvtrace.events import BlockRemoved, BlockStored, StepStarted, StoreKind
+
+    config = EngineShape(**SMALL).engine_config(200)
+    header = TraceHeader(kvtrace_version="test", created_ns=0, source="zmq", config=config)
+    records = [StepStarted(0, 0)]
+    for hash_id in range(1, 40):
+        records.append(BlockStored(-1, hash_id, hash_id % 2, 16 * hash_id, StoreKind.FULL, -1))
+        if hash_id % 3 == 0:
+            records.append(BlockRemoved(-1, hash_id - 2, (hash_id - 2) % 2, 16, RemoveReason.UNKNOWN))
+    path = tmp_path / "zmq.kvtrace"
+    write_trace(path, header, records)
+    load_traces([path], tmp_path / "c.duckdb")
+    monkeypatch.setattr(stream, "core", None)
+    load_traces([path], tmp_path / "twins.duckdb")
+    entries = []
+    for name in ("c", "twins"):
+        connection = open_database(tmp_path / f"{name}.duckdb")
+        entries.append(sorted(connection.execute(
+            "SELECT block_id, hash_id, group_id, stored_seq, removed_seq FROM cache_entries"
+            ).fetchall()))
+        connection.close()
+    assert entries[0] == entries[1] and len(entries[0]) == 39
+    assert sum(removed is not None for *_, removed in entries[0]) == 13
