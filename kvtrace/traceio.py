@@ -33,6 +33,7 @@ from __future__ import annotations
 import enum
 import io
 import os
+import stat
 import struct
 import sys
 import time
@@ -302,9 +303,12 @@ def _list_rows(column: ListColumn) -> Iterator[array]:
 
 def _decode_batch(payload: memoryview, first_seq: int) -> tuple[RecordBatch, Counter]:
     raw = _BATCH_DECODER.decode(payload)
-    if len(raw.tags) != len(raw.columns) or (raw.kinds and max(raw.kinds) >= len(raw.tags)):
+    num_tags = len(raw.tags)
+    if (num_tags != len(raw.columns) or num_tags > 256
+            or raw.kinds.translate(None, bytes(range(num_tags)))):
         raise ValueError("batch kinds do not match its tags")
-    counts = Counter(raw.kinds)
+    # Per kind its number of records, counted in C (bytes.count), not byte by byte.
+    counts = [raw.kinds.count(index) for index in range(num_tags)]
     types: list[type[Record] | None] = []
     columns: list[list[Any]] = []
     unknown: Counter = Counter()
@@ -340,7 +344,7 @@ def _check_column_types(record_type: type[Record], columns: list) -> None:
         elif object_type is None:
             fits = isinstance(column, array)
         else:
-            fits = isinstance(column, list) and all(type(v) is object_type for v in column)
+            fits = isinstance(column, list) and set(map(type, column)) <= {object_type}
             if fits and annotation in _TYPED_OBJECT_FIELDS:
                 try:
                     msgspec.convert(column, _TYPED_OBJECT_FIELDS[annotation], strict=True)
@@ -499,6 +503,14 @@ class TraceWriter:
                   for size, chunk in chunks]]))
         self.num_records += num_records
 
+    def write_batch(self, payload: bytes, counts: dict[str, int]) -> None:
+        """Write one batch encoded elsewhere, as ``encode_batch`` encodes it (the model
+        backend's C core writes its records so), with its number of records per tag."""
+        self.flush_batch()
+        self._write_frame(FRAME_BATCH, payload)
+        self.num_records += sum(counts.values())
+        self.counts.update(counts)
+
     def flush_batch(self) -> None:
         """Write all pending records as one batch frame."""
         if self._chunks:
@@ -574,10 +586,13 @@ class TraceReader:
     The header is read on open. Iterate ``batches()`` (columns) or the reader itself (records);
     after the stream ends, ``closing``, ``truncated`` and ``unknown_kinds`` tell how it ended,
     and ``unknown_values`` counts enum values it does not know (kept as ints), by (tag, field,
-    value).
+    value). ``source``: the file already open (the reader reads it from where it stands, and
+    closes it), so that a caller that checked a descriptor reads those very bytes; ``path`` then
+    only names it in messages.
     """
 
     path: str
+    source: BinaryIO | None = field(default=None, repr=False)
     header: TraceHeader = field(init=False)
     closing: TraceClosed | None = field(init=False, default=None)
     truncated: bool = field(init=False, default=False)
@@ -591,14 +606,7 @@ class TraceReader:
     _consumed: bool = field(init=False, default=False)
 
     def __post_init__(self) -> None:
-        try:
-            self._file = open(self.path, "rb")
-        except FileNotFoundError:
-            raise TraceNotFoundError(f"no such trace: {self.path}") from None
-        except IsADirectoryError:
-            raise TraceNotFoundError(f"{self.path} is a directory, not a trace") from None
-        except OSError as error:
-            raise TraceNotFoundError(f"cannot open {self.path}: {error.strerror}") from None
+        self._file = self._open() if self.source is None else self.source
         try:
             self._read_preamble()
             frame = self._next_frame()
@@ -613,6 +621,16 @@ class TraceReader:
         except BaseException:
             self._file.close()
             raise
+
+    def _open(self) -> BinaryIO:
+        try:
+            return open(self.path, "rb")
+        except FileNotFoundError:
+            raise TraceNotFoundError(f"no such trace: {self.path}") from None
+        except IsADirectoryError:
+            raise TraceNotFoundError(f"{self.path} is a directory, not a trace") from None
+        except OSError as error:
+            raise TraceNotFoundError(f"cannot open {self.path}: {error.strerror}") from None
 
     def _read_preamble(self) -> None:
         preamble = self._file.read(_PREAMBLE.size)
@@ -683,8 +701,10 @@ class TraceReader:
                         batch, unknown = decode(body, self.num_records)
                     except (msgspec.DecodeError, msgspec.ValidationError, ValueError, TypeError) as e:
                         raise TraceFormatError(f"{self.path}: undecodable batch ({e})", offset) from None
-                    self.unknown_kinds.update(unknown)
-                    self.unknown_values.update(batch.unknown_values)
+                    if unknown:
+                        self.unknown_kinds.update(unknown)
+                    if batch.unknown_values:
+                        self.unknown_values.update(batch.unknown_values)
                     # A B batch keeps unknown kinds' rows (typeless); an R batch drops them.
                     self.num_records += len(batch) + (
                         unknown.total() if frame_type == FRAME_ROWS else 0)
@@ -716,6 +736,29 @@ class TraceReader:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def open_trace_file(path: str | os.PathLike) -> BinaryIO:
+    """``path`` opened once, for a command that reads everything of a trace from one descriptor
+    (its digest and its records): a regular file, else refused (a FIFO would block or change
+    between reads, a device never end). Opened without blocking on a FIFO, checked on the
+    descriptor, so the file checked is the file read."""
+    path = os.fspath(path)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise TraceNotFoundError(f"no such trace: {path}") from None
+    except OSError as error:
+        raise TraceNotFoundError(f"cannot open {path}: {error.strerror}") from None
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        if stat.S_ISDIR(mode):
+            raise TraceNotFoundError(f"{path} is a directory, not a trace")
+        raise TraceNotFoundError(f"{path} is not a regular file (a FIFO, socket or device)",
+                                 "Save the stream to a file first.")
+    os.set_blocking(fd, True)
+    return os.fdopen(fd, "rb")
 
 
 def read_records(path: str | os.PathLike) -> tuple[TraceReader, list[Record]]:

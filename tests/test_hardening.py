@@ -575,3 +575,77 @@ def test_a_database_without_kvtrace_columns_is_one_error(tmp_path):
     with duckdb.connect(str(db)) as connection:
         connection.execute("CREATE TABLE kvtrace_meta (k INTEGER)")
     assert_error(run("sql", db, "SELECT 1"), "not a kvtrace forensics database")
+
+
+# --- h22: issue #24 items 8 (load's memory) and 9 (records the header contradicts) -------------
+# (a block of its own, apart from the rest of this suite, to ease merging)
+
+from kvtrace.events import (  # noqa: E402 (this block's own)
+    BlockAllocated,
+    BlockStored,
+    CheckpointClass,
+    CheckpointRecorded,
+    RemoveReason,
+    StoreKind,
+)
+
+
+def one_record_frames(path: Path, count: int) -> Path:
+    """A trace of ``count`` frames of one record each (a writer flushing every record)."""
+    with TraceWriter(path, header(), batch_size=1) as writer:
+        for index in range(count):
+            writer.write(BlockAllocated(1 + index % 150, index // 8))
+    return path
+
+
+def test_h8_loading_many_one_record_frames_holds_bounded_memory(tmp_path):
+    """#24 item 8: a million one-record frames took 3.6 GB (a numpy chunk kept per frame). Rows
+    now gather in fixed-size column buffers: the load's peak memory is that of a process that
+    loads a small trace, whatever the number of frames (200,000 frames would have taken about
+    720 MB)."""
+    peaks = {}
+    for count in (2_000, 200_000):
+        path = one_record_frames(tmp_path / f"one{count}.kvtrace", count)
+        child = subprocess.run(
+            [sys.executable, "-c", "import resource, sys; from kvtrace.cli import main; "
+             "sys.argv = ['kvtrace', 'load', sys.argv[1], '-o', sys.argv[2]]\n"
+             "try:\n    main()\nexcept SystemExit:\n    pass\n"
+             "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)",
+             str(path), str(tmp_path / f"one{count}.duckdb")],
+            capture_output=True, text=True, check=True)
+        assert f"loaded {count} records" in child.stdout, child.stdout + child.stderr
+        peaks[count] = int(child.stdout.split()[-1]) * 1024
+    assert peaks[200_000] < peaks[2_000] + 100 * 2**20, peaks
+
+
+@pytest.mark.parametrize("core", ["C core", "Python twins"])
+@pytest.mark.parametrize("group", [2, 7, -1])
+def test_h9_a_record_naming_a_group_the_header_lacks_is_refused(tmp_path, monkeypatch, core,
+                                                                  group):
+    """#24 item 9: a group id past the header's groups was an IndexError traceback in load and
+    why; a negative one was attributed to the wrong group (Python's negative indexing). Both
+    are refused, with the record and the groups the header has."""
+    from kvtrace.analysis import stream
+
+    if core == "C core" and stream.core is None:
+        pytest.skip("kvtrace's C core is not built here (no C compiler at install)")
+    if core == "Python twins":
+        monkeypatch.setattr(stream, "core", None)
+    path = trace(tmp_path / "bad.kvtrace", [
+        StepStarted(0, 0), BlockAllocated(3, 0),
+        BlockStored(block_id=3, hash_id=5, group=group, num_tokens=16, kind=StoreKind.FULL,
+                    req=0)])
+    message = (f"record 2 (block_stored) names KV-cache group {group}, but the header has 2 "
+               "groups (0 to 1)")
+    assert_error(run("load", path, "-o", tmp_path / "bad.duckdb"), message)
+    assert not (tmp_path / "bad.duckdb").exists()
+    assert_error(run("why", path, "-r", "0"), message)
+
+
+def test_h9_a_checkpoint_or_a_removal_naming_a_group_the_header_lacks_is_refused(tmp_path):
+    for record, kind in ((BlockRemoved(3, 5, 4, 16, RemoveReason.LRU_REUSE), "block_removed"),
+                         (CheckpointRecorded(0, -2, 16, 0, CheckpointClass.TRANSIENT),
+                          "checkpoint_recorded")):
+        path = trace(tmp_path / f"{kind}.kvtrace", [StepStarted(0, 0), record])
+        assert_error(run("load", path, "-o", tmp_path / "bad.duckdb"),
+                     f"record 1 ({kind}) names KV-cache group")

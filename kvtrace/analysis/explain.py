@@ -67,6 +67,8 @@ def describe(path: str, header: TraceHeader, lookups: list[LookupAttribution], *
 
 def _describe_lookup(lookup: LookupAttribution, config) -> list[str]:
     kind = "first admission" if lookup.lookup == 1 else f"resumption {lookup.lookup - 1}"
+    if lookup.in_flight:
+        kind += ", in flight when the capture began"
     query = "prompt" if lookup.lookup == 1 else "tokens so far"
     lines = [f"lookup {lookup.lookup} ({kind}) at step {lookup.step}: "
              f"{lookup.query_tokens:,} {query} tokens",

@@ -9,7 +9,9 @@ adding a line to ``BACKENDS``, without touching the driver.
 
 A replay that writes no trace wants only its ``ReplaySummary``: ``open_counting_backend`` gives
 it a backend that counts the summary's figures itself and makes no record, where the backend
-can (``COUNTING_BACKENDS``); any other backend feeds the summary its records.
+can (``COUNTING_BACKENDS``); any other backend feeds the summary its records. A replay that
+writes its trace and nothing else gets ``open_writing_backend``: the backend writes the records
+and counts the summary itself where it can (``WRITING_BACKENDS``).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from kvtrace.events import EngineConfig, FinishStatus, Record
 if TYPE_CHECKING:
     from kvtrace.replay.run import ReplaySummary
     from kvtrace.replay.snapshot import StartSnapshot
+    from kvtrace.traceio import TraceWriter
 
 RecordSink = Callable[[Record], None]
 
@@ -133,6 +136,11 @@ BACKENDS: dict[str, str] = {
 COUNTING_BACKENDS: dict[str, str] = {
     "model": "kvtrace.replay.model:open_counting_model_backend",
 }
+# Backends that can write a replay's trace themselves (and count its summary from what they
+# write): name -> "module:factory" of (config, variant, writer, summary).
+WRITING_BACKENDS: dict[str, str] = {
+    "model": "kvtrace.replay.model:open_writing_model_backend",
+}
 
 
 def _factory(location: str):
@@ -146,6 +154,20 @@ def open_backend(name: str, config: EngineConfig, variant: str, sink: RecordSink
     ``snapshot``'s state when one is given."""
     factory: BackendFactory = _factory(BACKENDS[name])
     return factory(config, variant, sink, snapshot)
+
+
+def open_writing_backend(name: str, config: EngineConfig, variant: str, writer: TraceWriter,
+                         summary: ReplaySummary,
+                         snapshot: StartSnapshot | None = None) -> CacheBackend:
+    """A new backend ``name`` whose replay is written to ``writer`` and counted into
+    ``summary``: by the backend itself where it can, else record by record through both."""
+    if name in WRITING_BACKENDS:
+        return _factory(WRITING_BACKENDS[name])(config, variant, writer, summary, snapshot)
+
+    def sink(record: Record) -> None:
+        writer.write(record)
+        summary(record)
+    return open_backend(name, config, variant, sink, snapshot)
 
 
 def open_counting_backend(name: str, config: EngineConfig, variant: str,

@@ -63,7 +63,12 @@ from kvtrace.events import (
     enum_label,
 )
 from kvtrace.geometry.cost import DEFAULT_GPU, CostModel, cost_model, gpu_throughput
-from kvtrace.replay.backend import BACKENDS, open_backend, open_counting_backend
+from kvtrace.replay.backend import (
+    BACKENDS,
+    open_backend,
+    open_counting_backend,
+    open_writing_backend,
+)
 from kvtrace.replay.execute import ExecuteOptions
 from kvtrace.replay.scheduler import Arrival, InFlight, Scheduler, arrivals_of
 from kvtrace.replay.captured import CaptureEnds, StepCosts, StepFit
@@ -505,10 +510,15 @@ def _run_variant(path: str, header: TraceHeader, backend_name: str, config: Engi
         if snapshot is not None:  # a replay trace starts where its source did
             for record in snapshot.records():
                 sink(record)
-        # Nothing but the summary wants the records: a counting backend makes none.
-        opened = (open_counting_backend(backend_name, config, variant, summary, snapshot)
-                  if sink is summary
-                  else open_backend(backend_name, config, variant, sink, snapshot))
+        # Nothing but the summary wants the records: a counting backend makes none; nothing but
+        # the trace and the summary: a writing backend writes and counts them itself.
+        if sink is summary:
+            opened = open_counting_backend(backend_name, config, variant, summary, snapshot)
+        elif writer is not None and not keep_records and engine is None:
+            opened = open_writing_backend(backend_name, config, variant, writer, summary,
+                                          snapshot)
+        else:
+            opened = open_backend(backend_name, config, variant, sink, snapshot)
         with opened as backend, engine or contextlib.nullcontext():
             started = time.perf_counter()
             if mode == "lockstep":
