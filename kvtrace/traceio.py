@@ -532,14 +532,21 @@ class TraceWriter:
         self.closed = True
 
     def abandon(self) -> None:
-        """Stop without a closing frame; an atomic writer removes its partial file."""
+        """Stop without a closing frame; an atomic writer removes its partial file. The
+        buffered tail of a file being thrown away may fail to flush (the disk that filled up
+        and failed the write); that must not keep the partial file from being removed."""
         if self.closed:
             return
         self.closed = True
-        if self._owns_file:
-            self._file.close()
-        if self._staged is not None:
-            self._staged.discard()
+        try:
+            if self._owns_file:
+                self._file.close()
+        except OSError:
+            if self._staged is None:
+                raise  # a kept trace whose tail is lost: the caller must hear of it
+        finally:
+            if self._staged is not None:
+                self._staged.discard()
 
     def __enter__(self) -> TraceWriter:
         return self
