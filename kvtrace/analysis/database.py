@@ -35,6 +35,7 @@ import os
 import typing
 
 from kvtrace.analysis.attribution import ROW_COLUMNS
+from kvtrace.analysis.sql_access import connect
 from kvtrace.errors import KvtraceError
 from kvtrace.events import RECORD_TYPES, tag_of
 
@@ -290,15 +291,18 @@ def build_derived_tables(connection) -> None:
         connection.execute(f"CREATE OR REPLACE TABLE {name} AS {body}")
 
 
-def open_database(path: str | os.PathLike, *, read_only: bool = True):
-    """Open a forensics DB, refusing a missing file, a non-kvtrace file and a newer schema."""
+def open_database(path: str | os.PathLike, *, read_only: bool = True, unsafe: bool = False,
+                  writable_dirs: tuple[str, ...] = ()):
+    """Open a forensics DB, refusing a missing file, a non-kvtrace file and a newer schema.
+    Its SQL reaches nothing outside it (``sql_access``; ``unsafe`` lifts that)."""
     import duckdb
 
     path = os.fspath(path)
     if not os.path.isfile(path):
         raise DatabaseError(f"no such database: {path}")
     try:
-        connection = duckdb.connect(path, read_only=read_only)
+        connection = connect(path, read_only=read_only, unsafe=unsafe,
+                             writable_dirs=writable_dirs)
     except duckdb.Error as error:
         raise DatabaseError(f"cannot open {path} as a DuckDB database: {_first_line(error)}") from None
     try:
