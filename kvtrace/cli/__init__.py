@@ -43,13 +43,26 @@ class Terminated(KeyboardInterrupt):
     capture disarms, a replay removes its partial outputs) before kvtrace exits 143."""
 
 
+# The stop signals this process received. A library may turn the exception a signal raised
+# into one of its own (DuckDB: "Query interrupted"); a failure after one is the stop's.
+_stop_signals: list[int] = []
+
+
 def _terminate(signum, frame) -> None:
+    _stop_signals.append(signum)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second one must not cut the clean-up
     raise Terminated
 
 
+def _interrupt(signum, frame) -> None:
+    _stop_signals.append(signum)
+    raise KeyboardInterrupt
+
+
 class KvtraceGroup(click.Group):
-    """Loads command modules lazily and turns ``KvtraceError`` into two stderr lines."""
+    """Loads command modules lazily and turns ``KvtraceError`` (and a full disk met inside a
+    library: ``files.write_failure``) into two stderr lines, and a stop by SIGTERM or SIGINT,
+    whatever exception it became, into ``stopped by ...`` and exit 143 or 130."""
 
     def list_commands(self, ctx: click.Context) -> list[str]:
         return list(COMMAND_MODULES.values())
@@ -63,16 +76,34 @@ class KvtraceGroup(click.Group):
     def invoke(self, ctx: click.Context):
         try:
             return super().invoke(ctx)
-        except KvtraceError as error:
-            verbosity = ctx.obj.get("verbose", 0) if isinstance(ctx.obj, dict) else 0
-            if verbosity >= 2:
-                traceback.print_exc()
-            click.echo(f"kvtrace: error: {error}", err=True)
-            click.echo(f"kvtrace: hint: {error.hint}", err=True)
-            ctx.exit(error.exit_code)
-        except Terminated:
-            click.echo("kvtrace: stopped by SIGTERM", err=True)
-            ctx.exit(128 + signal.SIGTERM)
+        except (click.exceptions.Exit, click.Abort, click.ClickException):
+            raise
+        except (Exception, KeyboardInterrupt) as error:
+            signum = signal.SIGTERM if isinstance(error, Terminated) else (
+                _stop_signals[0] if _stop_signals else None)
+            if signum is not None:  # whatever the stop turned into on its way out
+                click.echo(f"kvtrace: stopped by {signal.Signals(signum).name}", err=True)
+                ctx.exit(128 + signum)
+            if isinstance(error, KeyboardInterrupt):
+                raise
+            from kvtrace.files import write_failure
+
+            failure = error if isinstance(error, KvtraceError) else write_failure(error)
+            if failure is None:
+                raise
+            self._report(ctx, failure)
+
+    @staticmethod
+    def _report(ctx: click.Context, error: KvtraceError) -> None:
+        """Two lines on stderr, what failed and what to do, shown inert (they quote input)."""
+        from kvtrace.cli.common import terminal_safe
+
+        verbosity = ctx.obj.get("verbose", 0) if isinstance(ctx.obj, dict) else 0
+        if verbosity >= 2:
+            traceback.print_exc()
+        click.echo(terminal_safe(f"kvtrace: error: {error}"), err=True)
+        click.echo(terminal_safe(f"kvtrace: hint: {error.hint}"), err=True)
+        ctx.exit(error.exit_code)
 
 
 @click.group(cls=KvtraceGroup, context_settings={"help_option_names": ["-h", "--help"]})
@@ -100,6 +131,7 @@ def verbosity() -> int:
 def main(argv: list[str] | None = None) -> None:
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _terminate)
+        signal.signal(signal.SIGINT, _interrupt)
     cli.main(args=argv, prog_name="kvtrace")
 
 

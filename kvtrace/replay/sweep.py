@@ -19,12 +19,15 @@ grid order. A worker reads the source once and keeps it for the tasks that follo
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
+import signal
 import socket
 import tempfile
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from math import ceil
 from typing import Any
@@ -295,26 +298,85 @@ def _run_in_processes(plan: SweepPlan, jobs: int,
                       finished: Callable[[SweepTask, dict[str, Any]], None]) -> str:
     """``jobs`` worker processes, forked once this one has read the source and built a backend
     (importing vLLM takes seconds), so that workers start with both; spawned where there is
-    no fork (they then read and import once each)."""
+    no fork (they then read and import once each). The workers live only as long as the
+    sweep: stopped when it fails or is stopped, killed with it if it is killed."""
     import multiprocessing
-    from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 
     method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
     if method == "fork":
         _warm_up(plan)
-    with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context(method)) as pool:
-        pending = {pool.submit(run_configuration, plan.source, plan.digest, plan.backend, task):
-                   task for task in plan.tasks}
-        try:
-            while pending:
-                done, _ = wait(pending, return_when=FIRST_COMPLETED)
-                for future in done:
-                    finished(pending.pop(future), future.result())
-        except BaseException:
-            for future in pending:
-                future.cancel()
-            raise
+    pool = None
+    try:
+        with _stop_signals_deferred():
+            pool = multiprocessing.get_context(method).Pool(
+                jobs, initializer=_become_worker, initargs=(os.getpid(),))
+        for index, row in pool.imap_unordered(
+                _run_task, [(plan.source, plan.digest, plan.backend, task) for task in plan.tasks]):
+            finished(plan.tasks[index], row)
+    except BaseException:
+        if pool is not None:
+            pool.terminate()
+        raise
+    finally:
+        if pool is not None:
+            pool.close()
+            pool.join()
     return f"{jobs} local processes"
+
+
+def _run_task(arguments: tuple[str, str, str, SweepTask]) -> tuple[int, dict[str, Any]]:
+    """A worker's task: one configuration, and its place in the grid."""
+    task = arguments[-1]
+    return task.index, run_configuration(*arguments)
+
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+_deferred_signals: list[int] = []  # stop signals heard while workers were being forked
+
+
+def _defer(signum: int, _frame: Any) -> None:
+    _deferred_signals.append(signum)
+
+
+@contextlib.contextmanager
+def _stop_signals_deferred() -> Iterator[None]:
+    """Hold SIGTERM and SIGINT while the workers are forked, and deliver them after. Raised
+    there, the exception of a stop lands in fork's at-fork handlers, which swallow it: the
+    sweep went on and exited 0, and a second SIGTERM was ignored."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {signum: signal.signal(signum, _defer) for signum in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        heard, _deferred_signals[:] = list(_deferred_signals), []
+        for signum in heard:
+            signal.raise_signal(signum)  # to the handler it was meant for, in plain code
+
+
+def _become_worker(parent: int) -> None:
+    """A worker's start: it dies with its parent (even a SIGKILLed one), takes SIGTERM's
+    default action (the pool stops it so), and leaves Ctrl-C to its parent."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _die_with_parent()
+    if _deferred_signals or os.getppid() != parent:  # stopped, or orphaned, while forked
+        os._exit(1)
+
+
+def _die_with_parent() -> None:
+    """Linux's PR_SET_PDEATHSIG: SIGKILL this process when its parent exits."""
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(pr_set_pdeathsig, int(signal.SIGKILL), 0, 0, 0)
+    except (OSError, AttributeError):
+        pass  # not Linux: the pool still stops its workers when the sweep ends or fails
 
 
 def _warm_up(plan: SweepPlan) -> None:
@@ -328,9 +390,10 @@ def _warm_up(plan: SweepPlan) -> None:
 
 
 def _check_listening(address: str) -> None:
-    """Ray retries a ``HOST:PORT`` where nothing listens for minutes: try it first, briefly."""
-    host, _, port = address.rpartition(":")
-    if not host or not port.isdigit() or "://" in address:
+    """Ray retries a ``HOST:PORT`` (or ``ray://HOST:PORT``, its client) where nothing listens
+    for a minute or more: try it first, briefly."""
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    if not host or not port.isdigit() or "://" in host:
         return  # auto, or a form Ray itself refuses at once
     try:
         socket.create_connection((host, int(port)), timeout=5).close()
@@ -350,6 +413,7 @@ def _run_on_ray(plan: SweepPlan, address: str, jobs: int,
                            ) from None
     started_here = not ray.is_initialized()
     if started_here:
+        handlers = {signum: signal.getsignal(signum) for signum in STOP_SIGNALS}
         try:
             if address == "local":
                 ray.init(num_cpus=jobs, include_dashboard=False, log_to_driver=False)
@@ -360,6 +424,11 @@ def _run_on_ray(plan: SweepPlan, address: str, jobs: int,
             raise KvtraceError(f"cannot connect to Ray at {address}: {error}",
                                "Start a cluster (ray start --head), give its address, or use "
                                "--ray local.") from None
+        finally:  # Ray's driver takes SIGTERM (exit 15, its instance left running): back
+            if threading.current_thread() is threading.main_thread():
+                for signum, handler in handlers.items():
+                    if handler is not None:
+                        signal.signal(signum, handler)
     try:
         with open(plan.source, "rb") as file:
             data = ray.put(file.read())
