@@ -19,8 +19,8 @@ output appears whole or not at all, and a file that cannot be read or written is
   the work that produces it.
 * ``require_regular_file(path, why)``: a FIFO or a device is refused where a command must read
   a file more than once; ``file_digest(path)`` identifies a file's content.
-* ``write_failure(error)``: a library's error for a full disk (or a read-only or failing file
-  system) as one ``OutputError``, for the errors that surface outside kvtrace's own writes.
+* ``write_failure(error)``: a library's error for a full disk (or a read-only file system) as
+  one ``OutputError``, for the errors that surface outside kvtrace's own writes.
 
 Imports: the standard library and ``kvtrace.errors`` only (the trace writer uses it).
 """
@@ -58,7 +58,7 @@ _KINDS = {stat.S_IFLNK: "a symbolic link", stat.S_IFCHR: "a character device",
           stat.S_IFBLK: "a block device", stat.S_IFIFO: "a FIFO", stat.S_IFSOCK: "a socket",
           stat.S_IFDIR: "a directory"}
 # Errors of a write that no path or option can fix here: the file system refused the bytes.
-_WRITE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EIO}
+_WRITE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS}
 _WRITE_ERROR_TEXTS = tuple(os.strerror(code) for code in sorted(_WRITE_ERRNOS))
 
 
@@ -82,7 +82,7 @@ def existing_output(path: str | os.PathLike, option: str = "") -> os.stat_result
         raise OutputError(f"{label} is a directory", f"Give {option or 'the output'} a file name.")
     raise OutputError(f"{label} is {kind}: kvtrace replaces only regular files, never a link, "
                       "a device, a FIFO or a socket",
-                      "Give a new path or a regular file's (for a link: the path it points to).")
+                      "Give a path that is new or a regular file (for a link: the file it points to).")
 
 
 @contextlib.contextmanager
@@ -125,7 +125,7 @@ def _changed_in_place(before: os.stat_result | None, now: os.stat_result | None)
 
 
 def write_failure(error: BaseException) -> OutputError | None:
-    """A write refused by the file system (full, over quota, read-only, failing), met inside a
+    """A write refused by the file system (full, over quota, read-only), met inside a
     library (DuckDB, a buffered file's flush), as one ``OutputError``; None for anything
     else."""
     if isinstance(error, OSError) and error.errno in _WRITE_ERRNOS:

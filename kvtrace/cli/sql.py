@@ -61,6 +61,12 @@ def command(db, statement, query_name, params, list_queries, output_format, unsa
             result = run_query(connection, query_name, values)
         else:
             result = execute(connection, statement)
+    except QueryError as error:
+        if "disabled by configuration" in str(error) or "disabled through configuration" in str(
+                error):
+            error.hint = ("kvtrace sql reaches only DB: no file, network or extension. For a "
+                          "database you trust, --unsafe lifts that.")
+        raise
     finally:
         connection.close()
     text = format_result(result, output_format or "table")
