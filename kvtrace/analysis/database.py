@@ -327,9 +327,14 @@ def open_database(path: str | os.PathLike, *, read_only: bool = True, unsafe: bo
             hint="Upgrade kvtrace (pip install -U kvtrace), or re-create the database with this "
             "kvtrace: `kvtrace load TRACE ... -o DB.duckdb`.",
         )
-    if int(version[0]) < ATTRIBUTION_SCHEMA_VERSION:
-        _stand_in_for_attribution(connection, path, int(version[0]))
-    create_macros(connection)
+    try:
+        if int(version[0]) < ATTRIBUTION_SCHEMA_VERSION:
+            _stand_in_for_attribution(connection, path, int(version[0]))
+        create_macros(connection)
+    except duckdb.Error as error:  # views of its own that do not bind: not kvtrace's
+        connection.close()
+        raise DatabaseError(f"{path} cannot be read as a kvtrace database: "
+                            f"{_first_line(error)}") from None
     return connection
 
 

@@ -16,9 +16,13 @@ opens the database without the limits (docs/security.md).
 
 from __future__ import annotations
 
+import contextlib
 import os
+import weakref
 from collections.abc import Iterable
 
+# Every connection ``connect`` opened and not yet freed: what ``interrupt_all`` stops.
+_connections: weakref.WeakSet = weakref.WeakSet()
 # Settings DuckDB takes only at start-up.
 _STARTUP = {"autoload_known_extensions": False, "autoinstall_known_extensions": False,
             "allow_community_extensions": False}
@@ -41,8 +45,11 @@ def connect(path: str, *, read_only: bool = True, unsafe: bool = False,
     import duckdb
 
     if unsafe:
-        return duckdb.connect(path, read_only=read_only)
+        connection = duckdb.connect(path, read_only=read_only)
+        _connections.add(connection)
+        return connection
     connection = duckdb.connect(path, read_only=read_only, config=dict(_STARTUP))
+    _connections.add(connection)
     try:
         # allowed_directories can be set only once the database runs, and only while
         # external access is still on: the order matters.
@@ -56,3 +63,11 @@ def connect(path: str, *, read_only: bool = True, unsafe: bool = False,
         connection.close()
         raise
     return connection
+
+
+def interrupt_all() -> None:
+    """Interrupt the query of every connection ``connect`` opened (a stop signal): DuckDB then
+    stops at once, rather than let its workers finish the tasks in hand first."""
+    for connection in list(_connections):
+        with contextlib.suppress(Exception):  # closed already
+            connection.interrupt()

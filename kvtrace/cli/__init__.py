@@ -49,14 +49,22 @@ _stop_signals: list[int] = []
 
 
 def _terminate(signum, frame) -> None:
-    _stop_signals.append(signum)
+    _stop(signum)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second one must not cut the clean-up
     raise Terminated
 
 
 def _interrupt(signum, frame) -> None:
-    _stop_signals.append(signum)
+    _stop(signum)
     raise KeyboardInterrupt
+
+
+def _stop(signum: int) -> None:
+    """Record a stop, and interrupt the DuckDB queries running (if DuckDB is in use)."""
+    _stop_signals.append(signum)
+    queries = sys.modules.get("kvtrace.analysis.sql_access")
+    if queries is not None:
+        queries.interrupt_all()
 
 
 class KvtraceGroup(click.Group):
