@@ -39,6 +39,7 @@ from test_replay_cli import hot_prefix_workload
 
 from kvtrace.cli import cli
 from kvtrace.events import BlockRemoved, ReplayInfo, StepStarted
+from kvtrace.replay.sweep import _descendants
 from kvtrace.traceio import TraceWriter, read_records
 
 KVTRACE = [str(Path(sys.executable).with_name("kvtrace"))]  # the console script
@@ -722,24 +723,6 @@ def sweep_process(source: Path, out: Path, *extra: str) -> subprocess.Popen:
                             text=True, start_new_session=True)
 
 
-def descendants(pid: int) -> list[int]:
-    """Every process below ``pid`` (its children, theirs, ...)."""
-    parent_of = {}
-    for entry in Path("/proc").iterdir():
-        try:
-            if entry.name.isdigit():
-                parent_of[int(entry.name)] = int(
-                    (entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError):
-            pass
-    found, frontier = [], [pid]
-    while frontier:
-        below = [child for child, parent in parent_of.items() if parent in frontier]
-        found += below
-        frontier = below
-    return found
-
-
 def command_line(pid: int) -> str:
     try:
         return Path(f"/proc/{pid}/cmdline").read_text(errors="replace")
@@ -782,7 +765,7 @@ def test_r4_sweep_workers_stop_with_the_sweep(tmp_path, mooncake_workload, stop,
     exited 0), and a SIGKILLed sweep left its workers blocked at 430 MB each, forever."""
     process = sweep_process(mooncake_workload, tmp_path / "sweep", "-j", "2")
     deadline = time.monotonic() + 300
-    while len(workers := descendants(process.pid)) < 2:
+    while len(workers := _descendants(process.pid)) < 2:
         assert process.poll() is None and time.monotonic() < deadline, process.stderr.read()
         time.sleep(0.01)
     time.sleep(after)
@@ -805,11 +788,11 @@ def test_r4_sweep_on_a_local_ray_stops_with_its_instance(tmp_path):
     source = trace(tmp_path / "big.kvtrace", requests(3000))
     process = sweep_process(source, tmp_path / "sweep", "--ray", "local", "-j", "2")
     deadline = time.monotonic() + 300
-    while not any("raylet" in command_line(pid) for pid in descendants(process.pid)):
+    while not any("raylet" in command_line(pid) for pid in _descendants(process.pid)):
         assert process.poll() is None and time.monotonic() < deadline, process.stderr.read()
         time.sleep(0.2)
-    time.sleep(2)  # its tasks running
-    ray_processes = descendants(process.pid)
+    time.sleep(2)  # Ray still starting (its handler in place), or running the tasks
+    ray_processes = _descendants(process.pid)
     process.send_signal(signal.SIGTERM)
     assert process.wait(60) == 128 + signal.SIGTERM  # Ray's own handler exited 15
     assert "kvtrace: stopped by SIGTERM" in process.stderr.read()

@@ -412,24 +412,9 @@ def _run_on_ray(plan: SweepPlan, address: str, jobs: int,
                            "pip install 'kvtrace[ray]', or drop --ray to use local processes."
                            ) from None
     started_here = not ray.is_initialized()
-    if started_here:
-        handlers = {signum: signal.getsignal(signum) for signum in STOP_SIGNALS}
-        try:
-            if address == "local":
-                ray.init(num_cpus=jobs, include_dashboard=False, log_to_driver=False)
-            else:
-                _check_listening(address)
-                ray.init(address=address, log_to_driver=False)
-        except (ConnectionError, RuntimeError, ValueError) as error:
-            raise KvtraceError(f"cannot connect to Ray at {address}: {error}",
-                               "Start a cluster (ray start --head), give its address, or use "
-                               "--ray local.") from None
-        finally:  # Ray's driver takes SIGTERM (exit 15, its instance left running): back
-            if threading.current_thread() is threading.main_thread():
-                for signum, handler in handlers.items():
-                    if handler is not None:
-                        signal.signal(signum, handler)
     try:
+        if started_here:
+            _connect_to_ray(ray, address, jobs)
         with open(plan.source, "rb") as file:
             data = ray.put(file.read())
         remote = ray.remote(num_cpus=1)(run_configuration)
@@ -454,6 +439,70 @@ def _run_on_ray(plan: SweepPlan, address: str, jobs: int,
             return "the connected Ray cluster"
         return "a local Ray instance" if address == "local" else f"Ray at {address}"
     finally:
-        if started_here:
-            ray.shutdown()
+        if started_here:  # an instance started here, even half-way, is shut down
+            _shut_down_ray(ray)
 
+
+def _connect_to_ray(ray: Any, address: str, jobs: int) -> None:
+    """``ray.init`` for ``address``, leaving this process's stop handlers as they were: Ray's
+    driver takes SIGTERM for itself (``sys.exit(15)``, its instance left running a minute)."""
+    handlers = {signum: signal.getsignal(signum) for signum in STOP_SIGNALS}
+    main_thread = threading.current_thread() is threading.main_thread()
+    try:
+        if address == "local":
+            ray.init(num_cpus=jobs, include_dashboard=False, log_to_driver=False)
+        else:
+            _check_listening(address)
+            ray.init(address=address, log_to_driver=False)
+    except (ConnectionError, RuntimeError, ValueError) as error:
+        raise KvtraceError(f"cannot connect to Ray at {address}: {error}",
+                           "Start a cluster (ray start --head), give its address, or use "
+                           "--ray local.") from None
+    except SystemExit as stop:  # a SIGTERM that Ray's handler heard while starting
+        if stop.code != signal.SIGTERM or not main_thread:
+            raise
+        _restore(handlers)
+        signal.raise_signal(signal.SIGTERM)  # to the handler it was meant for
+        raise
+    finally:
+        if main_thread:
+            _restore(handlers)
+
+
+def _restore(handlers: dict[int, Any]) -> None:
+    for signum, handler in handlers.items():
+        if handler is not None:
+            signal.signal(signum, handler)
+
+
+def _shut_down_ray(ray: Any) -> None:
+    """``ray.shutdown()``, then SIGKILL for what it left of the processes this one started:
+    an instance stopped while it started (SIGTERM inside ``ray.init``) left its dashboard and
+    runtime-env agents running, orphaned, for minutes. The processes are held by pidfd from
+    before the shutdown, so that no pid reused meanwhile is hit."""
+    handles = []
+    for pid in _descendants(os.getpid()):
+        with contextlib.suppress(OSError):  # gone already
+            handles.append(os.pidfd_open(pid))
+    try:
+        ray.shutdown()
+    finally:
+        for handle in handles:
+            with contextlib.suppress(OSError):  # gone as it should be
+                signal.pidfd_send_signal(handle, signal.SIGKILL)
+            os.close(handle)
+
+
+def _descendants(pid: int) -> list[int]:
+    """The processes below ``pid``, from /proc."""
+    parent_of = {}
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError, IndexError, ValueError):
+                with open(os.path.join(entry.path, "stat")) as stat:
+                    parent_of[int(entry.name)] = int(stat.read().rsplit(")", 1)[1].split()[1])
+    found, frontier = [], {pid}
+    while frontier:
+        frontier = {child for child, parent in parent_of.items() if parent in frontier}
+        found += frontier
+    return found
