@@ -3,7 +3,7 @@ reading the same trace.
 
 Give it a replay output (e.g. the Mooncake synthetic trace replayed on the real vLLM cache):
 
-    .venv/bin/kvtrace import mooncake ../shared/data/mooncake/synthetic_trace.jsonl -o m.kvtrace
+    .venv/bin/kvtrace import mooncake data/mooncake/synthetic_trace.jsonl -o m.kvtrace
     .venv/bin/kvtrace replay m.kvtrace --variant unfixed -o runs/
     .venv/bin/python benchmarks/attribution.py runs/m.unfixed.kvtrace [--repeats 3] [--load]
 

@@ -55,7 +55,7 @@ from kvtrace.workloads.mooncake import import_mooncake
 from kvtrace.workloads.workload import EngineShape, write_workload
 
 TARGET = 20.0
-MOONCAKE_LOG = (Path(__file__).resolve().parents[2] / "shared" / "data" / "mooncake"
+MOONCAKE_LOG = (Path(__file__).resolve().parents[1] / "data" / "mooncake"
                 / "synthetic_trace.jsonl")
 BACKENDS = ("vllm", "model")
 MODES = ("cache", "summary", "replay")

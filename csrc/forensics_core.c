@@ -1323,7 +1323,7 @@ static int Core_init(Core *c, PyObject *args, PyObject *kwargs) {
                               &mamba_block, &alignment, &num_gpu_blocks))
             return -1;
         if (num_gpu_blocks < 1 || num_gpu_blocks >= MAX_BLOCK_ID) {
-            PyErr_SetString(PyExc_ValueError, "a pool of 1 to 2^31 blocks");
+            PyErr_SetString(PyExc_ValueError, "its pool must hold 1 to 2^31 - 1 blocks");
             return -1;
         }
         c->num_blocks = (Py_ssize_t)num_gpu_blocks + 1;  /* the unknown block -1 first */

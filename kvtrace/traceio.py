@@ -553,14 +553,21 @@ class TraceWriter:
         self.closed = True
 
     def abandon(self) -> None:
-        """Stop without a closing frame; an atomic writer removes its partial file."""
+        """Stop without a closing frame; an atomic writer removes its partial file. The
+        buffered tail of a file being thrown away may fail to flush (the disk that filled up
+        and failed the write); that must not keep the partial file from being removed."""
         if self.closed:
             return
         self.closed = True
-        if self._owns_file:
-            self._file.close()
-        if self._staged is not None:
-            self._staged.discard()
+        try:
+            if self._owns_file:
+                self._file.close()
+        except OSError:
+            if self._staged is None:
+                raise  # a kept trace whose tail is lost: the caller must hear of it
+        finally:
+            if self._staged is not None:
+                self._staged.discard()
 
     def __enter__(self) -> TraceWriter:
         return self
@@ -631,9 +638,17 @@ class TraceReader:
             raise TraceNotFoundError(f"{self.path} is a directory, not a trace") from None
         except OSError as error:
             raise TraceNotFoundError(f"cannot open {self.path}: {error.strerror}") from None
+    def _read(self, size: int) -> bytes:
+        """Up to ``size`` bytes; a file that fails to read (EIO: ``/proc/self/mem``, a failing
+        disk) is one error."""
+        try:
+            return self._file.read(size)
+        except OSError as error:
+            raise TraceNotFoundError(f"cannot read {self.path}: {error.strerror or error}",
+                                     "Check that it is a trace file, and the disk.") from None
 
     def _read_preamble(self) -> None:
-        preamble = self._file.read(_PREAMBLE.size)
+        preamble = self._read(_PREAMBLE.size)
         if not preamble:
             raise TraceFormatError(
                 f"{self.path} is empty", hint="The writer never started; capture the trace again."
@@ -658,7 +673,7 @@ class TraceReader:
     def _next_frame(self) -> tuple[bytes, memoryview, int] | None:
         """The next complete frame as (type, body, offset); None at the end or a cut."""
         offset = self._offset
-        head = self._file.read(_FRAME_HEAD.size)
+        head = self._read(_FRAME_HEAD.size)
         if not head:
             return None
         if len(head) < _FRAME_HEAD.size:
@@ -666,7 +681,7 @@ class TraceReader:
         length, checksum = _FRAME_HEAD.unpack(head)
         if length == 0 or length > MAX_FRAME_BYTES:
             raise TraceFormatError(f"{self.path}: frame has impossible length {length}", offset)
-        payload = self._file.read(length)
+        payload = self._read(length)
         if len(payload) < length:
             return self._cut(offset)
         if zlib.crc32(payload) != checksum:

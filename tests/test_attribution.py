@@ -41,7 +41,6 @@ from kvtrace.traceio import TraceWriter, read_records, write_trace
 from kvtrace.workloads.mooncake import import_mooncake
 from kvtrace.workloads.synth import synthesize
 from kvtrace.workloads.workload import EngineShape, Workload, WorkloadRequest, write_workload
-from shared_data import MOONCAKE_SYNTHETIC
 
 SECOND = 10**9
 # Hash unit 16, full attention 16, Mamba 32 (fine-grained hits), checkpoints on 16-token
@@ -51,6 +50,9 @@ SECOND = 10**9
 SMALL = dict(hash_unit=16, attention_block_size=16, mamba_block_size=32, checkpoint_alignment=16,
              mamba_groups=1, retention_interval=0, num_gpu_blocks=200,
              allow_unreal_geometry=True)
+
+MOONCAKE_SYNTHETIC = (Path(__file__).resolve().parents[1] / "data" / "mooncake"
+                      / "synthetic_trace.jsonl")
 
 
 def request(arrival_s: float, prompt_len: int, hash_ids: list[int], max_tokens: int = 1):
@@ -614,8 +616,6 @@ def test_the_c_core_attributes_row_for_row_as_the_python_reference(seeded_replay
 
 @needs_the_core
 @pytest.mark.slow
-@pytest.mark.skipif(not MOONCAKE_SYNTHETIC.exists(), reason="the Mooncake trace is not on this "
-                    "machine")
 def test_the_c_core_attributes_the_mooncake_replay_as_the_python_reference(tmp_path):
     """The bundled Mooncake trace (3,993 requests) replayed under `unfixed` on the model backend
     (equal to the vLLM backend record for record: tests/test_model_backend.py): 1.5 million

@@ -324,7 +324,7 @@ def test_the_cases_exercise_what_the_caches_must_agree_on(vllm_backend_class):
 def test_the_mooncake_trace_in_full(vllm_backend_class, tmp_path, variant):
     """The bundled Mooncake FAST'25 trace, every request, as `kvtrace import mooncake` makes it:
     over a million records, equal one for one."""
-    from shared_data import MOONCAKE_SYNTHETIC
+    from third_party_data import MOONCAKE_SYNTHETIC
     from kvtrace.engine_config import derive
     from kvtrace.replay.scheduler import arrivals_of
     from kvtrace.traceio import read_records

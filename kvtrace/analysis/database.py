@@ -35,6 +35,7 @@ import os
 import typing
 
 from kvtrace.analysis.attribution import ROW_COLUMNS
+from kvtrace.analysis.sql_access import connect
 from kvtrace.errors import KvtraceError
 from kvtrace.events import RECORD_TYPES, CheckpointClass, RemoveReason, tag_of
 
@@ -468,15 +469,18 @@ def create_views(connection) -> None:
         connection.execute(f"CREATE OR REPLACE VIEW {name} AS {body}")
 
 
-def open_database(path: str | os.PathLike, *, read_only: bool = True):
-    """Open a forensics DB, refusing a missing file, a non-kvtrace file and a newer schema."""
+def open_database(path: str | os.PathLike, *, read_only: bool = True, unsafe: bool = False,
+                  writable_dirs: tuple[str, ...] = ()):
+    """Open a forensics DB, refusing a missing file, a non-kvtrace file and a newer schema.
+    Its SQL reaches nothing outside it (``sql_access``; ``unsafe`` lifts that)."""
     import duckdb
 
     path = os.fspath(path)
     if not os.path.isfile(path):
         raise DatabaseError(f"no such database: {path}")
     try:
-        connection = duckdb.connect(path, read_only=read_only)
+        connection = connect(path, read_only=read_only, unsafe=unsafe,
+                             writable_dirs=writable_dirs)
     except duckdb.Error as error:
         raise DatabaseError(f"cannot open {path} as a DuckDB database: {_first_line(error)}") from None
     try:
@@ -501,9 +505,14 @@ def open_database(path: str | os.PathLike, *, read_only: bool = True):
             hint="Upgrade kvtrace (pip install -U kvtrace), or re-create the database with this "
             "kvtrace: `kvtrace load TRACE ... -o DB.duckdb`.",
         )
-    if int(version[0]) < ENTRY_FIGURES_SCHEMA_VERSION:
-        _stand_ins_for_older(connection, path, int(version[0]))
-    create_macros(connection)
+    try:
+        if int(version[0]) < ENTRY_FIGURES_SCHEMA_VERSION:
+            _stand_ins_for_older(connection, path, int(version[0]))
+        create_macros(connection)
+    except duckdb.Error as error:  # views of its own that do not bind: not kvtrace's
+        connection.close()
+        raise DatabaseError(f"{path} cannot be read as a kvtrace database: "
+                            f"{_first_line(error)}") from None
     return connection
 
 

@@ -125,11 +125,11 @@ def load_traces(paths: list[str | os.PathLike], db_path: str | os.PathLike,
         files: dict[tuple[int, int], str] = {}  # (device, inode) -> the first path of that file
         for trace in traces:
             candidate = _OpenTrace(trace)
-            first = files.setdefault(candidate.identity, trace)
-            if first != trace:  # the same file again (a directory and a trace in it, say)
+            if candidate.identity in files:  # the same file again (a directory and a trace in it)
                 candidate.reader.close()
-                summary.duplicates.append((trace, first))
+                summary.duplicates.append((trace, files[candidate.identity]))
             else:
+                files[candidate.identity] = trace
                 opened.append(candidate)
 
         def fill(connection) -> None:
@@ -299,7 +299,7 @@ def _take_analysis(analysis, inserts: _Inserts, chunk: int) -> None:
 def _delete_run(connection, run: int) -> None:
     """Remove what a run inserted (a trace found to duplicate another once read)."""
     for table, _ in schema_tables():
-        if table not in ("runs", "kvtrace_meta", "sweep"):
+        if table not in ("kvtrace_meta", "sweep"):
             connection.execute(f"DELETE FROM {table} WHERE run = ?", [run])
 
 

@@ -233,12 +233,16 @@ class NativePass:
                         shape.mamba_block, shape.alignment, attributor.num_blocks)
         enums = (StoreKind.CHECKPOINT, CheckpointClass.TRANSIENT, RemoveReason.LRU_REUSE,
                  RemoveReason.STALE_CHECKPOINT, RemoveReason.REKEY, RequestQueue.RUNNING)
-        self.core = core.ForensicsCore(
-            _SPECS, geometry, tuple(map(int, enums)),
-            attributor.only_request if attributor else None,
-            attributor.request_id if attributor else None,
-            bool(attributor and attributor.explain), keep_lookups, make_rows, not keep_lookups,
-            not keep_lookups)
+        try:
+            self.core = core.ForensicsCore(
+                _SPECS, geometry, tuple(map(int, enums)),
+                attributor.only_request if attributor else None,
+                attributor.request_id if attributor else None,
+                bool(attributor and attributor.explain), keep_lookups, make_rows,
+                not keep_lookups, not keep_lookups)
+        except ValueError as error:  # a header the C core cannot follow (a pool past 2^31)
+            raise TraceFormatError(f"{path}: the engine config in its header cannot be analysed: {error}",
+                                   hint=_CONTRADICTION_HINT) from None
         self._records: dict[tuple, bytes] = {}
 
     def feed(self, batch: RecordBatch) -> None:

@@ -32,12 +32,14 @@ def command(db: str, html_path: str | None, markdown: bool, gpu: str, model: str
         kvtrace report prod.duckdb --markdown --gpu h100 > ticket.md
     """
     from kvtrace.analysis.report import report_database
+    from kvtrace.cli.common import terminal_safe
     from kvtrace.files import check_output_dir, refuse_overwrite
 
     if html_path:
         refuse_overwrite([("--html", html_path)], [db])
         check_output_dir(html_path, "--html")
-    click.echo(report_database(db, html_path, bucket_steps=bucket_steps, min_hits=min_hits,
-                               markdown=markdown, gpu=gpu, model=model), nl=False)
+    text = report_database(db, html_path, bucket_steps=bucket_steps, min_hits=min_hits,
+                           markdown=markdown, gpu=gpu, model=model)
+    click.echo(terminal_safe(text), nl=False)  # the database's strings, shown inert
     if html_path:
-        click.echo(f"wrote {html_path}", err=markdown)
+        click.echo(terminal_safe(f"wrote {html_path}"), err=markdown)

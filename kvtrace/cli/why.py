@@ -33,6 +33,7 @@ def command(source: str, request: str, variants: tuple[str, ...]) -> None:
     """
     from kvtrace.analysis.attribution import attribute_trace
     from kvtrace.analysis.explain import describe
+    from kvtrace.cli.common import terminal_safe
     from kvtrace.errors import KvtraceError
 
     paths = _traces(source, set(variants))
@@ -49,7 +50,7 @@ def command(source: str, request: str, variants: tuple[str, ...]) -> None:
             + (f" (variant {', '.join(variants)})" if variants else ""),
             "Requests are numbered from 0 in arrival order; `kvtrace sql DB --query "
             "miss_attribution` lists every lookup.")
-    click.echo("\n".join(sections), nl=False)
+    click.echo(terminal_safe("\n".join(sections)), nl=False)  # paths and names are input
 
 
 def _traces(source: str, variants: set[str]) -> list[str]:
@@ -92,6 +93,7 @@ def _database_traces(db: str) -> list[str]:
     from kvtrace.analysis.database import open_database
     from kvtrace.analysis.queries import execute
     from kvtrace.errors import KvtraceError
+    from kvtrace.files import require_regular_file
 
     connection = open_database(db)
     try:
@@ -99,10 +101,15 @@ def _database_traces(db: str) -> list[str]:
     finally:
         connection.close()
     paths = [path for (path,) in rows]
+    if not all(isinstance(path, str) and path for path in paths):
+        raise KvtraceError(f"{db} has a run without a trace path (runs.path)",
+                           "Pass the trace or the replay directory instead.")
     missing = [path for path in paths if not os.path.exists(path)]
     if missing:
         raise KvtraceError(
             f"{db} was loaded from {missing[0]}, which is no longer there"
             + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""),
             "kvtrace why reads the traces themselves: pass the trace or the replay directory.")
+    for path in paths:  # the database's word only: a FIFO there would hang the read
+        require_regular_file(path, f"{db} names it as a loaded trace")
     return paths

@@ -33,6 +33,7 @@ cache (``tests/test_scheduler_vs_vllm.py``), so its figures for a workload equal
 from __future__ import annotations
 
 import collections
+import functools
 import math
 import os
 import queue
@@ -61,6 +62,7 @@ ENGINE_CORE_PROCESS_NAME = "EngineCore"
 START, QUIT = "start", "quit"
 ENGINE_MODEL_DIR = Path(__file__).with_name("engine_model")
 END_OF_INPUT = "end of input"  # queued by the stdin reader at EOF: stop, as for quit
+COMMAND_LINE_BYTES = 4096  # the longest command line read whole
 
 
 class Shutdown(BaseException):
@@ -307,11 +309,13 @@ class Engine:
         ``--autostart < /dev/null`` runs the workload and then exits."""
         while True:
             remaining = deadline - time.monotonic()
-            try:
-                command = (self.commands.get(timeout=remaining) if remaining > 0
-                           else self.commands.get_nowait())
+            try:  # a deadline may lie beyond what a wait takes (--speed 1e-300): wait in parts
+                command = (self.commands.get(timeout=min(remaining, threading.TIMEOUT_MAX))
+                           if remaining > 0 else self.commands.get_nowait())
             except queue.Empty:
-                return
+                if time.monotonic() >= deadline:
+                    return
+                continue
             if command == QUIT:
                 raise _Quit(command)
             if command == END_OF_INPUT:
@@ -319,16 +323,42 @@ class Engine:
             else:
                 say("already running")
 
-def read_commands(stream: Any, commands: queue.Queue[str],
+def read_commands(read: Callable[[int], bytes], commands: queue.Queue[str],
                   complain: Callable[[str], None]) -> None:
-    """The stdin-reader thread: one command per line; end of input means quit."""
-    for line in stream:
-        command = line.strip().lower()
-        if command in (START, QUIT):
-            commands.put(command)
-        elif command:
-            complain(f"unknown command {command!r} (send start or quit)")
+    """The stdin-reader thread: one command per line of what ``read(n)`` returns (at most n
+    bytes; b"" at the end); end of input means quit. Lines are cut from chunks here: a line
+    without end (``< /dev/zero``) is skipped with one complaint and costs no memory, and no
+    buffered reader's lock is left held by this thread when the engine exits."""
+    pending, skipping = b"", False
+    while True:
+        try:
+            chunk = read(COMMAND_LINE_BYTES)
+        except OSError:
+            chunk = b""  # no standard input at all: its end
+        if not chunk:
+            break
+        *lines, pending = (pending + chunk).split(b"\n")
+        for line in lines:
+            if skipping:  # the end of a line too long to read
+                skipping = False
+            else:
+                _command(line, commands, complain)
+        if len(pending) >= COMMAND_LINE_BYTES:
+            if not skipping:
+                complain(f"a line longer than {COMMAND_LINE_BYTES} bytes, skipped (send start "
+                         "or quit)")
+            pending, skipping = b"", True
+    if pending and not skipping:
+        _command(pending, commands, complain)
     commands.put(END_OF_INPUT)
+
+
+def _command(line: bytes, commands: queue.Queue[str], complain: Callable[[str], None]) -> None:
+    command = line.decode(errors="replace").strip().lower()
+    if command in (START, QUIT):
+        commands.put(command)
+    elif command:
+        complain(f"unknown command {command!r} (send start or quit)")
 
 
 def become_engine_core() -> None:
@@ -347,6 +377,8 @@ def say(message: str, file: Any = None) -> None:
 
 
 def _raise_shutdown(signum: int, _frame: Any) -> None:
+    for stop in (signal.SIGTERM, signal.SIGINT):  # a second one must not cut the exit short
+        signal.signal(stop, signal.SIG_IGN)
     raise Shutdown(signal.Signals(signum).name)
 
 
@@ -357,6 +389,7 @@ def run_engine(options: EngineOptions, autostart: bool = False,
     ``on_done(summary)`` runs when the workload has finished."""
     previous = {signum: signal.signal(signum, _raise_shutdown)
                 for signum in (signal.SIGTERM, signal.SIGINT)}
+    stopped = False
     try:
         workload = load_workload(options)
         become_engine_core()
@@ -364,14 +397,15 @@ def run_engine(options: EngineOptions, autostart: bool = False,
         if autostart:
             engine.commands.put(START)
         threading.Thread(target=read_commands, name="kvtrace-engine-stdin", daemon=True,
-                         args=(sys.stdin, engine.commands,
+                         args=(functools.partial(os.read, 0), engine.commands,  # standard input
                                lambda message: say(message, file=sys.stderr))).start()
         say(f"pid {os.getpid()} ready ({engine.describe()})")
         reason = engine.serve()
     except Shutdown as shutdown:
-        reason = str(shutdown)
+        reason, stopped = str(shutdown), True
     finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
+        if not stopped:  # once stopped, stop signals stay ignored: the exit goes on
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
     say(f"exiting ({reason})")
     return reason
