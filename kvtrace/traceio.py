@@ -776,6 +776,15 @@ def open_trace_file(path: str | os.PathLike) -> BinaryIO:
     return os.fdopen(fd, "rb")
 
 
+def count_kinds(path: str | os.PathLike) -> Counter:
+    """Records per kind (tag) in the trace at ``path``, counted batch by batch (in C)."""
+    counts: Counter = Counter()
+    for batch in TraceReader(os.fspath(path)).batches():
+        for index, tag in enumerate(batch.tags):
+            counts[tag] += batch.kinds.count(index)
+    return counts
+
+
 def read_records(path: str | os.PathLike) -> tuple[TraceReader, list[Record]]:
     """Read a whole (small) trace: its reader (for header and status) and all its records."""
     reader = TraceReader(os.fspath(path))

@@ -37,6 +37,10 @@ def quick_demo(tmp_path_factory):
 def test_demo_quick_runs_the_whole_loop(quick_demo):
     work, out, err = quick_demo
     assert re.search(r"\[4/7\].*\n\s+([\d,]+)/\1 effect records match \(100%\)", err), err
+    # Mid-flight, as production: requests ran when it armed and still ran when it stopped.
+    armed, stopped = map(int, re.search(r"(\d+) requests in flight when it armed, (\d+) when it "
+                                        r"stopped", err).groups())
+    assert armed > 0 and stopped > 0, err
     assert re.search(r"hit rates: unfixed \d+\.\d+%, fixed \d+\.\d+%", err)
     for section in ("== Verdict ==", "== Hit rate per run ==", "== Top pushed-out prefixes ==",
                     "== Hits lost by the unfixed variant =="):
