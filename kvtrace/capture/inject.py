@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -29,6 +30,7 @@ from kvtrace.capture.safe_paths import (
 from kvtrace.errors import KvtraceError
 
 PENDING_CALL_GRACE_S = 3.0
+SETTLE_S = 0.3  # how long a process is watched after each debugger run
 BOOTSTRAP_WAIT_S = 10.0
 # Syscalls an idle main thread waits in (x86-64 numbers): read, poll, select, nanosleep,
 # recvfrom, futex, epoll_wait, clock_nanosleep, pselect6, ppoll, epoll_pwait, epoll_pwait2.
@@ -148,8 +150,11 @@ def run_in_main_thread(debugger, pid: int, code: str, answered: Callable[[float]
 
     def step(run) -> None:
         output = run(pid, code, log, named_pid, timeout_s)
-        if not is_alive(pid):
-            raise died(pid, debugger, output)
+        settled = time.monotonic() + SETTLE_S  # a process the call broke may die on resuming
+        while time.monotonic() < settled:
+            if not is_alive(pid):
+                raise died(pid, debugger, output)
+            time.sleep(0.02)
 
     step(debugger.schedule_pending_call)
     if answered(grace_s):
