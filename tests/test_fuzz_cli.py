@@ -232,7 +232,7 @@ ENGINE_SHAPE = {
 }
 TRACE_IN = files(["workload", "replayed", "truncated", "newer-values"], BROKEN_TRACES)
 CAPTURE_OPTIONS = {
-    "--method": choice(["auto", "gdb", "plugin"]),
+    "--method": choice(["auto", "gdb", "lldb", "plugin"]),
     "--duration": choice(["10m", "90", "1h"], ["0", "0s", "1x", "-3", "", "1e9h"]),
     "--no-hash-bytes": FLAG, "--buffer": ints(1024, 4096), "--gpu-interval-ms": ints(0, 100),
     "--topic": choice(["kv", ""]), "--bind": FLAG,
