@@ -61,8 +61,11 @@ from kvtrace.events import (
 )
 from kvtrace.replay.backend import BACKENDS, open_backend, open_counting_backend
 from kvtrace.replay.execute import ExecuteOptions
+from kvtrace.replay.release_worker import on_release, run_variant
+from kvtrace.replay.variants import get_variant
 from kvtrace.replay.scheduler import Arrival, Scheduler, arrivals_of
 from kvtrace.traceio import TraceReader, TraceWriter
+from kvtrace.vllm_releases import running_vllm_version
 
 if TYPE_CHECKING:
     from kvtrace.replay.lockstep import Fidelity
@@ -322,13 +325,21 @@ def replay(options: ReplayOptions,
             partial = staged[-1].path if final else ""
             replay_header = TraceHeader(
                 kvtrace_version=__version__, created_ns=time.time_ns(), source="replay",
-                config=config, vllm_version=_vllm_version(), includes_hash_bytes=False,
+                config=config, vllm_version=running_vllm_version(), includes_hash_bytes=False,
                 replay=ReplayInfo(variant=variant, backend=options.backend, mode=mode,
                                   source_path=os.path.abspath(options.source),
                                   source_digest=source.digest),
                 params={**_params(settings, mode), **_execute_params(options.execute)})
             on_step = progress(variant, len(arrivals)) if progress else None
             keep = mode == "lockstep" and options.verify and variant == engine_variant
+            release = on_release(get_variant(variant), header, mode, options.backend)
+            if release != running_vllm_version():
+                ran = run_variant(release, options, variant,
+                                  os.path.dirname(partial) or options.outdir, keep)
+                result.variants.append(dataclasses.replace(ran.variants[0], output=final))
+                if keep:
+                    result.fidelity, result.fidelity_variant = ran.fidelity, variant
+                continue
             summary, replayed, steps, wall_s = _run_variant(
                 partial, replay_header, options.backend, config, variant, mode, records,
                 arrivals, settings, on_step, keep, options.execute)
@@ -429,8 +440,6 @@ def _engine_variant(header: TraceHeader) -> str:
 
 
 def _variants_for(options: ReplayOptions, engine_variant: str) -> list[str]:
-    from kvtrace.replay.variants import get_variant
-
     names = list(dict.fromkeys(options.variants))
     if not names:
         names = [engine_variant] if options.verify else list(DEFAULT_VARIANTS)
@@ -477,10 +486,3 @@ def _execute_params(execute: ExecuteOptions | None) -> dict[str, str]:
     return CostModel(get_model(execute.model), gpu_throughput(execute.gpu)).header_params()
 
 
-def _vllm_version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("vllm")
-    except PackageNotFoundError:
-        return ""
