@@ -153,7 +153,8 @@ def assert_refused_and_engine_unharmed(engine: EngineProcess, target_pid: int, m
 
 def capture_and_verify(workload: Path, engine: EngineProcess, target_pid: int, method: str,
                        tmp_path: Path, expect_via: str, env: dict | None = None,
-                       second_capture_refused: bool = False) -> list[str]:
+                       second_capture_refused: bool = False,
+                       variant: str = "unfixed") -> list[str]:
     """Capture the engine's whole ``workload`` through ``method``, check the trace and replay it in
     lockstep to 100%; the capture's stderr lines up to "capturing pid"."""
     trace = tmp_path / "live.kvtrace"
@@ -183,7 +184,7 @@ def capture_and_verify(workload: Path, engine: EngineProcess, target_pid: int, m
         engine.stop()
     reader = TraceReader(str(trace))
     assert reader.header.source == "capture" and reader.header.process_title == "VLLM::EngineCore"
-    assert reader.header.params["variant"] == "unfixed"
+    assert reader.header.params["variant"] == variant
     # The scheduler's limits are read off vLLM's own scheduler: the workload's, which it ran.
     ran = TraceReader(str(workload)).header.config
     assert ran.max_num_seqs and ran.max_num_batched_tokens  # the workload sets them
