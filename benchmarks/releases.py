@@ -11,14 +11,11 @@ The releases must be installed beside the project's vLLM (scripts/bootstrap does
 
 from __future__ import annotations
 
-import argparse
 import json
-import sys
-import tempfile
 import time
 from pathlib import Path
 
-from findings import MODELS, run, transient_share, workload_command
+from findings import arguments, run, tabulate, transient_share, workload_command
 
 from kvtrace.probes.signatures import SUPPORTED_VLLM_VERSIONS
 
@@ -65,24 +62,10 @@ def markdown(rows: list[dict]) -> str:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--requests", type=int, default=200)
-    parser.add_argument("--models", nargs="+", default=MODELS)
-    parser.add_argument("--json", metavar="FILE", help="also write the rows as JSON")
-    args = parser.parse_args()
-    rows = []
-    with tempfile.TemporaryDirectory(prefix="kvtrace-releases-") as directory:
-        for model in args.models:
-            row = measure(model, args.requests, Path(directory))
-            rows.append(row)
-            print(f"{model:<20} " + "  ".join(
-                f"{x} {row['variants'][x]['hit_rate']:.2%}" for x in VARIANTS)
-                + f"  ({row['wall_s']:.0f} s)", file=sys.stderr, flush=True)
-    print(markdown(rows))
-    if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=2))
+    args = arguments(__doc__).parse_args()
+    tabulate([(model, args.requests) for model in args.models], measure, markdown, args.json)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())
