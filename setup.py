@@ -1,8 +1,10 @@
 """Only kvtrace's optional C parts live here; everything else is in pyproject.toml.
 
 Their sources are in csrc/: the native probe core (one file per part, as their Python twins are
-split; see csrc/kvtrace_native.h) and the model replay backend's core (csrc/model_core.c, the
-twin of kvtrace/replay/model/). ``optional=True``: where no C compiler or Python headers are
+split; see csrc/kvtrace_native.h), the model replay backend's core (csrc/model_core.c, the
+twin of kvtrace/replay/model/) and the streaming pass of load and why (csrc/forensics_core.c,
+the twin of kvtrace/analysis/attribution.py and of the cache entries' SQL); csrc/containers.h
+holds the arrays and hash map the last two share. ``optional=True``: where no C compiler or Python headers are
 found the build warns and goes on, and the pure-Python twins run (slower; see kvtrace/native.py).
 """
 
@@ -10,8 +12,12 @@ from setuptools import Extension, setup
 
 setup(ext_modules=[
     Extension("kvtrace._native",
-              ["csrc/module.c", "csrc/probes.c", "csrc/step_buffer.c", "csrc/frames.c"],
+              ["csrc/module.c", "csrc/probes.c", "csrc/step_buffer.c", "csrc/frames.c",
+               "csrc/snapshot.c"],
               depends=["csrc/kvtrace_native.h"],  # rebuilt when it changes; shipped in an sdist
               optional=True),
-    Extension("kvtrace._model_core", ["csrc/model_core.c"], optional=True),
+    Extension("kvtrace._model_core", ["csrc/model_core.c"], depends=["csrc/containers.h"],
+              optional=True),
+    Extension("kvtrace._forensics_core", ["csrc/forensics_core.c"],
+              depends=["csrc/containers.h"], optional=True),
 ])

@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-MOONCAKE = ROOT.parent / "shared" / "data" / "mooncake" / "synthetic_trace.jsonl"
+MOONCAKE = ROOT / "data" / "mooncake" / "synthetic_trace.jsonl"
 MODELS = ["kimi-k3", "kimi-linear-48b-a3b", "qwen3-next-80b-a3b", "nemotron-h-8b"]
 WORKLOADS = ["documents", "chat", "agent", "mooncake"]
 VARIANTS = ["unfixed", "fixed", "upstream"]

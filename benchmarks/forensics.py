@@ -1,20 +1,35 @@
-"""Forensics at scale: load a 10,000,000-event trace into DuckDB and run checkpoint_pushouts.
+"""Forensics at scale: load a 10,000,000-record trace into DuckDB (records, miss attribution,
+cache entries) and run checkpoint_pushouts, beside DuckDB's own ingest of the same number of rows.
 
 The trace comes from a small free-queue simulation on the default model's geometry (Kimi-K3:
 384-token blocks, one MLA and three KDA groups; a pool of 4,096 blocks, zipf-popular system
-prompts, one published transient checkpoint per request in each KDA group), so evictions, hits and pushouts are
-all present. It is generated once, in a child process (so that its memory does
-not count), and cached beside the output. Target: load + query <= 30 s on 2 cores.
+prompts, one published transient checkpoint per request in each KDA group), so evictions, hits
+and pushouts are all present. It is generated once, in a child process, and cached beside the
+output (``--trace``).
 
-    .venv/bin/python benchmarks/forensics.py [--events 10000000] [--trace PATH]
+Each repeat runs, in fresh child processes (so that each one's peak memory is its own):
+
+* the anchor: DuckDB ingesting numpy columns into a database file (six int64 columns of as many
+  rows as the trace has records, CHECKPOINT included): what loading that many rows costs at
+  least;
+* kvtrace: ``load_traces`` (one pass: records, attribution, cache entries) then
+  ``checkpoint_pushouts``, with the child's peak RSS.
+
+It prints each repeat, the median with the range of the three, the ratio kvtrace / anchor per
+repeat, and the machine's load average. Targets (issue "Forensics at the speed of DuckDB", on
+10 M records): load + attribution + checkpoint_pushouts <= 5 s, peak RSS <= 1 GiB, ratio <= 3x.
+
+    .venv/bin/python benchmarks/forensics.py [--events 10000000] [--trace PATH] [--repeats 3]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import random
 import resource
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -23,6 +38,7 @@ from collections import OrderedDict
 
 POOL_BLOCKS = 4096
 SYSTEM_PROMPTS = 256
+ANCHOR_COLUMNS = 6
 
 
 def generate(path: str, num_events: int, seed: int = 0) -> None:
@@ -97,43 +113,120 @@ def generate(path: str, num_events: int, seed: int = 0) -> None:
             req += 1
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--events", type=int, default=10_000_000)
-    parser.add_argument("--trace", help="trace path (generated if missing)")
-    parser.add_argument("--generate-only", action="store_true", help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    trace = args.trace or os.path.join(tempfile.gettempdir(),
-                                       f"kvtrace-bench-{args.events}-kimi-k3-v2.kvtrace")
-    if args.generate_only:
-        generate(trace, args.events)
-        return
-    if not os.path.exists(trace):
-        started = time.perf_counter()
-        subprocess.run([sys.executable, __file__, "--events", str(args.events), "--trace", trace,
-                        "--generate-only"], check=True)
-        print(f"generated {trace} in {time.perf_counter() - started:.1f} s")
+def anchor(db_path: str, num_rows: int) -> dict:
+    """DuckDB's own ingest: six int64 numpy columns into a database file."""
+    import duckdb
+    import numpy as np
 
+    rng = np.random.default_rng(0)
+    columns = {f"c{i}": rng.integers(0, 1 << 20, num_rows, dtype=np.int64)
+               for i in range(ANCHOR_COLUMNS)}
+    started = time.perf_counter()
+    connection = duckdb.connect(db_path)
+    connection.register("columns", columns)
+    connection.execute("CREATE TABLE anchor AS SELECT * FROM columns")
+    connection.execute("CHECKPOINT")
+    connection.close()
+    return {"seconds": time.perf_counter() - started}
+
+
+def forensics(trace: str, db_path: str) -> dict:
+    """kvtrace's load (records, attribution, cache entries) and checkpoint_pushouts."""
     from kvtrace.analysis.database import open_database
     from kvtrace.analysis.load import load_traces
     from kvtrace.analysis.queries import run_query
 
-    db_path = trace + ".duckdb"
     started = time.perf_counter()
     summary = load_traces([trace], db_path)
     loaded = time.perf_counter()
     connection = open_database(db_path)
     result = run_query(connection, "checkpoint_pushouts")
     queried = time.perf_counter()
+    lookups = connection.execute("SELECT count(DISTINCT seq) FROM miss_attribution").fetchone()[0]
     connection.close()
-    peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    print(f"records: {summary.num_records:,} ({os.path.getsize(trace) / 2**20:.0f} MiB trace, "
-          f"{os.path.getsize(db_path) / 2**20:.0f} MiB DB)")
-    print(f"load: {loaded - started:.1f} s ({summary.num_records / (loaded - started) / 1e6:.2f} M records/s)")
-    print(f"checkpoint_pushouts: {queried - loaded:.1f} s, {len(result.rows):,} pushouts, "
-          f"regret {sum(r[-1] for r in result.rows):,} tokens")
-    print(f"total: {queried - started:.1f} s (target <= 30 s); peak RSS {peak_mib:.0f} MiB")
+    return {"records": summary.num_records, "load": loaded - started,
+            "query": queried - loaded, "seconds": queried - started, "pushouts": len(result.rows),
+            "regret": sum(row[-1] for row in result.rows), "lookups": lookups,
+            "db_mib": os.path.getsize(db_path) / 2**20}
+
+
+def in_child(work: str, *args: str) -> dict:
+    """Run ``work`` (anchor or forensics) in a fresh interpreter: its figures and peak RSS."""
+    output = subprocess.run([sys.executable, __file__, "--child", work, *args], check=True,
+                            stdout=subprocess.PIPE, text=True).stdout
+    return json.loads(output.splitlines()[-1])
+
+
+def spread(values: list[float], unit: str = "s") -> str:
+    return (f"{statistics.median(values):.2f}{unit} ({min(values):.2f}-{max(values):.2f})")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--events", type=int, default=10_000_000)
+    parser.add_argument("--trace", help="trace path (generated if missing)")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--no-anchor", action="store_true", help="skip DuckDB's own ingest")
+    parser.add_argument("--generate-only", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        work, *rest = args.child
+        figures = anchor(rest[0], int(rest[1])) if work == "anchor" else forensics(*rest)
+        figures["rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        print(json.dumps(figures))
+        return 0
+    trace = args.trace or os.path.join(tempfile.gettempdir(),
+                                       f"kvtrace-bench-{args.events}-kimi-k3-v2.kvtrace")
+    if args.generate_only:
+        generate(trace, args.events)
+        return 0
+    if not os.path.exists(trace):
+        started = time.perf_counter()
+        subprocess.run([sys.executable, __file__, "--events", str(args.events), "--trace", trace,
+                        "--generate-only"], check=True)
+        print(f"generated {trace} in {time.perf_counter() - started:.1f} s")
+    num_records = _records(trace)
+    runs: list[tuple[dict | None, dict]] = []
+    with tempfile.TemporaryDirectory(dir=os.path.dirname(os.path.abspath(trace))) as scratch:
+        for repeat in range(args.repeats):
+            load_average = os.getloadavg()[0]
+            base = None
+            if not args.no_anchor:
+                base = in_child("anchor", os.path.join(scratch, f"anchor{repeat}.duckdb"),
+                                str(num_records))
+            ours = in_child("forensics", trace, os.path.join(scratch, f"trace{repeat}.duckdb"))
+            runs.append((base, ours))
+            print(f"repeat {repeat + 1}: load {ours['load']:.2f} s + checkpoint_pushouts "
+                  f"{ours['query']:.2f} s = {ours['seconds']:.2f} s, peak RSS "
+                  f"{ours['rss_mib']:.0f} MiB"
+                  + (f"; anchor {base['seconds']:.2f} s (peak RSS {base['rss_mib']:.0f} MiB), "
+                     f"ratio {ours['seconds'] / base['seconds']:.2f}x" if base else "")
+                  + f"; load average {load_average:.2f}", flush=True)
+    ours = runs[-1][1]
+    print(f"{ours['records']:,} records ({os.path.getsize(trace) / 2**20:.0f} MiB trace, "
+          f"{ours['db_mib']:.0f} MiB database), {ours['lookups']:,} admitted lookups, "
+          f"{ours['pushouts']:,} pushouts, regret {ours['regret']:,} tokens")
+    totals = [r[1]["seconds"] for r in runs]
+    print(f"load {spread([r[1]['load'] for r in runs])}, checkpoint_pushouts "
+          f"{spread([r[1]['query'] for r in runs])}, total {spread(totals)}, peak RSS "
+          f"{spread([r[1]['rss_mib'] for r in runs], ' MiB')}")
+    if not args.no_anchor:
+        print(f"anchor (DuckDB, {ANCHOR_COLUMNS} int64 columns x {ours['records']:,} rows) "
+              f"{spread([r[0]['seconds'] for r in runs])}; ratio "
+              f"{spread([r[1]['seconds'] / r[0]['seconds'] for r in runs], 'x')}")
+    return 0
+
+
+def _records(trace: str) -> int:
+    """The trace's number of records."""
+    from kvtrace.traceio import TraceReader
+
+    reader = TraceReader(trace)
+    for _ in reader.batches():
+        pass
+    return reader.num_records
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

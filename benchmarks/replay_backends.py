@@ -16,18 +16,21 @@ alternating within a repeat so both see the same machine load:
 * ``summary``: time to summary, ``kvtrace replay`` writing no trace (``wall_s``; what each
   configuration of ``kvtrace sweep`` costs): on ``vllm`` the records feed ``ReplaySummary``
   one by one, the ``model`` backend counts the figures itself and makes no record;
-* ``replay``: ``kvtrace replay`` as the CLI runs it (``wall_s``): it also writes the replay
-  trace and computes the summary, record by record;
+* ``replay``: ``kvtrace replay -o DIR`` as the CLI runs it (``wall_s``): it also writes the
+  replay trace and computes the summary: on ``vllm`` record by record, on ``model`` the C core
+  writes the records as column batches itself and counts the summary from the same reports
+  (the two traces written are compared record for record);
 
 and two floors, measured in the same repeats, that bound what any backend can reach:
 
 * ``scheduler``: the scheduler model alone, answered from a recording of the cache's answers
   (the ceiling of ``cache`` and ``summary``);
-* ``sink``: the replay's per-record work (trace writer + summary) over the model's records
-  (with the scheduler, the ceiling of ``replay``).
+* ``sink``: the per-record trace writer and summary in Python over the model's records (what a
+  replay paid per record before the model backend wrote its batches in C; with the scheduler,
+  the ceiling of a per-record ``replay``).
 
     .venv/bin/python benchmarks/replay_backends.py [--variant unfixed --variant fixed]
-        [--repeats 3] [--requests N | --trace WORKLOAD] [--json]
+        [--repeats 3] [--mode replay] [--requests N | --trace WORKLOAD] [--json]
 
 Exit status 1 if the streams or summaries differ (the speed target is reported, not enforced).
 """
@@ -52,7 +55,7 @@ from kvtrace.workloads.mooncake import import_mooncake
 from kvtrace.workloads.workload import EngineShape, write_workload
 
 TARGET = 20.0
-MOONCAKE_LOG = (Path(__file__).resolve().parents[2] / "shared" / "data" / "mooncake"
+MOONCAKE_LOG = (Path(__file__).resolve().parents[1] / "data" / "mooncake"
                 / "synthetic_trace.jsonl")
 BACKENDS = ("vllm", "model")
 MODES = ("cache", "summary", "replay")
@@ -139,25 +142,24 @@ def text(figure: dict, unit: str = "s") -> str:
 
 
 def measure_variant(variant: str, trace: Path, config, settings, arrivals, repeats: int,
-                    outdir: Path) -> dict:
+                    outdir: Path, modes: tuple[str, ...] = MODES) -> dict:
     """Each repeat runs both backends and the floors back to back, so every ratio (and every
     ceiling) compares runs under the same machine load."""
-    times: dict[str, list[float]] = {f"{mode} {backend}": [] for mode in MODES
+    times: dict[str, list[float]] = {f"{mode} {backend}": [] for mode in modes
                                      for backend in BACKENDS}
     times.update(scheduler=[], sink=[])
     problems: list[str] = []
     answers = cache_run("model", config, settings, variant, arrivals, Recorder)[2].answers
     header = read_records(trace)[0].header
     records: dict[str, list] = {}
-    for repeat in range(repeats):
+    cache_repeats = repeats if "cache" in modes else 1  # else once, for the records
+    for repeat in range(cache_repeats):
         for backend in BACKENDS:
             seconds, kept, _ = cache_run(backend, config, settings, variant, arrivals)
-            times[f"cache {backend}"].append(seconds)
-            records[backend] = kept if repeat == repeats - 1 else []
+            if "cache" in modes:
+                times[f"cache {backend}"].append(seconds)
+            records[backend] = kept if repeat == cache_repeats - 1 else []
             del kept
-        started = time.perf_counter()
-        Scheduler(Answers(answers, config.num_gpu_blocks), config, settings).run(arrivals)
-        times["scheduler"].append(time.perf_counter() - started)
     divergence = first_divergence(records["vllm"], records["model"])
     if divergence:
         problems.append(f"record streams differ: {divergence}")
@@ -170,12 +172,17 @@ def measure_variant(variant: str, trace: Path, config, settings, arrivals, repea
     for _ in range(repeats):
         for backend in BACKENDS:  # `kvtrace replay` itself, without and with the trace
             for mode, write_traces in (("summary", False), ("replay", True)):
+                if mode not in modes:
+                    continue
                 result = replay(ReplayOptions(source=str(trace), outdir=str(outdir / backend),
                                               variants=(variant,), backend=backend,
                                               write_traces=write_traces))
                 times[f"{mode} {backend}"].append(result.variants[0].wall_s)
                 replay_summaries[mode, backend] = result.variants[0].summary
-        started = time.perf_counter()  # the replay's per-record sink alone
+        started = time.perf_counter()
+        Scheduler(Answers(answers, config.num_gpu_blocks), config, settings).run(arrivals)
+        times["scheduler"].append(time.perf_counter() - started)
+        started = time.perf_counter()  # the per-record sink alone
         with open(os.devnull, "wb") as devnull:
             writer = TraceWriter(devnull, header)
             summary = ReplaySummary(config)
@@ -188,20 +195,27 @@ def measure_variant(variant: str, trace: Path, config, settings, arrivals, repea
         if summary != summaries["vllm"]:
             problems.append(f"`kvtrace replay` ({mode}, {backend}) differs from the cache run's "
                             "summary")
+    if "replay" in modes:  # the traces both wrote, record for record
+        written = [read_records(outdir / backend / f"{trace.stem}.{variant}.kvtrace")[1]
+                   for backend in BACKENDS]
+        divergence = first_divergence(*written)
+        if divergence:
+            problems.append(f"the traces `kvtrace replay -o` wrote differ: {divergence}")
+        del written
 
     def paired(numerators: list[float], denominators: list[float]) -> dict:
         return spread([top / bottom for top, bottom in zip(numerators, denominators)])
 
     figures = {mode: {backend: spread(times[f"{mode} {backend}"]) for backend in BACKENDS}
-               for mode in MODES}
-    for mode in MODES:
+               for mode in modes}
+    for mode in modes:
         figures[mode]["ratio"] = paired(times[f"{mode} vllm"], times[f"{mode} model"])
     floor_plus_sink = [floor + sink for floor, sink in zip(times["scheduler"], times["sink"])]
     floors = {"cache": times["scheduler"], "summary": times["scheduler"],
               "replay": floor_plus_sink}
     return {"variant": variant, "records": len(model_records), "figures": figures,
             "scheduler_floor": spread(times["scheduler"]), "sink_floor": spread(times["sink"]),
-            "best_ratio": {mode: paired(times[f"{mode} vllm"], floors[mode]) for mode in MODES},
+            "best_ratio": {mode: paired(times[f"{mode} vllm"], floors[mode]) for mode in modes},
             "summary": summaries["model"], "problems": problems}
 
 
@@ -216,6 +230,8 @@ def main() -> int:
                         help="only the first N requests (a quick look; the target is the full)")
     parser.add_argument("--trace", type=Path, default=None,
                         help="a workload trace to replay instead of importing --log")
+    parser.add_argument("--mode", dest="modes", action="append", choices=MODES,
+                        help="a figure to measure; repeat (default: all three)")
     parser.add_argument("--json", action="store_true", help="print the results as JSON too")
     args = parser.parse_args()
     import vllm.v1.core.kv_cache_manager  # noqa: F401 (the slow import, outside any timing)
@@ -232,14 +248,14 @@ def main() -> int:
               f"{config.hash_block_size}; {args.repeats} repeats", flush=True)
         for variant in args.variants or ["unfixed", "fixed"]:
             result = measure_variant(variant, trace, config, settings, arrivals, args.repeats,
-                                     directory / variant)
+                                     directory / variant, tuple(args.modes or MODES))
             results.append(result)
             figures = result["figures"]
             print(f"\n{variant}: {result['records']} records, identical streams and summaries: "
                   f"{'yes' if not result['problems'] else 'NO'}")
             for problem in result["problems"]:
                 print(f"  FAIL {problem}")
-            for mode in MODES:
+            for mode in args.modes or MODES:
                 ratio = figures[mode]["ratio"]
                 verdict = "PASS" if ratio["median"] >= TARGET else "FAIL"
                 print(f"  {mode:7}  vllm {text(figures[mode]['vllm'])}  model "

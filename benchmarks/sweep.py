@@ -1,6 +1,6 @@
 """A what-if sweep at scale: 8 pool sizes x 2 variants of the bundled Mooncake trace.
 
-The trace (shared/data/mooncake/synthetic_trace.jsonl, 3,993 requests, 61 M prompt tokens) is
+The trace (data/mooncake/synthetic_trace.jsonl, 3,993 requests, 61 M prompt tokens) is
 imported once with `kvtrace import mooncake` and cached beside the output; then `kvtrace sweep`
 runs the grid end to end, as an operator would: a fresh process, the backend's imports, every
 configuration, the outputs. Target: <= 60 s on 2 cores.
@@ -27,7 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
-LOG = Path(__file__).resolve().parents[2] / "shared" / "data" / "mooncake" / "synthetic_trace.jsonl"
+LOG = Path(__file__).resolve().parents[1] / "data" / "mooncake" / "synthetic_trace.jsonl"
 FRACTIONS = "0.05,0.1,0.15,0.2,0.25,0.3,0.35,0.4"
 VARIANTS = "unfixed,fixed"
 TARGET_S = 60.0

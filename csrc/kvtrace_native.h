@@ -9,6 +9,8 @@
  * - step_buffer.c: StepBuffer, a capture's per-step hand-over (kvtrace/capture/hook.py).
  * - frames.c: write_rows_frame, a record frame written without the interpreter lock
  *   (kvtrace/traceio.py).
+ * - snapshot.c: snapshot_pool, the pool part of a capture's start snapshot
+ *   (kvtrace/probes/snapshot.py).
  * - module.c: the module, and configure(), which reads the field order of the records the
  *   probes build from their types (kvtrace/events.py is its one source).
  *
@@ -122,5 +124,9 @@ int step_buffer_add_type(PyObject *module);
 /* frames.c */
 void frames_init(void);
 PyObject *write_rows_frame(PyObject *module, PyObject *args);
+
+/* snapshot.c */
+int snapshot_init(void);
+PyObject *snapshot_pool(PyObject *module, PyObject *args);
 
 #endif

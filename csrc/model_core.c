@@ -21,7 +21,7 @@
 #include <stdint.h>
 #include <string.h>
 
-typedef long long i64;
+#include "containers.h"
 
 /* --- the Python objects the records are made of (configure()) -------------------------------- */
 
@@ -53,120 +53,6 @@ static inline i64 floordiv(i64 a, i64 b) {
     return (a % b != 0 && ((a < 0) != (b < 0))) ? q - 1 : q;
 }
 static inline i64 cdiv(i64 a, i64 b) { return -floordiv(-a, b); }
-
-/* --- growable arrays and an int64 hash map ---------------------------------------------------- */
-
-typedef struct { int32_t *v; Py_ssize_t n, cap; } IVec;
-typedef struct { i64 *v; Py_ssize_t n, cap; } LVec;
-
-static int ivec_reserve(IVec *a, Py_ssize_t cap) {
-    if (cap <= a->cap) return 0;
-    Py_ssize_t size = a->cap ? a->cap : 8;
-    while (size < cap) size *= 2;
-    int32_t *v = PyMem_Realloc(a->v, (size_t)size * sizeof(int32_t));
-    if (!v) { PyErr_NoMemory(); return -1; }
-    a->v = v;
-    a->cap = size;
-    return 0;
-}
-static inline int ivec_push(IVec *a, int32_t x) {
-    if (a->n == a->cap && ivec_reserve(a, a->n + 1)) return -1;
-    a->v[a->n++] = x;
-    return 0;
-}
-static void ivec_free(IVec *a) { PyMem_Free(a->v); a->v = NULL; a->n = a->cap = 0; }
-
-static int lvec_push(LVec *a, i64 x) {
-    if (a->n == a->cap) {
-        Py_ssize_t size = a->cap ? a->cap * 2 : 8;
-        i64 *v = PyMem_Realloc(a->v, (size_t)size * sizeof(i64));
-        if (!v) { PyErr_NoMemory(); return -1; }
-        a->v = v;
-        a->cap = size;
-    }
-    a->v[a->n++] = x;
-    return 0;
-}
-static void lvec_free(LVec *a) { PyMem_Free(a->v); a->v = NULL; a->n = a->cap = 0; }
-
-typedef struct { i64 *keys; i64 *vals; uint8_t *used; size_t cap, n; } Map;
-
-static inline size_t map_home(i64 key, size_t mask) {
-    uint64_t x = (uint64_t)key;
-    x ^= x >> 33; x *= 0xff51afd7ed558ccdULL; x ^= x >> 33; x *= 0xc4ceb9fe1a85ec53ULL;
-    x ^= x >> 33;
-    return (size_t)x & mask;
-}
-static Py_ssize_t map_find(const Map *m, i64 key) {
-    if (!m->cap) return -1;
-    size_t mask = m->cap - 1, i = map_home(key, mask);
-    while (m->used[i]) {
-        if (m->keys[i] == key) return (Py_ssize_t)i;
-        i = (i + 1) & mask;
-    }
-    return -1;
-}
-static int map_get(const Map *m, i64 key, i64 *val) {
-    Py_ssize_t i = map_find(m, key);
-    if (i < 0) return 0;
-    *val = m->vals[i];
-    return 1;
-}
-static void map_clear(Map *m) {
-    PyMem_Free(m->keys); PyMem_Free(m->vals); PyMem_Free(m->used);
-    memset(m, 0, sizeof(*m));
-}
-static int map_set(Map *m, i64 key, i64 val);
-static int map_grow(Map *m) {
-    Map bigger = {0};
-    bigger.cap = m->cap ? m->cap * 2 : 16;
-    bigger.keys = PyMem_Malloc(bigger.cap * sizeof(i64));
-    bigger.vals = PyMem_Malloc(bigger.cap * sizeof(i64));
-    bigger.used = PyMem_Calloc(bigger.cap, 1);
-    if (!bigger.keys || !bigger.vals || !bigger.used) {
-        map_clear(&bigger);
-        PyErr_NoMemory();
-        return -1;
-    }
-    for (size_t i = 0; i < m->cap; i++)
-        if (m->used[i]) map_set(&bigger, m->keys[i], m->vals[i]);
-    map_clear(m);
-    *m = bigger;
-    return 0;
-}
-static int map_set(Map *m, i64 key, i64 val) {
-    if ((m->n + 1) * 2 > m->cap && map_grow(m)) return -1;
-    size_t mask = m->cap - 1, i = map_home(key, mask);
-    while (m->used[i]) {
-        if (m->keys[i] == key) { m->vals[i] = val; return 0; }
-        i = (i + 1) & mask;
-    }
-    m->used[i] = 1;
-    m->keys[i] = key;
-    m->vals[i] = val;
-    m->n++;
-    return 0;
-}
-static void map_del_at(Map *m, size_t i) {  /* backward-shift deletion (linear probing) */
-    size_t mask = m->cap - 1, j = i;
-    for (;;) {
-        j = (j + 1) & mask;
-        if (!m->used[j]) break;
-        size_t k = map_home(m->keys[j], mask);
-        int k_in_i_j = (i <= j) ? (k > i && k <= j) : (k > i || k <= j);
-        if (!k_in_i_j) {
-            m->keys[i] = m->keys[j];
-            m->vals[i] = m->vals[j];
-            i = j;
-        }
-    }
-    m->used[i] = 0;
-    m->n--;
-}
-static void map_del(Map *m, i64 key) {
-    Py_ssize_t i = map_find(m, key);
-    if (i >= 0) map_del_at(m, (size_t)i);
-}
 
 /* --- the core --------------------------------------------------------------------------------- */
 
@@ -218,6 +104,24 @@ typedef struct {
     Map admitted;  /* req -> 1 once admitted */
 } Tally;
 
+/* The records as a trace's column batches (traceio.encode_batch, byte for byte): per record
+   type its fields' values in order (a list field: its lengths, and its values apart). */
+#define NUM_RECORD_TYPES (T_STALE_KEY_LEFT + 1)
+typedef struct {
+    const char *spec;  /* the emit spec of its records (each type has one) */
+    int num_fields;
+    LVec *values, *elements;  /* per field */
+} TypeColumns;
+
+typedef struct {
+    PyObject *sink;  /* sink(payload, counts): one batch frame's payload and its records per tag */
+    Py_ssize_t batch_size;
+    uint8_t *kinds; Py_ssize_t num_kinds, cap_kinds;  /* the T_* of each record, in order */
+    TypeColumns types[NUM_RECORD_TYPES];
+    PyObject *tags[NUM_RECORD_TYPES];
+    char *out; size_t out_len, out_cap;  /* the payload being encoded */
+} Columns;
+
 typedef struct {
     PyObject_HEAD
     PyObject *sink, *records, *variant, *checkpoint_action;
@@ -245,6 +149,7 @@ typedef struct {
     IVec *hits;  /* per group: the last lookup's result */
     int counting;  /* no sink: count into tally, make no record */
     Tally tally;
+    Columns *columns;  /* counting, and writing the records as column batches */
 } Core;
 
 /* --- records ---------------------------------------------------------------------------------- */
@@ -358,17 +263,240 @@ static int count_report(Core *c, int type, const char *spec, va_list ap) {
     return 0;
 }
 
-/* Report an effect or input: a record for the sink, or a count. */
+/* --- the column batches ------------------------------------------------------------------- */
+
+static int kinds_push(Columns *w, uint8_t kind) {
+    if (w->num_kinds == w->cap_kinds) {
+        Py_ssize_t size = w->cap_kinds ? w->cap_kinds * 2 : 1 << 14;
+        uint8_t *kinds = PyMem_Realloc(w->kinds, (size_t)size);
+        if (!kinds) { PyErr_NoMemory(); return -1; }
+        w->kinds = kinds;
+        w->cap_kinds = size;
+    }
+    w->kinds[w->num_kinds++] = kind;
+    return 0;
+}
+
+/* A report's fields into its type's columns (the spec letters of make_record). */
+static int column_report(Core *c, int type, const char *spec, va_list ap) {
+    Columns *w = c->columns;
+    TypeColumns *t = &w->types[type];
+    if (!t->spec) {
+        t->spec = spec;
+        t->num_fields = (int)strlen(spec);
+        t->values = PyMem_Calloc((size_t)t->num_fields, sizeof(LVec));
+        t->elements = PyMem_Calloc((size_t)t->num_fields, sizeof(LVec));
+        if (!t->values || !t->elements) { PyErr_NoMemory(); return -1; }
+    } else if (t->spec != spec && strcmp(t->spec, spec)) {
+        PyErr_Format(PyExc_SystemError, "model core: %s reported two ways", configured_names[type]);
+        return -1;
+    }
+    int f = 0;
+    for (const char *p = spec; *p; p++, f++) {
+        i64 value = 0;
+        switch (*p) {
+        case 'q': case 'r': value = va_arg(ap, i64); break;
+        case 'd': case 'b': value = va_arg(ap, int); break;
+        case 'e': value = configured_value[va_arg(ap, int)]; break;
+        case 'o':
+            value = PyLong_AsLongLong(va_arg(ap, PyObject *));
+            if (value == -1 && PyErr_Occurred()) return -1;
+            break;
+        case 'L': {
+            const i64 *values = va_arg(ap, const i64 *);
+            value = va_arg(ap, Py_ssize_t);
+            for (Py_ssize_t i = 0; i < value; i++)
+                if (lvec_push(&t->elements[f], values[i])) return -1;
+            break;
+        }
+        case 'B': {  /* without the null block */
+            const int32_t *blocks = va_arg(ap, const int32_t *);
+            Py_ssize_t n = va_arg(ap, Py_ssize_t);
+            for (Py_ssize_t i = 0; i < n; i++)
+                if (blocks[i] != NULL_BLOCK && (++value, lvec_push(&t->elements[f], blocks[i])))
+                    return -1;
+            break;
+        }
+        }
+        if (lvec_push(&t->values[f], value)) return -1;
+    }
+    return kinds_push(w, (uint8_t)type);
+}
+
+static int out_reserve(Columns *w, size_t more) {
+    if (w->out_len + more <= w->out_cap) return 0;
+    size_t size = w->out_cap ? w->out_cap : 1 << 16;
+    while (size < w->out_len + more) size *= 2;
+    char *out = PyMem_Realloc(w->out, size);
+    if (!out) { PyErr_NoMemory(); return -1; }
+    w->out = out;
+    w->out_cap = size;
+    return 0;
+}
+static int out_bytes(Columns *w, const void *data, size_t n) {
+    if (out_reserve(w, n)) return -1;
+    memcpy(w->out + w->out_len, data, n);
+    w->out_len += n;
+    return 0;
+}
+/* msgpack headers as msgspec writes them: fix forms first, then 8/16/32-bit lengths */
+static int out_header(Columns *w, size_t n, uint8_t fix, size_t fix_max, int has8, uint8_t first) {
+    uint8_t head[5];
+    size_t len;
+    if (n <= fix_max) { head[0] = (uint8_t)(fix | n); len = 1; }
+    else if (has8 && n < 256) { head[0] = first; head[1] = (uint8_t)n; len = 2; }
+    else if (n < 65536) { head[0] = (uint8_t)(first + has8); head[1] = (uint8_t)(n >> 8);
+                          head[2] = (uint8_t)n; len = 3; }
+    else { head[0] = (uint8_t)(first + has8 + 1); head[1] = (uint8_t)(n >> 24);
+           head[2] = (uint8_t)(n >> 16); head[3] = (uint8_t)(n >> 8); head[4] = (uint8_t)n;
+           len = 5; }
+    return out_bytes(w, head, len);
+}
+static int out_array(Columns *w, size_t n) { return out_header(w, n, 0x90, 15, 0, 0xdc); }
+static int out_bin(Columns *w, size_t n) { return out_header(w, n, 0, 0, 1, 0xc4); }
+static int out_str(Columns *w, const char *text, size_t n) {
+    return out_header(w, n, 0xa0, 31, 1, 0xd9) || out_bytes(w, text, n);
+}
+
+/* traceio._int_column: ("i", code, raw) at the narrowest little-endian width that holds them */
+static int out_int_column(Columns *w, const i64 *values, Py_ssize_t n) {
+    i64 low = 0, high = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (values[i] < low) low = values[i];
+        if (values[i] > high) high = values[i];
+    }
+    int width = (low >= -128 && high <= 127) ? 1 : (low >= -32768 && high <= 32767) ? 2
+              : (low >= INT32_MIN && high <= INT32_MAX) ? 4 : 8;
+    const char *code = width == 1 ? "b" : width == 2 ? "h" : width == 4 ? "i" : "q";
+    if (out_array(w, 3) || out_str(w, "i", 1) || out_str(w, code, 1)
+        || out_bin(w, (size_t)(n * width)) || out_reserve(w, (size_t)(n * width)))
+        return -1;
+    unsigned char *out = (unsigned char *)w->out + w->out_len;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        uint64_t v = (uint64_t)values[i];
+        for (int b = 0; b < width; b++) *out++ = (unsigned char)(v >> (8 * b));
+    }
+    w->out_len += (size_t)(n * width);
+    return 0;
+}
+
+/* The first `count` records as one batch payload handed to the sink, then dropped. */
+static int write_batch(Core *c, Py_ssize_t count) {
+    Columns *w = c->columns;
+    int order[NUM_RECORD_TYPES], index_of[NUM_RECORD_TYPES];
+    Py_ssize_t rows[NUM_RECORD_TYPES] = {0};
+    int num_types = 0;
+    for (int t = 0; t < NUM_RECORD_TYPES; t++) index_of[t] = -1;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        int t = w->kinds[i];
+        if (index_of[t] < 0) { index_of[t] = num_types; order[num_types++] = t; }
+        rows[t]++;
+    }
+    w->out_len = 0;
+    PyObject *counts = PyDict_New();
+    int rc = counts ? 0 : -1;
+    rc = rc || out_array(w, 3) || out_array(w, (size_t)num_types);
+    for (int k = 0; k < num_types && !rc; k++) {
+        Py_ssize_t size;
+        const char *tag = PyUnicode_AsUTF8AndSize(w->tags[order[k]], &size);
+        PyObject *n = PyLong_FromSsize_t(rows[order[k]]);
+        rc = !tag || !n || out_str(w, tag, (size_t)size)
+             || PyDict_SetItem(counts, w->tags[order[k]], n);
+        Py_XDECREF(n);
+    }
+    rc = rc || out_bin(w, (size_t)count) || out_reserve(w, (size_t)count);
+    if (!rc) {
+        for (Py_ssize_t i = 0; i < count; i++) w->out[w->out_len++] = (char)index_of[w->kinds[i]];
+    }
+    rc = rc || out_array(w, (size_t)num_types);
+    for (int k = 0; k < num_types && !rc; k++) {
+        TypeColumns *t = &w->types[order[k]];
+        Py_ssize_t n = rows[order[k]];
+        rc = out_array(w, (size_t)t->num_fields);
+        for (int f = 0; f < t->num_fields && !rc; f++) {
+            LVec *values = &t->values[f], *elements = &t->elements[f];
+            char letter = t->spec[f];
+            if (letter == 'L' || letter == 'B') {
+                i64 total = 0;
+                for (Py_ssize_t i = 0; i < n; i++) total += values->v[i];
+                rc = out_array(w, 3) || out_str(w, "l", 1) || out_int_column(w, values->v, n)
+                     || out_int_column(w, elements->v, total);
+                if (!rc) {  /* drop them */
+                    memmove(elements->v, elements->v + total,
+                            (size_t)(elements->n - total) * sizeof(i64));
+                    elements->n -= total;
+                }
+            } else if (letter == 'r') {  /* the request id: the request's number, as a string */
+                size_t start;
+                rc = out_array(w, 2) || out_str(w, "o", 1);
+                if (rc) break;
+                /* the bin's length comes first: encode the strings after a placeholder */
+                char digits[32];
+                size_t total = n < 16 ? 1 : n < 65536 ? 3 : 5;
+                for (Py_ssize_t i = 0; i < n; i++) {
+                    int len = snprintf(digits, sizeof(digits), "%lld", values->v[i]);
+                    total += (size_t)len + (len <= 31 ? 1 : 2);
+                }
+                rc = out_bin(w, total);
+                start = w->out_len;
+                rc = rc || out_array(w, (size_t)n);
+                for (Py_ssize_t i = 0; i < n && !rc; i++) {
+                    int len = snprintf(digits, sizeof(digits), "%lld", values->v[i]);
+                    rc = out_str(w, digits, (size_t)len);
+                }
+                if (!rc && w->out_len - start != total) {
+                    PyErr_SetString(PyExc_SystemError, "model core: a request id column");
+                    rc = -1;
+                }
+            } else {
+                rc = out_int_column(w, values->v, n);
+            }
+            if (!rc) {
+                memmove(values->v, values->v + n, (size_t)(values->n - n) * sizeof(i64));
+                values->n -= n;
+            }
+        }
+    }
+    if (!rc) {
+        memmove(w->kinds, w->kinds + count, (size_t)(w->num_kinds - count));
+        w->num_kinds -= count;
+        PyObject *payload = PyBytes_FromStringAndSize(w->out, (Py_ssize_t)w->out_len);
+        PyObject *result = payload ? PyObject_CallFunctionObjArgs(w->sink, payload, counts, NULL)
+                                   : NULL;
+        rc = result ? 0 : -1;
+        Py_XDECREF(result);
+        Py_XDECREF(payload);
+    }
+    Py_XDECREF(counts);
+    return rc;
+}
+
+/* Report an effect or input: a record for the sink, or a count (and, writing columns, the
+   record's fields into them). */
 static int emit(Core *c, int type, const char *spec, ...) {
     va_list ap;
     va_start(ap, spec);
-    int rc = c->counting ? count_report(c, type, spec, ap) : make_record(c, type, spec, ap);
+    int rc;
+    if (c->columns) {
+        va_list copy;
+        va_copy(copy, ap);
+        rc = count_report(c, type, spec, ap) || column_report(c, type, spec, copy);
+        va_end(copy);
+    } else {
+        rc = c->counting ? count_report(c, type, spec, ap) : make_record(c, type, spec, ap);
+    }
     va_end(ap);
     return rc;
 }
 
-/* Hand the records made so far to the sink, in order (they are dropped either way). */
+/* Hand the records made so far to the sink, in order (they are dropped either way); writing
+   columns, every whole batch of them. */
 static int flush(Core *c) {
+    if (c->columns) {
+        while (c->columns->num_kinds >= c->columns->batch_size)
+            if (write_batch(c, c->columns->batch_size)) return -1;
+        return 0;
+    }
     Py_ssize_t n = PyList_GET_SIZE(c->records);
     if (!n) return 0;
     int rc = 0;
@@ -409,7 +537,7 @@ static int unmap(Core *c, i64 hash_id, int group, int32_t block) {
     Map *table = &c->cached[group];
     Py_ssize_t slot = map_find(table, hash_id);
     if (slot < 0) return 0;
-    i64 holder = table->vals[slot];
+    i64 holder = table->slots[slot].val;
     if (holder >= 0) {
         if (holder != block) return 0;
         map_del_at(table, (size_t)slot);
@@ -432,7 +560,7 @@ static int map_block(Core *c, i64 hash_id, int group, int32_t block) {
     Map *table = &c->cached[group];
     Py_ssize_t slot = map_find(table, hash_id);
     if (slot < 0) return map_set(table, hash_id, block);
-    i64 holder = table->vals[slot];
+    i64 holder = table->slots[slot].val;
     if (holder < 0) return ivec_push(&c->multi[-holder - 1], block);
     Py_ssize_t index;
     if (c->free_multi.n) {
@@ -451,7 +579,7 @@ static int map_block(Core *c, i64 hash_id, int group, int32_t block) {
     IVec *list = &c->multi[index];
     list->n = 0;
     if (ivec_push(list, (int32_t)holder) || ivec_push(list, block)) return -1;
-    table->vals[slot] = -(i64)index - 1;
+    table->slots[slot].val = -(i64)index - 1;
     return 0;
 }
 
@@ -1421,12 +1549,14 @@ static int parse_args(const char *function, PyObject *const *args, Py_ssize_t na
 static int Core_traverse(Core *c, visitproc visit, void *arg) {
     Py_VISIT(c->sink);
     Py_VISIT(c->records);
+    if (c->columns) Py_VISIT(c->columns->sink);
     Py_VISIT(c->variant);
     Py_VISIT(c->checkpoint_action);
     return 0;
 }
 
 static int Core_clear(Core *c) {
+    if (c->columns) Py_CLEAR(c->columns->sink);
     Py_CLEAR(c->sink);
     Py_CLEAR(c->records);
     Py_CLEAR(c->variant);
@@ -1470,7 +1600,22 @@ static void Core_dealloc(Core *c) {
     PyMem_Free(t->block_group); PyMem_Free(t->hit_blocks); PyMem_Free(t->evicted);
     PyMem_Free(t->stored);
     map_clear(&t->arrived); map_clear(&t->lookups); map_clear(&t->admitted);
+    if (c->columns) {
+        Columns *w = c->columns;
+        for (int type = 0; type < NUM_RECORD_TYPES; type++) {
+            for (int f = 0; f < w->types[type].num_fields; f++) {
+                lvec_free(&w->types[type].values[f]);
+                lvec_free(&w->types[type].elements[f]);
+            }
+            PyMem_Free(w->types[type].values);
+            PyMem_Free(w->types[type].elements);
+            Py_XDECREF(w->tags[type]);
+        }
+        PyMem_Free(w->kinds);
+        PyMem_Free(w->out);
+    }
     Core_clear(c);
+    PyMem_Free(c->columns);
     Py_TYPE(c)->tp_free((PyObject *)c);  /* a subclass's type is released by subtype_dealloc */
 }
 
@@ -1480,13 +1625,14 @@ static void Core_dealloc(Core *c) {
         checkpoint_alignment or None)], specs = [(is_mamba, block_size, (group ids...))].
    A sink of None: count (_counts()), make no record. */
 static int Core_init(Core *c, PyObject *args, PyObject *kwargs) {
-    PyObject *sink, *variant, *retention, *groups, *specs;
+    PyObject *sink, *variant, *retention, *groups, *specs, *batch_sink = Py_None;
     int num_blocks, hash_block_size, enable_caching, hybrid, partial_hits, alignment, simple;
     long long scheduler_block_size, max_model_len;
-    if (!PyArg_ParseTuple(args, "OOiiLLOpppipOO", &sink, &variant, &num_blocks,
+    Py_ssize_t batch_size = 0;
+    if (!PyArg_ParseTuple(args, "OOiiLLOpppipOO|On", &sink, &variant, &num_blocks,
                           &hash_block_size, &scheduler_block_size, &max_model_len, &retention,
                           &enable_caching, &hybrid, &partial_hits, &alignment, &simple, &groups,
-                          &specs))
+                          &specs, &batch_sink, &batch_size))
         return -1;
     if (c->ref) {
         PyErr_SetString(PyExc_RuntimeError, "a model core is initialised once");
@@ -1581,6 +1727,22 @@ static int Core_init(Core *c, PyObject *args, PyObject *kwargs) {
     }
     for (size_t b = 0; b < n; b++) c->key_tokens[b] = -1;
     c->counting = sink == Py_None;
+    if (batch_sink != Py_None) {  /* counting, and writing the records as column batches */
+        if (!c->counting || batch_size < 1) {
+            PyErr_SetString(PyExc_ValueError, "column batches need no sink and a batch size");
+            return -1;
+        }
+        c->columns = PyMem_Calloc(1, sizeof(Columns));
+        if (!c->columns) { PyErr_NoMemory(); return -1; }
+        c->columns->sink = Py_NewRef(batch_sink);
+        c->columns->batch_size = batch_size;
+        for (int t = 0; t < NUM_RECORD_TYPES; t++) {
+            PyObject *config = PyObject_GetAttrString(configured[t], "__struct_config__");
+            c->columns->tags[t] = config ? PyObject_GetAttrString(config, "tag") : NULL;
+            Py_XDECREF(config);
+            if (!c->columns->tags[t]) return -1;
+        }
+    }
     if (c->counting) {
         Tally *t = &c->tally;
         t->block_group = PyMem_Malloc(n * sizeof(int32_t));
@@ -1742,7 +1904,7 @@ static PyObject *Core_allocate_slots(Core *c, PyObject *const *args, Py_ssize_t 
     }
     if ((r->num_reported < 0 || r->num_hashes != r->num_reported) && report_request(c, r))
         return NULL;
-    Py_ssize_t first_effect = PyList_GET_SIZE(c->records);
+    Py_ssize_t first_effect = c->columns ? c->columns->num_kinds : PyList_GET_SIZE(c->records);
     i64 num_computed = r->num_computed, num_tokens = r->num_tokens;
     int success = 0;
     if (num_new == 0 && num_new_computed == 0) {
@@ -1761,8 +1923,15 @@ static PyObject *Core_allocate_slots(Core *c, PyObject *const *args, Py_ssize_t 
         return NULL;
     }
     /* the input record goes in front of the call's effects */
+    if (c->columns && c->columns->num_kinds - 1 > first_effect) {
+        uint8_t *kinds = c->columns->kinds;
+        Py_ssize_t last = c->columns->num_kinds - 1;
+        uint8_t kind = kinds[last];
+        memmove(kinds + first_effect + 1, kinds + first_effect, (size_t)(last - first_effect));
+        kinds[first_effect] = kind;
+    }
     Py_ssize_t last = PyList_GET_SIZE(c->records) - 1;
-    if (last > first_effect) {
+    if (!c->columns && last > first_effect) {
         PyObject *record = PyList_GET_ITEM(c->records, last);
         Py_INCREF(record);
         if (PyList_SetSlice(c->records, last, last + 1, NULL)
@@ -1944,9 +2113,9 @@ static PyObject *Core_counts(Core *c, PyObject *unused) {
     PyObject *arrived = PyDict_New(), *stored = PyList_New(c->num_groups);
     if (!arrived || !stored) { Py_XDECREF(arrived); Py_XDECREF(stored); return NULL; }
     for (size_t i = 0; i < t->arrived.cap; i++) {
-        if (!t->arrived.used[i]) continue;
-        PyObject *req = PyLong_FromLongLong(t->arrived.keys[i]);
-        PyObject *prompt_len = PyLong_FromLongLong(t->arrived.vals[i]);
+        if (!map_used(&t->arrived, i)) continue;
+        PyObject *req = PyLong_FromLongLong(t->arrived.slots[i].key);
+        PyObject *prompt_len = PyLong_FromLongLong(t->arrived.slots[i].val);
         int rc = req && prompt_len ? PyDict_SetItem(arrived, req, prompt_len) : -1;
         Py_XDECREF(req);
         Py_XDECREF(prompt_len);
@@ -1964,8 +2133,10 @@ static PyObject *Core_counts(Core *c, PyObject *unused) {
 }
 
 static PyObject *Core_close(Core *c, PyObject *unused) {
-    Py_INCREF(Py_None);
-    return Core_flushed(c, Py_None);
+    if (flush(c) || (c->columns && c->columns->num_kinds
+                     && write_batch(c, c->columns->num_kinds)))
+        return NULL;
+    Py_RETURN_NONE;
 }
 
 #define FAST(function) (PyCFunction)(void (*)(void))function, METH_FASTCALL | METH_KEYWORDS

@@ -216,6 +216,9 @@ static PyMethodDef module_methods[] = {
     {"write_rows_frame", write_rows_frame, METH_VARARGS,
      "write_rows_frame(fd, chunks) -> number of records: one R frame of pre-encoded rows, "
      "written with the interpreter lock released."},
+    {"snapshot_pool", snapshot_pool, METH_VARARGS,
+     "snapshot_pool(probe, blocks, cache) -> (block rows, key rows, holders): the pool part of "
+     "a start snapshot, packed int64 (kvtrace/probes/snapshot.py's _read_pool)."},
     {"probes_changed", probes_changed, METH_NOARGS,
      "A probe set was armed or disarmed: forget which probe set observes which cache."},
     {"configure", configure, METH_VARARGS,
@@ -240,7 +243,7 @@ PyInit__native(void)
         return NULL;
     }
     frames_init();
-    if (probes_add_types(module) < 0 || step_buffer_add_type(module) < 0) {
+    if (snapshot_init() < 0 || probes_add_types(module) < 0 || step_buffer_add_type(module) < 0) {
         Py_DECREF(module);
         return NULL;
     }

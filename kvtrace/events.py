@@ -13,7 +13,10 @@ Records come in two families, named by ``Record.family``:
 * ``input`` - what the scheduler asked of the cache (re-issued by lockstep replay);
 * ``effect`` - what the cache did in answer (compared by ``replay --verify``);
 
-plus ``meta`` records (GPU telemetry, drop markers, hash bytes). Records carry no step or
+plus ``meta`` records (GPU telemetry, drop markers, hash bytes) and ``state`` records (format 1.2):
+the *start snapshot* a capture writes when it arms on a serving engine, the cache and the
+requests in flight as they stand at that moment, so that replay can rebuild them (see
+``SnapshotStarted``). Records carry no step or
 sequence number: order is the file order and the step is the number of ``StepStarted`` records
 before a record. Hashes are dense ids (``HashInterner``); requests are dense indices assigned in
 ``RequestArrived`` order. Token ids and text never appear.
@@ -29,7 +32,7 @@ from typing import ClassVar
 import msgspec
 
 FORMAT_MAJOR = 1
-FORMAT_MINOR = 1
+FORMAT_MINOR = 2
 
 
 class StoreKind(enum.IntEnum):
@@ -49,6 +52,13 @@ class RemoveReason(enum.IntEnum):
     CONNECTOR = 3  # BlockPool.evict_blocks: a KV connector invalidated the block
     RESET = 4  # BlockPool.reset_prefix_cache
     UNKNOWN = 5  # a source that does not say (vLLM's own KV events)
+
+
+class RequestQueue(enum.IntEnum):
+    """Where a request in a start snapshot sits in vLLM's scheduler."""
+
+    RUNNING = 0  # ``Scheduler.running``: scheduled in earlier steps, holding blocks
+    WAITING = 1  # ``Scheduler.waiting``: not yet admitted, or preempted and waiting again
 
 
 class FinishStatus(enum.IntEnum):
@@ -275,6 +285,99 @@ class StaleKeyLeft(Record, tag="stale_key_left"):
     state_num_tokens: int
 
 
+# --- state: the start snapshot ------------------------------------------------------------------
+# A capture that arms on a serving engine writes these first, on vLLM's scheduler thread at the
+# start of a step (before that step's ``StepStarted``), in this order: ``SnapshotStarted``, the
+# free queue, every keyed or held block, every cached key, every running then waiting request
+# with its blocks per KV-cache group, ``SnapshotEnded``. Hash ids are interned as any record's
+# are; a request keeps its ``req`` for the rest of the trace and gets no ``RequestArrived``.
+
+
+class SnapshotStarted(Record, tag="snapshot_started"):
+    """The cache's state at the moment the capture armed follows (``SnapshotEnded`` closes it).
+
+    ``counters`` are the scheduler's and cache's own counters then (vLLM's names: prefix-cache
+    queries and hits, preemptions, the scheduler's step): context for the reader, not replayed."""
+
+    family: ClassVar[str] = "state"
+    ts_ns: int
+    num_blocks: int
+    num_requests: int
+    num_keys: int
+    counters: dict[str, int] = {}
+
+
+class FreeQueueState(Record, tag="free_queue_state"):
+    """The free queue's blocks in LRU order: the head (reused, and evicted, first) first."""
+
+    family: ClassVar[str] = "state"
+    block_ids: list[int]
+
+
+class BlockState(Record, tag="block_state"):
+    """A block that is held (``ref_cnt`` > 0) or keyed, with its primary key (``block_hash``;
+    ``hash_id`` -1 without one) and the prefix length that key covers (``num_tokens``)."""
+
+    family: ClassVar[str] = "state"
+    block_id: int
+    ref_cnt: int
+    hash_id: int
+    group: int
+    num_tokens: int
+
+
+class KeyCached(Record, tag="key_cached"):
+    """A key of the prefix cache (hash id in one group) and the blocks that hold it, in lookup
+    order: a hit takes the first. ``num_tokens`` is the prefix length the key covers."""
+
+    family: ClassVar[str] = "state"
+    hash_id: int
+    group: int
+    num_tokens: int
+    block_ids: list[int]
+
+
+class RequestState(Record, tag="request_state"):
+    """A request in flight: ``hash_ids`` are all its block hashes so far (prompt, then the
+    output units decode completed), ``num_tokens`` its prompt plus outputs. ``status`` is
+    vLLM's ``RequestStatus`` name."""
+
+    family: ClassVar[str] = "state"
+    req: int
+    queue: RequestQueue
+    status: str
+    prompt_len: int
+    hash_ids: list[int]
+    max_tokens: int
+    num_tokens: int
+    num_computed_tokens: int
+    num_preemptions: int
+    shared_prefix_boundary: int
+    arrival_ns: int = 0
+    salt_id: int = 0
+    request_id: str = ""
+
+
+class RequestBlocksState(Record, tag="request_blocks_state"):
+    """A request's blocks in one KV-cache group (``req_to_blocks``; 0 is the null block) and the
+    group manager's other per-request state, by vLLM's attribute names, as ints (blocks by id):
+    e.g. ``num_cached_block``, and in a Mamba "align" group ``last_state_block_idx``,
+    ``_checkpoints`` (position, block index), ``_allocated_block_reqs`` (present: a member)."""
+
+    family: ClassVar[str] = "state"
+    req: int
+    group: int
+    block_ids: list[int]
+    fields: dict[str, list[int]] = {}
+
+
+class SnapshotEnded(Record, tag="snapshot_ended"):
+    """The snapshot is complete; taking it held vLLM's scheduler thread for ``pause_ns``."""
+
+    family: ClassVar[str] = "state"
+    pause_ns: int
+
+
 # --- meta ------------------------------------------------------------------------------------
 
 
@@ -326,6 +429,13 @@ RECORD_TYPES: tuple[type[Record], ...] = (
     HashInterned,
     GpuSampled,
     EventsDropped,
+    SnapshotStarted,
+    FreeQueueState,
+    BlockState,
+    KeyCached,
+    RequestState,
+    RequestBlocksState,
+    SnapshotEnded,
 )
 TAG_TO_TYPE: dict[str, type[Record]] = {cls.__struct_config__.tag: cls for cls in RECORD_TYPES}
 

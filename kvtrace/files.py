@@ -4,26 +4,38 @@ output appears whole or not at all, and a file that cannot be read or written is
 * ``refuse_overwrite(outputs, inputs)``: an output that is the same file as an input (same
   device and inode, whatever the spelling: a link, ``./a`` for ``a``), or as another output, is
   refused before any work: a command never replaces the data it reads.
+* ``existing_output(path)``: an output's path holds nothing or a regular file; anything else
+  (a link, a device, a FIFO, a socket, a directory) is refused, so that no rename ever replaces
+  ``/dev/null`` or a link (``--html /dev/stdout`` as root), and nothing is written through one.
 * ``StagedOutput(path)``: a fresh private directory beside ``path`` (``.NAME.XXXX.partial``)
   whose ``path`` the writer fills; ``publish()`` renames it onto ``path``, ``discard()`` (or a
   failure inside ``with``) removes it. Two commands writing one target never share a scratch
-  name, and a database's write-ahead log stays inside the directory.
+  name, and a database's write-ahead log stays inside the directory. ``publish`` holds the
+  target's lock (``locked_output``) and refuses a target that another command changed in place
+  meanwhile (``kvtrace sweep --db`` adding rows): replacing it would lose what was added.
+* ``locked_output(path)``: the lock a command holds while it changes an existing output in
+  place, and ``publish`` while it replaces one (``flock`` on the file itself).
 * ``check_output_dir(path, option)``: an output can be created where it goes, tried before
   the work that produces it.
 * ``require_regular_file(path, why)``: a FIFO or a device is refused where a command must read
   a file more than once; ``file_digest(path)`` identifies a file's content.
+* ``write_failure(error)``: a library's error for a full disk (or a read-only file system) as
+  one ``OutputError``, for the errors that surface outside kvtrace's own writes.
 
 Imports: the standard library and ``kvtrace.errors`` only (the trace writer uses it).
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import fcntl
 import hashlib
 import os
 import shutil
 import stat
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 from kvtrace.errors import KvtraceError
 
@@ -39,6 +51,92 @@ class OutputError(KvtraceError):
 def cannot_write(path: str | os.PathLike, error: OSError) -> OutputError:
     """An ``OSError`` met while writing ``path``, as one line."""
     return OutputError(f"cannot write {os.fspath(path)}: {error.strerror or error}")
+
+
+# What a path holds, for the refusals: anything but a regular file (or nothing).
+_KINDS = {stat.S_IFLNK: "a symbolic link", stat.S_IFCHR: "a character device",
+          stat.S_IFBLK: "a block device", stat.S_IFIFO: "a FIFO", stat.S_IFSOCK: "a socket",
+          stat.S_IFDIR: "a directory"}
+# Errors of a write that no path or option can fix here: the file system refused the bytes.
+_WRITE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS}
+_WRITE_ERROR_TEXTS = tuple(os.strerror(code) for code in sorted(_WRITE_ERRNOS))
+
+
+def existing_output(path: str | os.PathLike, option: str = "") -> os.stat_result | None:
+    """What an output's path holds now: nothing (None) or a regular file (its ``lstat``).
+    Anything else is refused: kvtrace replaces only regular files, so that a rename never
+    replaces a device node, a link, a FIFO or a socket (as root, ``-o /dev/null`` would replace
+    the host's /dev/null), and it never writes through one."""
+    label = f"{option} {os.fspath(path)}" if option else os.fspath(path)
+    try:
+        info = os.lstat(path)
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as error:
+        raise OutputError(f"cannot write {label}: {getattr(error, 'strerror', None) or error}"
+                          ) from None
+    if stat.S_ISREG(info.st_mode):
+        return info
+    kind = _KINDS.get(stat.S_IFMT(info.st_mode), "not a regular file")
+    if stat.S_ISDIR(info.st_mode):
+        raise OutputError(f"{label} is a directory", f"Give {option or 'the output'} a file name.")
+    raise OutputError(f"{label} is {kind}: kvtrace replaces only regular files, never a link, "
+                      "a device, a FIFO or a socket",
+                      "Give a path that is new or a regular file (for a link: the file it points to).")
+
+
+@contextlib.contextmanager
+def locked_output(path: str | os.PathLike, option: str = "") -> Iterator[os.stat_result | None]:
+    """Hold the lock on the regular file at ``path`` (an exclusive ``flock`` on the file
+    itself), yielding its ``stat``; yields None, holding nothing, when there is no file.
+    ``StagedOutput.publish`` takes it before it renames onto ``path``, and a command that
+    changes an existing output in place holds it meanwhile, so that neither loses the other's
+    work. The file is the one at ``path`` once the lock is held (a rename meanwhile: again)."""
+    while True:
+        if existing_output(path, option) is None:
+            yield None
+            return
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        except FileNotFoundError:
+            continue  # removed meanwhile
+        except OSError as error:
+            if error.errno == errno.ELOOP:
+                continue  # a link now: refused on the next round
+            yield existing_output(path, option)  # unreadable: it cannot be locked, only used
+            return
+        try:
+            opened = os.fstat(fd)
+            if stat.S_ISREG(opened.st_mode):
+                fcntl.flock(fd, fcntl.LOCK_EX)
+                now = existing_output(path, option)
+                if now is not None and (now.st_dev, now.st_ino) == (opened.st_dev, opened.st_ino):
+                    yield os.fstat(fd)
+                    return
+        finally:
+            os.close(fd)
+
+
+def _changed_in_place(before: os.stat_result | None, now: os.stat_result | None) -> bool:
+    """The same file as ``before``, with other content (written in place since)."""
+    return (before is not None and now is not None
+            and (before.st_dev, before.st_ino) == (now.st_dev, now.st_ino)
+            and (before.st_size, before.st_mtime_ns) != (now.st_size, now.st_mtime_ns))
+
+
+def write_failure(error: BaseException) -> OutputError | None:
+    """A write refused by the file system (full, over quota, read-only), met inside a
+    library (DuckDB, a buffered file's flush), as one ``OutputError``; None for anything
+    else."""
+    if isinstance(error, OSError) and error.errno in _WRITE_ERRNOS:
+        where = f" {error.filename}" if error.filename else ""
+        return OutputError(f"cannot write{where}: {error.strerror}")
+    text = str(error)
+    if type(error).__module__.lstrip("_") == "duckdb" and any(
+            reason in text for reason in _WRITE_ERROR_TEXTS):
+        reason = next(reason for reason in _WRITE_ERROR_TEXTS if reason in text)
+        return OutputError(f"cannot write the database: {reason}")
+    return None
 
 
 def _identity(path: str | os.PathLike) -> tuple[int, int] | None:
@@ -74,12 +172,10 @@ def refuse_overwrite(outputs: Iterable[tuple[str, str | os.PathLike | None]],
 
 
 def check_output_dir(path: str | os.PathLike, option: str) -> None:
-    """Refuse, before any work, an output that is a directory or that cannot be created where
-    it goes (tried: a scratch directory is made there and removed)."""
-    if os.path.isdir(path):
-        raise OutputError(f"{option} {os.fspath(path)} is a directory",
-                          f"Give {option} a file name.")
-    StagedOutput(path).discard()
+    """Refuse, before any work, an output that is not new or a regular file
+    (``existing_output``) or that cannot be created where it goes (tried: a scratch directory
+    is made there and removed)."""
+    StagedOutput(path, option).discard()
 
 
 def require_regular_file(path: str | os.PathLike, why: str) -> None:
@@ -104,10 +200,13 @@ def file_digest(path: str | os.PathLike) -> str:
 
 class StagedOutput:
     """An output built under a private scratch name beside ``final`` and renamed onto it only
-    when complete (``publish``); ``discard`` leaves ``final`` as it was."""
+    when complete (``publish``); ``discard`` leaves ``final`` as it was. ``final`` must hold
+    nothing or a regular file (``existing_output``; ``option`` names it in the refusal)."""
 
-    def __init__(self, final: str | os.PathLike) -> None:
+    def __init__(self, final: str | os.PathLike, option: str = "") -> None:
         self.final = os.fspath(final)
+        self.option = option
+        self._before = existing_output(self.final, option)
         directory, name = os.path.split(os.path.abspath(self.final))
         try:
             self._scratch = tempfile.mkdtemp(prefix=f".{name}.", suffix=".partial", dir=directory)
@@ -117,11 +216,17 @@ class StagedOutput:
 
     def publish(self) -> None:
         try:
-            os.replace(self.path, self.final)
+            with locked_output(self.final, self.option) as now:
+                if _changed_in_place(self._before, now):
+                    raise OutputError(
+                        f"{self.final} changed while this command ran (another command wrote "
+                        "into it); it was not replaced, so that nothing written there is lost",
+                        "Run the command again once the other one is done, or give a new path.")
+                os.replace(self.path, self.final)
         except OSError as error:
-            self.discard()
             raise cannot_write(self.final, error) from None
-        self.discard()
+        finally:
+            self.discard()
 
     def discard(self) -> None:
         shutil.rmtree(self._scratch, ignore_errors=True)

@@ -33,6 +33,7 @@ from __future__ import annotations
 import enum
 import io
 import os
+import stat
 import struct
 import sys
 import time
@@ -170,7 +171,11 @@ def _field_codecs(record_type: type[Record]) -> list[tuple[Any, str]]:
 
 
 _FIELD_CODECS = {cls: _field_codecs(cls) for cls in TAG_TO_TYPE.values()}
-_OBJECT_FIELD_TYPES = {"str": str, "bytes": bytes}
+_OBJECT_FIELD_TYPES = {"str": str, "bytes": bytes, "dict[str, int]": dict,
+                       "dict[str, list[int]]": dict}
+# Object fields whose contents are typed too (a snapshot's maps): checked with msgspec.
+_TYPED_OBJECT_FIELDS = {"dict[str, int]": list[dict[str, int]],
+                        "dict[str, list[int]]": list[dict[str, list[int]]]}
 # Per kind, its enum fields: (field index, name, the values this reader knows as bytes; a
 # column of only known values is an int8 column, since the writer picks the narrowest width).
 _ENUM_FIELDS = {
@@ -298,9 +303,12 @@ def _list_rows(column: ListColumn) -> Iterator[array]:
 
 def _decode_batch(payload: memoryview, first_seq: int) -> tuple[RecordBatch, Counter]:
     raw = _BATCH_DECODER.decode(payload)
-    if len(raw.tags) != len(raw.columns) or (raw.kinds and max(raw.kinds) >= len(raw.tags)):
+    num_tags = len(raw.tags)
+    if (num_tags != len(raw.columns) or num_tags > 256
+            or raw.kinds.translate(None, bytes(range(num_tags)))):
         raise ValueError("batch kinds do not match its tags")
-    counts = Counter(raw.kinds)
+    # Per kind its number of records, counted in C (bytes.count), not byte by byte.
+    counts = [raw.kinds.count(index) for index in range(num_tags)]
     types: list[type[Record] | None] = []
     columns: list[list[Any]] = []
     unknown: Counter = Counter()
@@ -336,7 +344,12 @@ def _check_column_types(record_type: type[Record], columns: list) -> None:
         elif object_type is None:
             fits = isinstance(column, array)
         else:
-            fits = isinstance(column, list) and all(type(v) is object_type for v in column)
+            fits = isinstance(column, list) and set(map(type, column)) <= {object_type}
+            if fits and annotation in _TYPED_OBJECT_FIELDS:
+                try:
+                    msgspec.convert(column, _TYPED_OBJECT_FIELDS[annotation], strict=True)
+                except msgspec.ValidationError:
+                    fits = False
         if not fits:
             raise ValueError(f"{tag_of(record_type)}.{name} holds values that are not "
                              f"{annotation}")
@@ -490,6 +503,14 @@ class TraceWriter:
                   for size, chunk in chunks]]))
         self.num_records += num_records
 
+    def write_batch(self, payload: bytes, counts: dict[str, int]) -> None:
+        """Write one batch encoded elsewhere, as ``encode_batch`` encodes it (the model
+        backend's C core writes its records so), with its number of records per tag."""
+        self.flush_batch()
+        self._write_frame(FRAME_BATCH, payload)
+        self.num_records += sum(counts.values())
+        self.counts.update(counts)
+
     def flush_batch(self) -> None:
         """Write all pending records as one batch frame."""
         if self._chunks:
@@ -532,14 +553,21 @@ class TraceWriter:
         self.closed = True
 
     def abandon(self) -> None:
-        """Stop without a closing frame; an atomic writer removes its partial file."""
+        """Stop without a closing frame; an atomic writer removes its partial file. The
+        buffered tail of a file being thrown away may fail to flush (the disk that filled up
+        and failed the write); that must not keep the partial file from being removed."""
         if self.closed:
             return
         self.closed = True
-        if self._owns_file:
-            self._file.close()
-        if self._staged is not None:
-            self._staged.discard()
+        try:
+            if self._owns_file:
+                self._file.close()
+        except OSError:
+            if self._staged is None:
+                raise  # a kept trace whose tail is lost: the caller must hear of it
+        finally:
+            if self._staged is not None:
+                self._staged.discard()
 
     def __enter__(self) -> TraceWriter:
         return self
@@ -565,10 +593,13 @@ class TraceReader:
     The header is read on open. Iterate ``batches()`` (columns) or the reader itself (records);
     after the stream ends, ``closing``, ``truncated`` and ``unknown_kinds`` tell how it ended,
     and ``unknown_values`` counts enum values it does not know (kept as ints), by (tag, field,
-    value).
+    value). ``source``: the file already open (the reader reads it from where it stands, and
+    closes it), so that a caller that checked a descriptor reads those very bytes; ``path`` then
+    only names it in messages.
     """
 
     path: str
+    source: BinaryIO | None = field(default=None, repr=False)
     header: TraceHeader = field(init=False)
     closing: TraceClosed | None = field(init=False, default=None)
     truncated: bool = field(init=False, default=False)
@@ -582,14 +613,7 @@ class TraceReader:
     _consumed: bool = field(init=False, default=False)
 
     def __post_init__(self) -> None:
-        try:
-            self._file = open(self.path, "rb")
-        except FileNotFoundError:
-            raise TraceNotFoundError(f"no such trace: {self.path}") from None
-        except IsADirectoryError:
-            raise TraceNotFoundError(f"{self.path} is a directory, not a trace") from None
-        except OSError as error:
-            raise TraceNotFoundError(f"cannot open {self.path}: {error.strerror}") from None
+        self._file = self._open() if self.source is None else self.source
         try:
             self._read_preamble()
             frame = self._next_frame()
@@ -605,8 +629,26 @@ class TraceReader:
             self._file.close()
             raise
 
+    def _open(self) -> BinaryIO:
+        try:
+            return open(self.path, "rb")
+        except FileNotFoundError:
+            raise TraceNotFoundError(f"no such trace: {self.path}") from None
+        except IsADirectoryError:
+            raise TraceNotFoundError(f"{self.path} is a directory, not a trace") from None
+        except OSError as error:
+            raise TraceNotFoundError(f"cannot open {self.path}: {error.strerror}") from None
+    def _read(self, size: int) -> bytes:
+        """Up to ``size`` bytes; a file that fails to read (EIO: ``/proc/self/mem``, a failing
+        disk) is one error."""
+        try:
+            return self._file.read(size)
+        except OSError as error:
+            raise TraceNotFoundError(f"cannot read {self.path}: {error.strerror or error}",
+                                     "Check that it is a trace file, and the disk.") from None
+
     def _read_preamble(self) -> None:
-        preamble = self._file.read(_PREAMBLE.size)
+        preamble = self._read(_PREAMBLE.size)
         if not preamble:
             raise TraceFormatError(
                 f"{self.path} is empty", hint="The writer never started; capture the trace again."
@@ -631,7 +673,7 @@ class TraceReader:
     def _next_frame(self) -> tuple[bytes, memoryview, int] | None:
         """The next complete frame as (type, body, offset); None at the end or a cut."""
         offset = self._offset
-        head = self._file.read(_FRAME_HEAD.size)
+        head = self._read(_FRAME_HEAD.size)
         if not head:
             return None
         if len(head) < _FRAME_HEAD.size:
@@ -639,7 +681,7 @@ class TraceReader:
         length, checksum = _FRAME_HEAD.unpack(head)
         if length == 0 or length > MAX_FRAME_BYTES:
             raise TraceFormatError(f"{self.path}: frame has impossible length {length}", offset)
-        payload = self._file.read(length)
+        payload = self._read(length)
         if len(payload) < length:
             return self._cut(offset)
         if zlib.crc32(payload) != checksum:
@@ -674,8 +716,10 @@ class TraceReader:
                         batch, unknown = decode(body, self.num_records)
                     except (msgspec.DecodeError, msgspec.ValidationError, ValueError, TypeError) as e:
                         raise TraceFormatError(f"{self.path}: undecodable batch ({e})", offset) from None
-                    self.unknown_kinds.update(unknown)
-                    self.unknown_values.update(batch.unknown_values)
+                    if unknown:
+                        self.unknown_kinds.update(unknown)
+                    if batch.unknown_values:
+                        self.unknown_values.update(batch.unknown_values)
                     # A B batch keeps unknown kinds' rows (typeless); an R batch drops them.
                     self.num_records += len(batch) + (
                         unknown.total() if frame_type == FRAME_ROWS else 0)
@@ -707,6 +751,29 @@ class TraceReader:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def open_trace_file(path: str | os.PathLike) -> BinaryIO:
+    """``path`` opened once, for a command that reads everything of a trace from one descriptor
+    (its digest and its records): a regular file, else refused (a FIFO would block or change
+    between reads, a device never end). Opened without blocking on a FIFO, checked on the
+    descriptor, so the file checked is the file read."""
+    path = os.fspath(path)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise TraceNotFoundError(f"no such trace: {path}") from None
+    except OSError as error:
+        raise TraceNotFoundError(f"cannot open {path}: {error.strerror}") from None
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        if stat.S_ISDIR(mode):
+            raise TraceNotFoundError(f"{path} is a directory, not a trace")
+        raise TraceNotFoundError(f"{path} is not a regular file (a FIFO, socket or device)",
+                                 "Save the stream to a file first.")
+    os.set_blocking(fd, True)
+    return os.fdopen(fd, "rb")
 
 
 def read_records(path: str | os.PathLike) -> tuple[TraceReader, list[Record]]:

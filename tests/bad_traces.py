@@ -7,6 +7,7 @@ frame whose framing is correct."""
 
 from __future__ import annotations
 
+import os
 import struct
 import zlib
 from pathlib import Path
@@ -160,3 +161,106 @@ def ill_typed_traces(directory: Path) -> dict[str, Path]:
         directory / "header.kvtrace", header_frame({"kvtrace_version": 1, "created_ns": "x",
                                                    "source": "synth"}), closing_frame(0))
     return paths
+
+
+# --- crafted databases and outputs (issue "Hardening, round three") -------------------------
+
+# A string that drives a terminal: sets the window title, then a hyperlink; and a bidi override.
+TERMINAL_ESCAPE = "\x1b]0;pwned\x07\x1b]8;;http://x\x1b\\\u202e"
+
+
+def crafted_databases(directory: Path, sound: Path, secret: Path) -> dict[str, Path]:
+    """Copies of the sound forensics database ``sound`` changed as an attacker would: table and
+    column names that are SQL, a view that reads ``secret``, ``runs.path`` a FIFO or NULL,
+    schema versions newer, older and negative."""
+    import shutil
+
+    import duckdb
+
+    def crafted(name: str, *statements: str) -> Path:
+        path = directory / f"{name}.duckdb"
+        shutil.copy(sound, path)
+        with duckdb.connect(str(path)) as connection:
+            for statement in statements:
+                connection.execute(statement)
+        return path
+
+    quoted_secret = "'" + str(secret).replace("'", "''") + "'"
+    pwned = "'" + str(directory / "pwned").replace("'", "''") + "'"
+    fifo = directory / "runs.fifo"
+    if not fifo.exists():
+        os.mkfifo(fifo)
+    return {
+        "table named as SQL": crafted(
+            "table-sql", f'CREATE TABLE "x""; COPY runs TO {pwned.replace(chr(34), chr(34) * 2)} '
+            f'(FORMAT CSV); SELECT count(*) FROM ""x" (a INTEGER)'),
+        "columns named as SQL": crafted(
+            "column-sql", 'CREATE TABLE odd ("run" INTEGER, "a""b; DROP TABLE runs; --" '
+            'VARCHAR, "' + TERMINAL_ESCAPE.replace('"', '""') + '" INTEGER)',
+            "INSERT INTO odd VALUES (0, 'x', 1)"),
+        "partition value as a path": crafted(
+            "partition-path", "CREATE TABLE hop (run VARCHAR, a INTEGER)",
+            "INSERT INTO hop VALUES ('../../../../../../tmp/kvtrace-hop', 1)"),
+        "a view that reads a file": crafted(
+            "view-reads", "DROP VIEW lookups",
+            f"CREATE VIEW lookups AS SELECT * FROM read_text({quoted_secret})"),
+        "runs.path a FIFO": crafted(
+            "runs-fifo", f"UPDATE runs SET path = '{fifo}'"),
+        "runs.path NULL": crafted("runs-null", "UPDATE runs SET path = NULL"),
+        "strings that drive a terminal": crafted("escapes", *(
+            statement for table, generated in _variant_tables(sound) for statement in (
+                [f"ALTER TABLE {table} DROP COLUMN variant",
+                 f"ALTER TABLE {table} ADD COLUMN variant VARCHAR DEFAULT '{TERMINAL_ESCAPE}'"]
+                if generated else [f"UPDATE {table} SET variant = '{TERMINAL_ESCAPE}'"]))),
+        "a newer schema": crafted(
+            "schema-99", "UPDATE kvtrace_meta SET value = '99' WHERE key = 'db_schema_version'"),
+        "schema v1": crafted(
+            "schema-1", "UPDATE kvtrace_meta SET value = '1' WHERE key = 'db_schema_version'"),
+        "a negative schema": crafted(
+            "schema-neg", "UPDATE kvtrace_meta SET value = '-2' WHERE key = 'db_schema_version'"),
+    }
+
+
+def _variant_tables(db: Path) -> list[tuple[str, bool]]:
+    """The tables with a variant column, and whether it is computed (the record tables compute
+    it from ``run``, schema v3: a crafted database defines it anew)."""
+    import duckdb
+
+    with duckdb.connect(str(db), read_only=True) as connection:
+        return connection.execute(
+            "SELECT table_name, is_generated FROM duckdb_columns() WHERE column_name = 'variant' "
+            "AND table_name IN (SELECT table_name FROM duckdb_tables())").fetchall()
+
+
+SPECIAL_OUTPUTS = ("character device", "link to a file", "link to standard output", "FIFO",
+                   "socket")
+
+
+def special_output(kind: str, path: Path, victim: Path) -> Path:
+    """Something other than a regular file at an output's path: a character device (like
+    /dev/null: mknod, root only), a link (to ``victim``, or where /dev/stdout points), a FIFO,
+    a socket."""
+    import socket
+    import stat
+
+    if kind == "character device":
+        os.mknod(path, 0o666 | stat.S_IFCHR, os.makedev(1, 3))  # what /dev/null is
+    elif kind == "link to a file":
+        path.symlink_to(victim)
+    elif kind == "link to standard output":
+        path.symlink_to("/proc/self/fd/1")
+    elif kind == "FIFO":
+        os.mkfifo(path)
+    else:
+        with socket.socket(socket.AF_UNIX) as listener:
+            listener.bind(str(path))
+    return path
+
+
+def node_kind(path: Path) -> tuple:
+    """What sits at ``path``, not followed: its type, device numbers and link target."""
+    import stat
+
+    info = path.lstat()
+    return (stat.S_IFMT(info.st_mode), info.st_rdev, info.st_ino,
+            os.readlink(path) if path.is_symlink() else None)

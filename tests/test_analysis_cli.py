@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import duckdb
 import pytest
@@ -72,8 +73,20 @@ def test_report_writes_html_with_plots(db, tmp_path):
     result = invoke("report", db, "--html", out)
     assert result.exit_code == 0, result.output
     assert "Top pushed-out prefixes" in result.output and "scenario.kvtrace" in result.output
-    page = out.read_text()
-    assert page.count("data:image/png;base64,") == 4  # hit rate, pushouts, 2 occupancy plots
+    figures = report_figures(out.read_text())
+    assert set(figures) == {"plot-hit-rate", "plot-hits-went", "plot-pushouts",
+                            "plot-occupancy-0", "plot-occupancy-1"}
+    # The unfixed run's occupancy marks its one pushout: S (hash 100) evicted at step 5.
+    marks = [t for t in figures["plot-occupancy-1"]["data"] if t["name"].startswith("evicted")]
+    assert [(t["name"], t["x"]) for t in marks] == [("evicted: hash 100", [5])]
+    assert not [t for t in figures["plot-occupancy-0"]["data"] if "evicted" in t["name"]]
+
+
+def report_figures(page: str) -> dict:
+    """The Plotly figures an HTML report draws, by plot id."""
+    found = re.search(r'<script type="application/json" id="kvtrace-figures">(.*?)</script>',
+                      page, re.DOTALL)
+    return json.loads(found.group(1).replace("<\\/", "</"))
 
 
 def test_unknown_query_name(db):

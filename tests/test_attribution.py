@@ -13,8 +13,8 @@ import dataclasses
 
 import os
 import re
-import subprocess
-import sys
+import shutil
+import threading
 from pathlib import Path
 
 import duckdb
@@ -26,7 +26,7 @@ from kvtrace.analysis.attribution import (BEYOND_IDEAL_CAUSES, CAUSES, SHORTFALL
                                           AttributionError, CauseTotals, attribute_trace,
                                           iter_rows)
 from kvtrace.analysis.database import open_database
-from kvtrace.analysis import load
+from kvtrace.analysis import stream
 from kvtrace.analysis.load import load_traces
 from kvtrace.analysis.queries import QueryError, run_query
 from kvtrace.analysis.report import report_database
@@ -38,6 +38,7 @@ from kvtrace.replay.run import ReplayOptions, replay
 from kvtrace.replay.scheduler import Arrival, Scheduler
 from kvtrace.replay.vllm_backend import VllmBackend
 from kvtrace.traceio import TraceWriter, read_records, write_trace
+from kvtrace.workloads.mooncake import import_mooncake
 from kvtrace.workloads.synth import synthesize
 from kvtrace.workloads.workload import EngineShape, Workload, WorkloadRequest, write_workload
 
@@ -49,6 +50,9 @@ SECOND = 10**9
 SMALL = dict(hash_unit=16, attention_block_size=16, mamba_block_size=32, checkpoint_alignment=16,
              mamba_groups=1, retention_interval=0, num_gpu_blocks=200,
              allow_unreal_geometry=True)
+
+MOONCAKE_SYNTHETIC = (Path(__file__).resolve().parents[1] / "data" / "mooncake"
+                      / "synthetic_trace.jsonl")
 
 
 def request(arrival_s: float, prompt_len: int, hash_ids: list[int], max_tokens: int = 1):
@@ -227,41 +231,50 @@ def test_the_table_holds_the_streaming_pass_and_the_summary_adds_up(seeded_repla
             == first[0]["ideal_tokens"] - first[0]["hit_tokens"]
 
 
-def test_a_large_trace_is_attributed_aside_to_the_same_rows(seeded_replays, tmp_path,
-                                                             monkeypatch):
-    """Above the size threshold the attribution runs in a child process while the records
-    load: the same table, and a damaged trace still fails as itself with no child left."""
+def test_the_c_core_and_its_twins_load_the_same_tables(seeded_replays, tmp_path,
+                                                      monkeypatch):
+    """The streaming pass's C core (attribution, cache entries, record tables) and its twins
+    (the Python attribution, the entries' SQL, the Python table sink) load the same rows into
+    every table; a damaged trace still fails as itself, leaving no database and no thread."""
+    if stream.core is None:
+        pytest.skip("kvtrace's C core is not built here (no C compiler at install), so there is "
+                    "no second implementation to compare")
     _, connection, db = seeded_replays[("agent", 2)]
-    in_process = sorted(connection.execute("SELECT * FROM miss_attribution").fetchall(),
-                        key=repr)
     runs = [row[0] for row in connection.execute("SELECT path FROM runs ORDER BY run").fetchall()]
-    monkeypatch.setattr(load, "PARALLEL_ATTRIBUTION_BYTES", 0)
-    load_traces(runs, tmp_path / "aside.duckdb")
-    with duckdb.connect(str(tmp_path / "aside.duckdb"), read_only=True) as aside:
-        assert sorted(aside.execute("SELECT * FROM miss_attribution").fetchall(),
-                      key=repr) == in_process != []
+    monkeypatch.setattr(stream, "core", None)
+    load_traces(runs, tmp_path / "twins.duckdb")
+    monkeypatch.undo()
+    with duckdb.connect(str(tmp_path / "twins.duckdb"), read_only=True) as twins:
+        tables = [name for (name,) in twins.execute(
+            "SELECT table_name FROM duckdb_tables() WHERE table_name NOT IN ('runs', "
+            "'kvtrace_meta')").fetchall()]
+        for table in tables:
+            assert sorted(twins.execute(f"SELECT * FROM {table}").fetchall(), key=repr) \
+                == sorted(connection.execute(f"SELECT * FROM {table}").fetchall(), key=repr), table
+        assert twins.execute("SELECT count(*) FROM miss_attribution").fetchone()[0] > 0
+        assert twins.execute("SELECT count(*) FROM cache_entry_figures").fetchone()[0] > 0
     damaged = tmp_path / "damaged.kvtrace"
     data = bytearray(Path(runs[0]).read_bytes())
     data[len(data) // 2] ^= 0xFF
     damaged.write_bytes(bytes(data))
-    children = []
-    popen = subprocess.Popen
-    monkeypatch.setattr(subprocess, "Popen", lambda *a, **k: children.append(popen(*a, **k))
-                        or children[-1])
+    threads = threading.active_count()
     with pytest.raises(TraceFormatError):
         load_traces([damaged], tmp_path / "damaged.duckdb")
-    assert len(children) == 1 and children[0].returncode is not None  # not left running
+    assert threading.active_count() == threads  # the inserting thread is not left running
     assert not (tmp_path / "damaged.duckdb").exists()
 
 
-def test_an_error_in_the_child_arrives_as_its_own_class(tmp_path):
-    """What the child writes for a KvtraceError is raised again, class and hint intact."""
+def test_a_trace_without_an_engine_config_loads_unattributed(tmp_path):
+    """Its records load; `why` refuses it with the attribution's own error and hint."""
     headerless = tmp_path / "headerless.kvtrace"
-    write_trace(headerless, TraceHeader(kvtrace_version="test", created_ns=0, source="synth"), [])
-    child = subprocess.run([sys.executable, "-m", "kvtrace.analysis.load", str(headerless), "0",
-                            "unfixed", "vllm"], capture_output=True, check=True)
+    write_trace(headerless, TraceHeader(kvtrace_version="test", created_ns=0, source="synth"),
+                [ComputedBlocksFound(0, 0, 0)])
+    load_traces([headerless], tmp_path / "h.duckdb")
+    with duckdb.connect(str(tmp_path / "h.duckdb"), read_only=True) as db:
+        assert db.execute("SELECT count(*) FROM computed_blocks_found").fetchone()[0] == 1
+        assert db.execute("SELECT count(*) FROM miss_attribution").fetchone()[0] == 0
     with pytest.raises(AttributionError, match="no engine config") as raised:
-        load._rows_or_raise(child.stdout)
+        attribute_trace(headerless)
     assert raised.value.hint == AttributionError.default_hint
 
 
@@ -551,3 +564,197 @@ def test_an_older_database_says_to_reload(tmp_path):
     assert "WARNING" not in report
     result = CliRunner().invoke(cli, ["sql", str(db), "--query", "miss_attribution"])
     assert result.exit_code == 1 and "kvtrace load" in result.output
+
+
+# --- the C core against the Python reference ----------------------------------------------------
+
+
+def pass_output(path, native: bool, **options):
+    """The streaming pass over ``path`` on the C core or the Python reference: its attribution
+    rows (sorted) and, explaining, its lookups."""
+    from kvtrace.traceio import TraceReader
+
+    reader = TraceReader(str(path))
+    attribution = stream.new_pass(reader.header, str(path), native=native, **options)
+    for batch in reader.batches():
+        attribution.feed(batch)
+    attribution.finish()
+    if options.get("keep_lookups"):
+        return attribution.lookups
+    (columns,) = [columns for table, columns in attribution.take_tables()
+                  if table == "miss_attribution"]
+    return sorted(zip(*(columns[name].tolist() for name in stream.ATTRIBUTION_COLUMNS)))
+
+
+needs_the_core = pytest.mark.skipif(
+    stream.core is None, reason="kvtrace's C core is not built here (no C compiler at install), "
+    "so there is no second implementation to compare")
+
+
+@needs_the_core
+def test_the_c_core_attributes_row_for_row_as_the_python_reference(seeded_replays):
+    """Every lookup of every seeded schedule (15 replays: pressure, preemptions, three
+    variants, toy and real geometries): the same rows, and, explaining (`why`), the same lookups
+    with every key and every transient checkpoint named behind an eviction."""
+    rows = 0
+    for result, _, _ in seeded_replays.values():
+        for variant in result.variants:
+            reference = pass_output(variant.output, native=False)
+            assert pass_output(variant.output, native=True) == reference, variant.output
+            rows += len(reference)
+            explained = dict(keep_lookups=True, make_rows=False, explain=True)
+            assert pass_output(variant.output, native=True, **explained) \
+                == pass_output(variant.output, native=False, **explained)
+    assert rows > 1500
+    one = seeded_replays[("agent", 2)][0].variants[0].output
+    for request in (7, "7"):  # by number, and by the engine's request id (the replay's: str(req))
+        options = dict(keep_lookups=True, make_rows=False, explain=True, request=request)
+        lookups = pass_output(one, native=True, **options)
+        assert lookups and lookups == pass_output(one, native=False, **options)
+        assert {lookup.req for lookup in lookups} == {7}
+
+
+@needs_the_core
+@pytest.mark.slow
+def test_the_c_core_attributes_the_mooncake_replay_as_the_python_reference(tmp_path):
+    """The bundled Mooncake trace (3,993 requests) replayed under `unfixed` on the model backend
+    (equal to the vLLM backend record for record: tests/test_model_backend.py): 1.5 million
+    records, the same rows."""
+    source = tmp_path / "m.kvtrace"
+    shape = EngineShape()
+    write_workload(source, import_mooncake(MOONCAKE_SYNTHETIC, shape.hash_block_size), shape)
+    result = replay(ReplayOptions(source=str(source), outdir=str(tmp_path / "runs"),
+                                  variants=("unfixed",), backend="model"))
+    output = result.variants[0].output
+    reference = pass_output(output, native=False)
+    assert len(reference) > 7000
+    assert pass_output(output, native=True) == reference
+
+
+# The direct formulation of checkpoint_pushout_lookups (every pushout joined to every request
+# sharing its unit, then to their lookups, then cut to the window): the definition the faster
+# macro in kvtrace/analysis/database.py must agree with, row for row.
+DIRECT_PUSHOUT_LOOKUPS = """
+    WITH hot_evictions AS (
+        SELECT e.*, h.hits AS entry_hits
+        FROM cache_entries e
+        JOIN entry_hits h ON h.run = e.run AND h.stored_seq = e.stored_seq
+                             AND h.block_id = e.block_id
+        WHERE e.removed_reason = 'LRU_REUSE' AND h.hits >= min_hits),
+    transient_flags AS (
+        SELECT run, seq, block_id, (NOT in_use AND transient)::INTEGER AS evictable_transient
+        FROM block_states),
+    transient_deltas AS (
+        SELECT run, seq, evictable_transient - coalesce(lag(evictable_transient)
+                   OVER (PARTITION BY run, block_id ORDER BY seq), 0) AS delta
+        FROM transient_flags),
+    transient_series AS (
+        SELECT run, seq, sum(delta) OVER (PARTITION BY run ORDER BY seq
+                                          ROWS UNBOUNDED PRECEDING) AS cached_transient
+        FROM transient_deltas
+        WHERE delta <> 0),
+    pushouts AS (
+        SELECT * FROM (
+            SELECT v.*, coalesce(s.cached_transient, 0) AS cached_transient,
+                   coalesce(n.seq, 9223372036854775807) AS restored_seq
+            FROM hot_evictions v
+            ASOF LEFT JOIN transient_series s ON v.run = s.run AND s.seq < v.removed_seq
+            ASOF LEFT JOIN block_stored n
+                ON v.run = n.run AND v.hash_id = n.hash_id AND v.group_id = n.group_id
+                   AND n.seq > v.removed_seq)
+        WHERE cached_transient >= min_transient),
+    missed AS (
+        SELECT p.run, p.removed_seq, l.seq AS lookup_seq, l.req AS lookup_req, l.num_hit_tokens
+        FROM pushouts p
+        JOIN runs r ON r.run = p.run
+        JOIN request_hashes owner
+            ON owner.run = p.run AND owner.req = p.req
+               AND owner.unit = p.num_tokens // r.hash_block_size - 1
+        JOIN request_hashes other
+            ON other.run = p.run AND other.unit = owner.unit AND other.hash_id = owner.hash_id
+        JOIN lookups l
+            ON l.run = p.run AND l.req = other.req AND l.admitted
+               AND l.seq > p.removed_seq AND l.seq < p.restored_seq
+        WHERE l.num_hit_tokens < p.num_tokens)
+    SELECT p.*, m.lookup_seq, m.lookup_req, m.num_hit_tokens
+    FROM pushouts p
+    LEFT JOIN missed m ON m.run = p.run AND m.removed_seq = p.removed_seq"""
+
+
+def test_the_pushout_queries_agree_with_their_direct_formulation(seeded_replays):
+    """checkpoint_pushouts and pushed_out_prefixes read the eviction-time figures the load made
+    (hits, transient checkpoints cached) and match later lookups by key: the same rows as the
+    direct formulation, which recomputes them from every block event and joins every request
+    sharing a unit (what took 67 s on two million records)."""
+    from kvtrace.analysis.queries import get_query
+
+    compared = 0
+    for _, connection, _ in seeded_replays.values():
+        connection.execute(f"CREATE OR REPLACE TEMP MACRO direct_lookups(min_hits, min_transient) "
+                           f"AS TABLE {DIRECT_PUSHOUT_LOOKUPS}")
+        for params in ({}, {"min_hits": "1"}, {"min_hits": "0", "min_transient": "0"}):
+            for name in ("checkpoint_pushouts", "pushed_out_prefixes"):
+                query = get_query(name)
+                fast = connection.execute(query.sql, query.bind(params)).fetchall()
+                direct = connection.execute(
+                    query.sql.replace("checkpoint_pushout_lookups(", "direct_lookups("),
+                    query.bind(params)).fetchall()
+                assert sorted(fast, key=repr) == sorted(direct, key=repr), (name, params)
+                compared += len(fast)
+    assert compared > 1000
+
+
+def test_a_database_of_schema_v2_answers_every_query_as_it_did(seeded_replays, tmp_path):
+    """A database loaded before v3 (no cache_entry_figures, no in_flight, no snapshot tables,
+    its views as they were): the queries recompute the entries' figures by their SQL twin and
+    answer as a v3 database does."""
+    from kvtrace.analysis.queries import shipped_queries
+
+    _, connection, db = seeded_replays[("chat", 3)]
+    old = tmp_path / "v2.duckdb"
+    shutil.copy(db, old)
+    with duckdb.connect(str(old)) as v2:
+        v2.execute("DROP VIEW cache_entries")
+        v2.execute("CREATE TABLE cache_entries AS SELECT 1 AS stale")  # what v2 derived
+        v2.execute("DROP TABLE cache_entry_figures")
+        v2.execute("ALTER TABLE miss_attribution DROP COLUMN in_flight")
+        for table in ("request_state_hash_ids", "request_state", "key_cached_block_ids",
+                      "key_cached", "block_state"):
+            v2.execute(f"DROP TABLE {table}")
+        v2.execute("UPDATE kvtrace_meta SET value = '2' WHERE key = 'db_schema_version'")
+    reopened = open_database(old)
+    try:
+        for name in shipped_queries():
+            assert sorted(run_query(reopened, name).rows, key=repr) \
+                == sorted(run_query(connection, name).rows, key=repr), name
+    finally:
+        reopened.close()
+
+
+@needs_the_core
+def test_a_trace_without_block_ids_loads_the_same_on_both_twins(tmp_path, monkeypatch):
+    """vLLM's own KV events name no block (block -1, request -1: `kvtrace capture --zmq`): every
+    key lives on the unknown block, and each removal closes its own key's entry."""
+    from kvtrace.events import BlockRemoved, BlockStored, StepStarted, StoreKind
+
+    config = EngineShape(**SMALL).engine_config(200)
+    header = TraceHeader(kvtrace_version="test", created_ns=0, source="zmq", config=config)
+    records = [StepStarted(0, 0)]
+    for hash_id in range(1, 40):
+        records.append(BlockStored(-1, hash_id, hash_id % 2, 16 * hash_id, StoreKind.FULL, -1))
+        if hash_id % 3 == 0:
+            records.append(BlockRemoved(-1, hash_id - 2, (hash_id - 2) % 2, 16, RemoveReason.UNKNOWN))
+    path = tmp_path / "zmq.kvtrace"
+    write_trace(path, header, records)
+    load_traces([path], tmp_path / "c.duckdb")
+    monkeypatch.setattr(stream, "core", None)
+    load_traces([path], tmp_path / "twins.duckdb")
+    entries = []
+    for name in ("c", "twins"):
+        connection = open_database(tmp_path / f"{name}.duckdb")
+        entries.append(sorted(connection.execute(
+            "SELECT block_id, hash_id, group_id, stored_seq, removed_seq FROM cache_entries"
+            ).fetchall()))
+        connection.close()
+    assert entries[0] == entries[1] and len(entries[0]) == 39
+    assert sum(removed is not None for *_, removed in entries[0]) == 13

@@ -86,13 +86,51 @@ def test_capture_replays_in_lockstep_to_100_percent(vllm_backend_class, capture,
 
 
 def test_disarm_restores_every_original_function(vllm_backend_class, capture):
+    """Armed, the capture waits for the engine's next step (only ``new_step_starts`` is
+    replaced, by the trigger); that step patches everything; disarming restores each
+    original function object."""
     before = patched_functions()
     capture()
+    waiting = patched_functions()
+    assert [name for (_, name), function in waiting.items()
+            if function is not before[(_, name)]] == ["new_step_starts"]
+    with vllm_backend_class(seed_config(0, 40), "fixed", None) as backend:
+        backend.new_step(0, 0)
     during = patched_functions()
     assert all(during[key] is not before[key] for key in before)
     hook.disarm()
     after = patched_functions()
     assert all(after[key] is before[key] for key in before)
+
+
+def test_a_failing_snapshot_stops_the_capture_not_the_engine(vllm_backend_class, capture,
+                                                              monkeypatch):
+    """The start snapshot raises (a vLLM that changed underneath, say): the engine's step goes
+    on and its results are unchanged, the capture stops with the error, nothing stays
+    patched."""
+    from kvtrace.probes import snapshot
+
+    uncaptured = run_engine(vllm_backend_class)
+    before = patched_functions()
+
+    def broken(*args):
+        raise RuntimeError("vLLM moved its blocks")
+
+    monkeypatch.setattr(snapshot, "take", broken)
+    results = run_engine(vllm_backend_class, start_capture=capture)
+    assert results == uncaptured
+    status = hook.status()
+    assert not status.armed and "the start snapshot failed" in status.error
+    assert "vLLM moved its blocks" in status.error
+    assert patched_functions() == before
+
+
+def test_disarm_before_any_step_restores_the_trigger(capture):
+    before = patched_functions()
+    capture()
+    status = hook.disarm()
+    assert status.snapshot_pause_ns == -1  # no step came: no snapshot was taken
+    assert patched_functions() == before
 
 
 def test_a_second_capture_is_refused(vllm_backend_class, capture, tmp_path):

@@ -10,6 +10,7 @@ import os
 import re
 import socket
 import threading
+import time
 
 import msgspec
 import pytest
@@ -84,7 +85,7 @@ def test_the_wire_format_is_tagged_json():
     """Written down, because a kvtrace of another version parses it."""
     assert encode(ArmRequest(CaptureOptions(path="/t"))) == (
         b'{"cmd":"arm","options":{"path":"/t","hash_bytes":true,"buffer_capacity":262144,'
-        b'"gpu_interval_ms":1000}}\n')
+        b'"gpu_interval_ms":1000},"lease_s":15.0}\n')
     assert encode(ErrorReply("AttachError", "m", "h")) == (
         b'{"reply":"error","kind":"AttachError","message":"m","hint":"h"}\n')
 
@@ -123,21 +124,78 @@ def test_a_malformed_arm_leaves_the_engine_able_to_arm_again(engine, tmp_path):
         assert "gpu_interval" in reply.message
         assert patched_functions() == before and hook.active_session() is None
         assert not trace.exists()
-    status = control.request(os.getpid(), ArmRequest(CaptureOptions(path=str(trace),
-                                                                    gpu_interval_ms=0)))
-    assert type(status) is CaptureStatus and status.armed and status.path == str(trace)
-    assert all(patched_functions()[key] is not before[key] for key in before)
-    final = control.request(os.getpid(), DisarmRequest())
+    with control.Lease.take(os.getpid(), ArmRequest(CaptureOptions(
+            path=str(trace), gpu_interval_ms=0))) as lease:
+        status = lease.status
+        assert type(status) is CaptureStatus and status.armed and status.path == str(trace)
+        # Armed: the engine's next step takes the snapshot and patches the rest.
+        assert [name for (owner, name), function in patched_functions().items()
+                if function is not before[(owner, name)]] == ["new_step_starts"]
+        final = control.request(os.getpid(), DisarmRequest())
     assert final.path == str(trace) and not final.armed
     assert patched_functions() == before and trace.exists()
+
+
+def wait_until_disarmed(timeout_s: float = 10) -> CaptureStatus:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        status = control.request(os.getpid(), StatusRequest())
+        if status.path is None:
+            return status
+        time.sleep(0.02)
+    raise AssertionError(f"still capturing after {timeout_s} s: {status}")
+
+
+def test_a_capture_ends_with_its_lease(engine, tmp_path):
+    """The arm's connection is the controller's lease: closing it (as the controller's death
+    does, however it dies) disarms the engine and restores every patched function."""
+    before = patched_functions()
+    lease = control.Lease.take(os.getpid(), ArmRequest(CaptureOptions(
+        path=str(tmp_path / "cap.kvtrace"), gpu_interval_ms=0)))
+    assert control.request(os.getpid(), StatusRequest()).armed
+    assert control.request(os.getpid(), PingRequest()).patched == [
+        "vllm.v1.core.kv_cache_manager.KVCacheManager.new_step_starts"]  # the next step's trigger
+    lease.close()
+    status = wait_until_disarmed()
+    assert status.error.endswith("its controller closed the control connection"), status
+    assert patched_functions() == before and hook.active_session() is None
+    assert control.request(os.getpid(), PingRequest()).patched == []
+
+
+def test_a_silent_controller_loses_its_lease(engine, tmp_path):
+    """A controller that keeps the connection but writes nothing (hung, stopped) loses the
+    capture after ``lease_s``; one that renews (``Lease``) keeps it."""
+    trace = tmp_path / "cap.kvtrace"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as silent:
+        silent.connect(str(engine.path))
+        started = time.monotonic()
+        silent.sendall(msgspec.json.encode({"cmd": "arm", "options": {
+            "path": str(trace), "gpu_interval_ms": 0}, "lease_s": 0.5}) + b"\n")
+        assert decode_reply(control._read_line(silent)).armed
+        status = wait_until_disarmed()
+        assert 0.4 < time.monotonic() - started < 5
+        assert status.error.endswith("renewed no lease for 0.5 s"), status
+    renewed = ArmRequest(CaptureOptions(path=str(trace), gpu_interval_ms=0), lease_s=0.5)
+    with control.Lease.take(os.getpid(), renewed):
+        time.sleep(2)
+        assert control.request(os.getpid(), StatusRequest()).armed
+    wait_until_disarmed()
+
+
+def test_an_arm_without_a_lease_ends_at_once(engine, tmp_path):
+    """``control.request`` closes its connection after the reply: an arm made that way (no
+    controller holding it) ends as soon as it began."""
+    reply = control.request(os.getpid(), ArmRequest(CaptureOptions(
+        path=str(tmp_path / "cap.kvtrace"), gpu_interval_ms=0)))
+    assert reply.armed
+    assert "closed the control connection" in wait_until_disarmed().error
 
 
 def test_an_engine_error_arrives_as_the_same_class(engine, tmp_path):
     """A second arm is refused in the engine with AlreadyCapturingError; the operator side
     raises that class, with the engine's message and hint."""
     first = ArmRequest(CaptureOptions(path=str(tmp_path / "one.kvtrace"), gpu_interval_ms=0))
-    control.request(os.getpid(), first)
-    with pytest.raises(AlreadyCapturingError) as error:
+    with control.Lease.take(os.getpid(), first), pytest.raises(AlreadyCapturingError) as error:
         control.request(os.getpid(), ArmRequest(CaptureOptions(path=str(tmp_path / "two"))))
     assert str(error.value) == f"pid {os.getpid()} is already capturing to {tmp_path}/one.kvtrace"
     assert error.value.hint == AlreadyCapturingError.default_hint

@@ -1,15 +1,19 @@
-"""`kvtrace demo --quick`: the whole loop from a fresh work directory, and Ctrl-C cleans up."""
+"""`kvtrace demo --quick`: the whole loop from a fresh work directory, its report opened in
+headless Chromium, and Ctrl-C cleans up."""
 
 from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
 import time
 
 import pytest
+
+import browser
 
 pytestmark = pytest.mark.slow
 
@@ -20,20 +24,75 @@ def demo(workdir, **kwargs) -> subprocess.Popen:
                             text=True, **kwargs)
 
 
-def test_demo_quick_runs_the_whole_loop(tmp_path):
-    process = demo(tmp_path / "work")
+@pytest.fixture(scope="module")
+def quick_demo(tmp_path_factory):
+    """One `kvtrace demo --quick` for the tests below: its work directory, stdout, stderr."""
+    work = tmp_path_factory.mktemp("demo") / "work"
+    process = demo(work)
     out, err = process.communicate(timeout=600)
     assert process.returncode == 0, err
+    return work, out, err
+
+
+def test_demo_quick_runs_the_whole_loop(quick_demo):
+    work, out, err = quick_demo
     assert re.search(r"\[4/7\].*\n\s+([\d,]+)/\1 effect records match \(100%\)", err), err
     assert re.search(r"hit rates: unfixed \d+\.\d+%, fixed \d+\.\d+%", err)
-    for section in ("== Hit rate per run ==", "== Top pushed-out prefixes ==",
+    for section in ("== Verdict ==", "== Hit rate per run ==", "== Top pushed-out prefixes ==",
                     "== Hits lost by the unfixed variant =="):
         assert section in out
-    html = (tmp_path / "work" / "report.html").read_text()
-    assert html.count('src="data:image/png;base64,') >= 2
+    # The replays of the Nemotron-H workload price their own model: no default, no --model.
+    assert "Priced as nemotron-h-8b (the replays' own figures) on an NVIDIA H200 SXM" in out
+    page = (work / "report.html").read_text()
+    assert 'id="verdict"' in page and page.count('class="plot kvtrace-plot"') >= 4
     for name in ("workload.kvtrace", "capture.kvtrace", "demo.duckdb"):
-        assert (tmp_path / "work" / name).stat().st_size > 0
+        assert (work / name).stat().st_size > 0
     assert "kvtrace sql" in out  # the next commands to try
+
+
+CHROMIUM_MISSING = (f"no Chromium at {browser.CHROMIUM} (Debian: apt-get install chromium; "
+                    "scripts/bootstrap installs it where it runs as root with apt)")
+
+
+@pytest.mark.skipif(not os.access(browser.CHROMIUM, os.X_OK), reason=CHROMIUM_MISSING)
+def test_the_demo_report_renders_in_chromium(quick_demo, tmp_path):
+    """The demo's report as a person opens it, in a browser with no network: no console error,
+    nothing fetched from outside the file, the verdict on top, every plot drawn (and the sweep
+    section's, on the demo's database with a sweep added)."""
+    from kvtrace.analysis.load import load_sweep
+    from kvtrace.analysis.report import report_database
+
+    from test_sql_queries import hand_sweep
+
+    work, _, _ = quick_demo
+    with_sweep = tmp_path / "sweep.duckdb"
+    shutil.copyfile(work / "demo.duckdb", with_sweep)
+    load_sweep(hand_sweep(), with_sweep)
+    report_database(str(with_sweep), str(tmp_path / "sweep.html"))
+    with browser.Chromium() as chromium:
+        for page_path, shot in ((work / "report.html", "demo.png"),
+                                (tmp_path / "sweep.html", "sweep.png")):
+            page = chromium.open(page_path)
+            page.wait_until("document.querySelectorAll('.kvtrace-plot:not([data-rendered])')"
+                            ".length === 0")
+            plots = page.evaluate("""Array.from(document.querySelectorAll('.kvtrace-plot'),
+                div => [div.id, div.querySelectorAll('svg.main-svg').length,
+                        div.getBoundingClientRect().height,
+                        div.querySelectorAll('.trace').length])""")
+            figures = page.evaluate("Object.keys(JSON.parse(document.getElementById("
+                                    "'kvtrace-figures').textContent))")
+            assert sorted(p[0] for p in plots) == sorted(figures) and len(figures) >= 4
+            assert all(svgs and height > 100 and traces for _, svgs, height, traces in plots), \
+                plots
+            verdict = page.evaluate("document.getElementById('verdict').innerText")
+            assert verdict.startswith("Verdict") and "unfixed -> fixed" in verdict
+            assert page.evaluate("document.getElementById('verdict').getBoundingClientRect()"
+                                 ".top") < 200  # on top, under the title
+            page.screenshot(tmp_path / shot)
+            assert (tmp_path / shot).read_bytes().startswith(b"\x89PNG")
+            assert page.console_errors() == []
+            assert page.foreign_requests() == []
+        assert "plot-sweep-0" in figures  # the second page's sweep curves drew
 
 
 def test_ctrl_c_stops_the_engine(tmp_path):

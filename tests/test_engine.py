@@ -154,7 +154,7 @@ def test_idle_engine_blocks_its_main_thread_and_exits_on_sigterm(engines):
 def test_stdin_reader_queues_commands_and_quits_at_end_of_input():
     commands: queue.Queue[str] = queue.Queue()
     complaints: list[str] = []
-    read_commands(io.StringIO("start\n\n  START \nbogus\n"), commands, complaints.append)
+    read_commands(io.BytesIO(b"start\n\n  START \nbogus\n").read, commands, complaints.append)
     assert [commands.get_nowait() for _ in range(commands.qsize())] == [START, START, END_OF_INPUT]
     assert complaints == ["unknown command 'bogus' (send start or quit)"]
 

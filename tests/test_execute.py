@@ -18,17 +18,12 @@ from kvtrace.cli import cli
 from kvtrace.errors import ConfigError, KvtraceError
 from kvtrace.events import StaleKeyLeft
 from kvtrace.replay.execute import ExecuteOptions
-from kvtrace.replay.execute.cost import (
-    UTILISATION,
-    CostModel,
-    FlopsPerToken,
-    flops_per_token,
-    gpu_throughput,
-)
+from kvtrace.geometry.families import architecture_of
+from kvtrace.geometry.presets import resolve_model
 from kvtrace.replay.execute.engine import ExecuteEngine, Recurrence, TrueStates, check_kernel
 from kvtrace.replay.execute.inputs import UnitInputs
 from kvtrace.replay.execute.kda import TorchKernel, chunk_kda_state, fla_kernel, recurrent_kda_state
-from kvtrace.replay.execute.model import KIMI_LINEAR_48B_A3B, state_shape
+from kvtrace.replay.execute.model import state_shape
 from vllm_support import (  # noqa: F401 (vllm_backend_class is a fixture)
     SEED_HASH_IDS, prefill_chunks, seed_config, vllm_backend_class)
 
@@ -122,7 +117,7 @@ def run_seed_scenario(backend_class, variant: str) -> tuple[dict, list]:
     state at 112), request 3 the whole 240-token prompt (its prompt-end checkpoint)."""
     config = seed_config(0)
     records = []
-    with ExecuteEngine(config, ExecuteOptions(device="cpu")) as engine:
+    with ExecuteEngine(config, ExecuteOptions(device="cpu", model="kimi-linear-48b-a3b")) as engine:
         def sink(record):
             records.append(record)
             engine(record)
@@ -169,63 +164,19 @@ def test_the_other_variants_serve_only_right_states(vllm_backend_class, variant)
     assert figures["anomalies"] == {}
 
 
-# --- the cost model -----------------------------------------------------------------------------
-
-
-def test_kimi_linear_flops_per_token_by_hand():
-    """Kimi-Linear-48B-A3B (config.json), token at depth 8191 (8,192 positions attended)."""
-    d = 2304
-    mla = (d * 32 * (128 + 64)  # q_proj (no q_lora)
-           + d * (512 + 64)  # kv_a_proj_with_mqa
-           + 512 * 32 * (128 + 128)  # kv_b_proj
-           + 32 * 128 * d)  # o_proj
-    assert mla == 29_114_368
-    kda = (3 * d * 4096  # q, k, v
-           + 2 * (d * 128 + 128 * 4096)  # f_a, f_b, g_a, g_b
-           + d * 32  # b_proj
-           + 4096 * d)  # o_proj
-    assert kda == 39_460_864
-    kda_extra = 2 * 4 * 3 * 4096 + 7 * 32 * 128 * 128  # short convs, recurrence
-    moe = d * 256 + (8 + 1) * 3 * d * 1024  # router, 8 routed + 1 shared expert
-    dense = 3 * d * 9216  # layer 0's MLP
-    constant = 2 * (20 * kda + 7 * mla + 26 * moe + dense) + 20 * kda_extra
-    per_position = 7 * 2 * 32 * (128 + 64 + 128)
-    assert (constant, per_position) == (5_531_926_528, 143_360)
-    flops = flops_per_token(KIMI_LINEAR_48B_A3B)
-    assert flops == FlopsPerToken(constant, per_position)
-    assert flops.at_depth(8191) == 6_706_331_648
-
-
-def test_recompute_flops_sum_the_tokens_recomputed():
-    flops = flops_per_token(KIMI_LINEAR_48B_A3B)
-    assert flops.recompute(96, 1000) == sum(flops.at_depth(t) for t in range(96, 1000))
-    assert flops.recompute(500, 500) == flops.recompute(600, 500) == 0
-
-
-def test_gpu_presets_and_overrides():
-    h200 = gpu_throughput("H200")
-    assert h200.flops_per_s == pytest.approx(989.4e12 * UTILISATION)
-    assert "989.4 TFLOP/s" in h200.source and f"{UTILISATION:.0%}" in h200.source
-    assert gpu_throughput("350").flops_per_s == 350e12
-    for bad in ("a100", "0", "-5"):
-        with pytest.raises(ConfigError, match="neither a device preset"):
-            gpu_throughput(bad)
-    cost = CostModel(KIMI_LINEAR_48B_A3B, gpu_throughput("350"))
-    assert cost.gpu_seconds(0, 1000) == pytest.approx(cost.flops.recompute(0, 1000) / 350e12)
-    params = cost.header_params()
-    assert params["execute.flops_per_token"] == "5531926528"
-    assert float(params["execute.gpu_flops_per_s"]) == 350e12
+# --- the state shapes (the cost model: test_cost_model.py) ------------------------------------
 
 
 def test_state_shapes_scale_every_dimension():
-    full = state_shape(KIMI_LINEAR_48B_A3B, 3, 1.0)
+    kimi_linear = architecture_of(resolve_model("kimi-linear-48b-a3b"))
+    full = state_shape(kimi_linear, 3, 1.0)
     assert (full.layers, full.heads, full.key_dim, full.value_dim) == (7, 32, 128, 128)
     assert full.nbytes == 7 * 32 * 128 * 128 * 4  # fp32: 14 MiB a block per group
-    small = state_shape(KIMI_LINEAR_48B_A3B, 1, 1 / 16)
+    small = state_shape(kimi_linear, 1, 1 / 16)
     assert (small.layers, small.heads, small.key_dim, small.value_dim) == (2, 2, 8, 8)
     for bad in (0, 1.5):
         with pytest.raises(ConfigError, match="--state-scale"):
-            state_shape(KIMI_LINEAR_48B_A3B, 1, bad)
+            state_shape(kimi_linear, 1, bad)
 
 
 # --- the replay command ------------------------------------------------------------------------
@@ -275,11 +226,12 @@ def test_the_gpu_seconds_query_prices_the_difference_between_the_variants(execut
     work, _, variants = executed
     connection = open_database(work / "w.duckdb")
     try:
-        result = run_query(connection, "recompute_gpu_seconds")
+        result = run_query(connection, "recompute_gpu_seconds",
+                           {"gpu_flops_per_s": "350e12"})  # the replay's --gpu
     finally:
         connection.close()
     rows = [dict(zip(result.columns, row)) for row in result.rows]
-    assert rows and {row["cost_source"] for row in rows} == {"execute"}
+    assert rows and {row["cost_model"] for row in rows} == {"kimi-k3"}  # synth's default
     spent = {name: sum(r["gpu_seconds"] for r in rows if r["variant"] == name)
              for name in variants}
     estimated = {name: figures["execute"]["estimated_gpu_s"]
@@ -295,9 +247,9 @@ def test_the_report_shows_the_gpu_seconds_per_variant(executed):
     text = report_database(str(work / "w.duckdb"))
     section = text.partition("== GPU-seconds recomputing hits the other variant kept ==")[2]
     section = section.partition("\n== ")[0]
-    rows = [line.split() for line in section.splitlines() if line.startswith("sha256:")]
+    rows = [line.split() for line in section.splitlines() if line.startswith("w.kvtrace")]
     assert {(row[1], row[2]) for row in rows} <= {("unfixed", "fixed"), ("fixed", "unfixed")}
-    assert rows and all(row[-1] == "execute" for row in rows)
+    assert rows and all(row[-1] == "kimi-k3" for row in rows)
     assert "== Top prefixes by GPU-seconds recomputed ==" in text
 
 
@@ -318,7 +270,7 @@ def test_bad_execute_options_are_refused(executed, args, message):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA device")
 def test_cuda_without_a_device_is_a_clear_error():
     with pytest.raises(ConfigError, match="torch sees no CUDA device"):
-        ExecuteEngine(seed_config(0), ExecuteOptions(device="cuda"))
+        ExecuteEngine(seed_config(0), ExecuteOptions(device="cuda", model="kimi-linear-48b-a3b"))
 
 
 def test_the_replay_driver_imports_no_torch():
@@ -358,7 +310,7 @@ def test_the_seed_scenario_on_cuda_gives_the_cpu_verdicts():
 
     for variant in ("naive", "fixed"):
         cpu, records = run_seed_scenario(VllmBackend, variant)
-        with ExecuteEngine(seed_config(0), ExecuteOptions(device="cuda")) as engine:
+        with ExecuteEngine(seed_config(0), ExecuteOptions(device="cuda", model="kimi-linear-48b-a3b")) as engine:
             assert engine.pool.device.type == "cuda"
             for record in records:
                 engine(record)
@@ -379,19 +331,29 @@ def test_a_kernel_that_disagrees_is_refused():
         check_kernel(Wrong(), TorchKernel(16), torch.device("cpu"))
 
 
-def test_kimi_shapes_come_from_the_model_configs():
-    """The shape read from Kimi-Linear's bundled config.json is the hand-written one the FLOPs
-    test checks by hand; Kimi-K3 (the seed's model) reads its own; other families are refused
-    with the reason."""
-    from kvtrace.errors import ConfigError
-    from kvtrace.replay.execute.model import KIMI_LINEAR_48B_A3B, get_model, kimi_family_shape
-    from kvtrace.geometry.presets import resolve_model
+@pytest.mark.parametrize("model, state", [
+    ("nemotron-h-8b", "1 layers x 8 heads x 8 x 8 float32"),  # Mamba2: 24 layers in 6 groups
+    ("qwen3-next-80b-a3b", "1 layers x 2 heads x 8 x 8 bfloat16"),  # GDN: 36 layers in 12
+])
+def test_execute_mode_runs_every_family_on_its_own_state(tmp_path, model, state):
+    """Not only the Kimi family: each model's recurrent state (shape and dtype, from the one
+    architecture description) is re-executed, and every hit verified."""
+    workload = tmp_path / "w.kvtrace"
+    runner = CliRunner()
+    result = runner.invoke(cli, ["synth", "--preset", "shared-prompt", "--requests", "12",
+                                 "--seed", "3", "--model", model, "-o", str(workload)])
+    assert result.exit_code == 0, result.output
+    summary = tmp_path / "s.json"
+    result = runner.invoke(cli, ["replay", str(workload), "--execute", "--backend", "model",
+                                 "--num-gpu-blocks", "2000", "--variant", "fixed", "-o",
+                                 str(tmp_path / "runs"), "--summary-json", str(summary)])
+    assert result.exit_code == 0, result.output
+    execute = json.loads(summary.read_text())["variants"]["fixed"]["execute"]
+    assert execute["model"] == model and execute["state"].startswith(state)
+    assert execute["verified_hits"] > 0 and execute["wrong_state_hits"] == 0
+    assert execute["anomalies"] == {}
 
-    config = resolve_model("kimi-linear-48b-a3b").text_config
-    assert kimi_family_shape("kimi-linear-48b-a3b", config) == KIMI_LINEAR_48B_A3B
-    k3 = get_model("kimi-k3")
-    assert (k3.num_kda_layers, k3.num_mla_layers, k3.kda_heads, k3.hidden_size) == (69, 24, 96,
-                                                                                     7168)
-    assert k3.kda_gate_rank == 96 * 128  # use_full_rank_gate
-    with pytest.raises(ConfigError, match="covers the Kimi family"):
-        get_model("nemotron-h-8b")
+
+def test_execute_mode_needs_the_model_of_a_source_that_names_none():
+    with pytest.raises(ConfigError, match="names none"):
+        ExecuteEngine(seed_config(0), ExecuteOptions(device="cpu"))

@@ -5,9 +5,12 @@ Each command of ``kvtrace.cli.COMMAND_MODULES`` is invoked in-process (click's C
 hypothesis: options valid and invalid (out of range, NaN, infinite, beyond 64 bits, not a
 number), inputs from a pool of real and broken files (a workload, a replay trace, a truncated
 one, values from a newer writer, ill-typed records, impossible engines, garbage, a newer
-format, a directory, databases sound and damaged), and outputs that can and cannot be written
-(new, in a missing directory, under /proc, onto an input). The outcome must be exit 0, or 1
-with one ``kvtrace: error:`` line, or 2 with click's usage error.
+format, a directory, databases sound and damaged, and crafted ones: table and column names
+that are SQL, a view that reads a file, ``runs.path`` a FIFO or NULL, schema versions newer,
+older and negative), and outputs that can and cannot be written (new, in a missing directory,
+under /proc, onto an input, and a device, a link, a FIFO or a socket, each of which must be
+left as it was). The outcome must be exit 0, or 1 with one ``kvtrace: error:`` line, or 2 with
+click's usage error.
 
 Inputs are generated, not their sizes: counts that only make a valid run longer (requests,
 pool blocks, prompt lengths, execute mode's state scale) are drawn small, so the file runs in
@@ -28,12 +31,16 @@ from pathlib import Path
 import duckdb
 import pytest
 from bad_traces import (
+    SPECIAL_OUTPUTS,
     closing_frame,
+    crafted_databases,
     header,
     header_frame,
     ill_typed_traces,
     impossible_configs,
+    node_kind,
     requests,
+    special_output,
     trace,
     unknown_enum_records,
     write_frames,
@@ -103,6 +110,8 @@ def pool(tmp_path_factory) -> dict[str, str]:
     with duckdb.connect(str(root / "other.duckdb")) as connection:
         connection.execute("CREATE TABLE t AS SELECT 1 AS a")
     files["other db"] = root / "other.duckdb"
+    (root / "secret").write_text("root's secret\n")
+    files.update(crafted_databases(root, db, root / "secret"))
     (root / "log.jsonl").write_text("".join(
         f'{{"timestamp": {i * 100}, "input_length": {600 + i}, "output_length": 4, '
         f'"hash_ids": [1, {i + 2}]}}\n' for i in range(5)))
@@ -123,13 +132,30 @@ TRACES = ["workload", "replayed", "truncated", "newer-values", "str in an int co
           "empty", "garbage", "missing", "a directory", "db", "log"]
 BROKEN_TRACES = [name for name in TRACES if name not in ("workload", "replayed", "truncated",
                                                          "newer-values")]
-DATABASES = ["db", "damaged db", "other db", "workload", "missing", "empty", "a directory"]
+CRAFTED_DATABASES = ["table named as SQL", "columns named as SQL", "partition value as a path",
+                     "a view that reads a file", "runs.path a FIFO", "runs.path NULL",
+                     "strings that drive a terminal", "a newer schema", "schema v1",
+                     "a negative schema"]
+DATABASES = ["db", "damaged db", "other db", "workload", "missing", "empty", "a directory",
+             *CRAFTED_DATABASES]
 
 
-def resolve(value, pool: dict[str, str], scratch: Path, inputs: list[str]) -> str:
+def resolve(value, pool: dict[str, str], scratch: Path, inputs: list[str],
+            specials: dict[Path, tuple]) -> str:
     if isinstance(value, In):
         inputs.append(pool[value.name])
         return pool[value.name]
+    if isinstance(value, Out) and value.kind in SPECIAL_OUTPUTS:
+        path = scratch / f"out{value.suffix}"
+        if not path.exists() and not path.is_symlink():
+            victim = scratch / "victim"
+            victim.write_text("precious")
+            try:
+                special_output(value.kind, path, victim)
+            except PermissionError:  # no mknod here (not root): a FIFO stands in
+                special_output("FIFO", path, victim)
+            specials[path] = node_kind(path)
+        return str(path)
     if isinstance(value, Out):
         return {
             "new": str(scratch / f"out{value.suffix}"),
@@ -180,8 +206,8 @@ def files(valid: list[str], invalid: list[str]) -> Opt:
 
 def output(suffix: str = "", required: bool = False) -> Opt:
     return Opt(st.just(Out("new", suffix)), st.builds(Out, st.sampled_from(
-        ["missing dir", "proc", "existing dir", "under a file", "an input"]), st.just(suffix)),
-        required)
+        ["missing dir", "proc", "existing dir", "under a file", "an input", *SPECIAL_OUTPUTS]),
+        st.just(suffix)), required)
 
 
 POOL_BLOCKS = Opt(st.sampled_from([40, 300, 1000]),  # never a pool that takes long to build
@@ -238,7 +264,7 @@ CAPTURE_OPTIONS = {
     "--topic": choice(["kv", ""]), "--bind": FLAG,
 }
 DATABASE_IN = files(["db"], ["damaged db", "other db", "workload", "missing", "empty",
-                             "a directory"])
+                             "a directory", *CRAFTED_DATABASES])
 
 COMMANDS: dict[str, tuple[st.SearchStrategy, int]] = {
     # command -> (its arguments, examples)
@@ -249,7 +275,7 @@ COMMANDS: dict[str, tuple[st.SearchStrategy, int]] = {
                               BROKEN_TRACES), TRACE_IN], {"-o": output(".duckdb", True)}), 25),
     "sql": (arguments([DATABASE_IN, choice(["SELECT count(*) FROM runs", "SELECT 1"], [
         "SELECT * FROM nope", "SELECT 1/0", ";", "   ", "", "x"])], {
-        "--csv": FLAG, "--json": FLAG}), 20),
+        "--csv": FLAG, "--json": FLAG, "--unsafe": FLAG}), 25),
     "sql --query": (arguments([DATABASE_IN], {
         "--query": Opt(st.sampled_from(["lost_hits_by_prefix", "hit_rate_timeline",
                                         "checkpoint_pushouts", "miss_attribution"]), JUNK, True),
@@ -257,9 +283,11 @@ COMMANDS: dict[str, tuple[st.SearchStrategy, int]] = {
             "bucket_steps=0", "min_hits=99999999999999999999999", "nope=1", "noequals",
             "min_hits=x"]), "--list": FLAG}), 20),
     "report": (arguments([DATABASE_IN], {
-        "--html": output(".html"), "--bucket-steps": ints(1, 20), "--min-hits": ints(0, 3)},
-        max_options=2), 10),
-    "why": (arguments([files(["replayed", "truncated", "db", "runs-dir"], BROKEN_TRACES)], {
+        "--html": output(".html"), "--bucket-steps": ints(1, 20), "--min-hits": ints(0, 3),
+        "--markdown": FLAG, "--gpu": choice(["h200", "b200", "350"], ["a100", "0", "nan", ""]),
+        "--model": choice(["nemotron-h-8b"], ["nope", "", "/"])}, max_options=2), 10),
+    "why": (arguments([files(["replayed", "truncated", "db", "runs-dir"],
+                             BROKEN_TRACES + CRAFTED_DATABASES)], {
         "--request": Opt(st.sampled_from(["0", "1", "3"]), st.sampled_from(
             ["99", "²", "-1", "", "9" * 30]), True), "--variant": VARIANT}), 20),
     "export": (arguments([DATABASE_IN], {
@@ -301,7 +329,9 @@ COMMANDS: dict[str, tuple[st.SearchStrategy, int]] = {
         "--db": output(".duckdb"), "--execute": FLAG,
         "--device": choice(["auto", "cpu", "cuda"], ["tpu", "", "CPU"]),
         "--state-scale": floats("0.01", "0.1"),  # full scale: gigabytes of state
-        "--gpu": choice(["h200", "h100", "250"], ["b200", "0", "-3", "nan", "inf", "x", ""])},
+        "--gpu": choice(["h200", "h100", "b200", "250"], ["a100", "0", "-3", "nan", "inf", "x",
+                                                         ""]),
+        "--model": choice(["nemotron-h-8b", "kimi-linear-48b-a3b"], ["nope", "", "/"])},
         max_options=5), 40),
     "sweep": (arguments([TRACE_IN], {
         "--pool-fraction": choice(["0.5", "0.5,1"], ["0", "-1", "nan", "inf", "x", "", ","]),
@@ -316,7 +346,9 @@ COMMANDS: dict[str, tuple[st.SearchStrategy, int]] = {
     "engine": (arguments([files(BROKEN_TRACES, BROKEN_TRACES)], {
         "--variant": VARIANT, "--num-gpu-blocks": POOL_BLOCKS, "--retention": RETENTION,
         "--speed": floats("0", "1", "10"), "--autostart": FLAG,
-        "--summary-json": output(".json")}), 20),
+        "--summary-json": output(".json"),
+        # never another installed release: the command would exec it in place of the test
+        "--vllm": choice(["0.33.0"], ["0.29.0", "0.34.0", "x", ""])}), 20),
     "geometry": (arguments([], {
         "--model": Opt(st.one_of(st.just("no-such-model"), st.builds(In, st.sampled_from(
             ["bad model config", "a directory", "missing", "log", "empty", "garbage"]))),
@@ -325,6 +357,11 @@ COMMANDS: dict[str, tuple[st.SearchStrategy, int]] = {
         "--tensor-parallel-size": ints(1, 8), "--kv-cache-dtype": choice(["auto"], ["x"]),
         "--max-num-batched-tokens": ints(1, 8192), "--non-kv-memory-gib": floats("0", "6"),
         "--json": FLAG}), 20),
+    # install only with --dry-run: nothing is ever downloaded
+    "vllm install": (arguments([Opt(st.just("install")), choice(
+        ["0.30.0", "0.31.0", "0.32.0", "0.33.0"], ["0.29.0", "0.34.0", "latest", "", "-1"])], {
+        "--dry-run": Opt(None, required=True), "--all": FLAG}), 10),
+    "vllm list": (arguments([Opt(st.just("list"))], {}), 2),
     "demo": (arguments([], {"--workdir": Opt(st.builds(Out, st.sampled_from(
         ["proc", "under a file"])), required=True), "--quick": FLAG}), 4),
 }
@@ -361,10 +398,15 @@ def fuzz(name: str):
     def run(pool, argv, verbose):
         with tempfile.TemporaryDirectory(prefix="kvtrace-fuzz-") as scratch:
             seen: list[str] = []
-            args = [resolve(value, pool, Path(scratch), seen) for value in argv]
+            specials: dict[Path, tuple] = {}
+            args = [resolve(value, pool, Path(scratch), seen, specials) for value in argv]
             result = CliRunner().invoke(cli, ["-v"] * verbose + [command] + args,
                                         catch_exceptions=False)
             check_outcome(result)
+            for path, kind in specials.items():  # a device, link, FIFO or socket: as it was
+                assert node_kind(path) == kind and result.exit_code != 0, result.output
+                assert (Path(scratch) / "victim").read_text() == "precious"
+            assert "root's secret" not in result.output
             event(f"exit {result.exit_code}")  # pytest --hypothesis-show-statistics
     return run
 

@@ -80,11 +80,15 @@ def hand_expectations(name: str, tp: int) -> dict:
         checkpoint = 1  # mamba_mixer2
     block = alignment * cdiv(state, alignment * attn)
     weights = model_weights(source.architecture, source.config).nbytes
-    kv_bytes = int(141 * GIB * 0.9) - cdiv(weights, tp) - 6 * GIB
+    kv_bytes = int(H200_CUDA_BYTES * 0.9) - cdiv(weights, tp) - 6 * GIB
     bytes_per_block = max(n for _, n in groups) * block * attn
     return dict(block=block, state=state, attn=attn, groups=groups, bytes_per_block=bytes_per_block,
                 num_gpu_blocks=kv_bytes // bytes_per_block,
                 checkpoint=block if checkpoint == "block" else checkpoint)
+
+
+# What CUDA reports for an H200 (torch total_memory 143,156 MiB), which vLLM plans with.
+H200_CUDA_BYTES = 143_156 << 20
 
 
 def _split(num_state_layers: int, num_attention_layers: int) -> list[int]:

@@ -188,6 +188,35 @@ def test_native_records_take_their_field_order_from_their_types(tmp_path, monkey
     assert_same_records(comparable(python), comparable(fast))
 
 
+def test_the_native_snapshot_is_its_python_twin(tmp_path, monkeypatch):
+    """A start snapshot of vLLM's own scheduler mid-flight, on a pool with evictions, copy-on-
+    write and keys held by several blocks, read with ``snapshot_pool`` and with its Python
+    twin: the same packed rows, the same records made of them, and the same hash ids and
+    prefix lengths learnt."""
+    from kvtrace.engine.core import VllmScheduler
+    from kvtrace.probes import CacheProbes
+    from kvtrace.probes import snapshot
+
+    workload = tight_agent_workload(tmp_path, "unfixed", 30, 30)
+    engine = VllmScheduler(workload.config, workload.settings, "unfixed")
+    for arrival in workload.arrivals:
+        engine.add_request(arrival)
+    for _ in range(40):
+        engine.step()
+    manager, taken = engine.scheduler.kv_cache_manager, {}
+    for twin, core in (("python", None), ("native", native.built)):
+        monkeypatch.setattr(native, "core", core)
+        probes = CacheProbes(print, HashInterner(), emit_hash_bytes=True)
+        read = snapshot.take(manager, engine.scheduler, probes)
+        taken[twin] = (read.records()[1:-1], read.pool, probes._depth, dict(probes.interner.ids))
+    assert {type(r).__name__ for r in taken["native"][0]} >= {"BlockState", "KeyCached",
+                                                              "HashInterned"}
+    keys = [r for r in taken["native"][0] if type(r) is events.KeyCached]
+    assert any(len(key.block_ids) > 1 for key in keys), "a key held by several blocks"
+    assert_same_records(taken["python"][0], taken["native"][0])
+    assert taken["python"][1:] == taken["native"][1:]
+
+
 BAD_RECORD_TYPES = {
     "renamed": ("BlockStored", msgspec.defstruct(
         "BlockStored", [("block_id", int), ("hash_id", int), ("group", int), ("num_tokens", int),

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from shared_data import MOONCAKE_SYNTHETIC
+from third_party_data import MOONCAKE_SYNTHETIC
 
 from kvtrace.cli import cli
 from kvtrace.events import (
@@ -186,7 +186,6 @@ def test_bad_retention(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not MOONCAKE_SYNTHETIC.exists(), reason="the Mooncake trace is not on this machine")
 def test_mooncake_synthetic_trace_end_to_end(tmp_path):
     workload = tmp_path / "mooncake.kvtrace"
     result = CliRunner().invoke(cli, [

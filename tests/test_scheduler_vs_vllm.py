@@ -18,7 +18,7 @@ from kvtrace.events import HashInterner, RequestArrived, SlotsAllocated, StepSta
 from kvtrace.replay.scheduler import Scheduler
 from kvtrace.workloads.workload import EngineShape, write_workload
 from kvtrace.workloads.synth import synthesize
-from shared_data import MOONCAKE_SYNTHETIC
+from third_party_data import MOONCAKE_SYNTHETIC
 
 
 def through_vllm(workload) -> list:
@@ -94,7 +94,6 @@ def test_the_model_schedules_exactly_as_vllm(tmp_path, preset, num_requests, num
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not MOONCAKE_SYNTHETIC.exists(), reason="the Mooncake trace is not on this machine")
 def test_the_model_schedules_the_mooncake_trace_exactly_as_vllm(tmp_path):
     """A real request log's first 400 requests, imported with default settings: long prompts,
     no output units named (decode makes hash ids up), many shared prefixes."""

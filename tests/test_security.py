@@ -360,12 +360,45 @@ def test_a_trace_takes_its_name_only_when_published(shared):
     trace.publish()
     trace.close()
     assert os.listdir(shared) == ["t.kvtrace"] and old.read_text() == ""
-    (shared / "d.kvtrace").mkdir()
-    directory = NewTraceFile(str(shared / "d.kvtrace"))
-    with pytest.raises(KvtraceError, match="cannot write the trace .*d.kvtrace: Is a directory"):
-        directory.publish()
     with pytest.raises(KvtraceError, match="is not absolute"):
         NewTraceFile("t.kvtrace")
+
+
+@pytest.mark.parametrize("plant", ["directory", "socket", "fifo"])
+def test_a_trace_never_replaces_what_is_not_a_file(shared, plant):
+    """A directory, a socket (an engine's control socket, say) or a FIFO at the trace's path is
+    refused before a draft exists, and stays as it was."""
+    target = shared / "d.kvtrace"
+    if plant == "directory":
+        target.mkdir()
+    elif plant == "fifo":
+        os.mkfifo(target)
+    else:
+        listener = socket.socket(socket.AF_UNIX)
+        listener.bind(str(target))
+        listener.close()
+    before = target.lstat()
+    with pytest.raises(UnsafePathError, match="d.kvtrace exists and is not a regular file"):
+        NewTraceFile(str(target))
+    assert os.listdir(shared) == ["d.kvtrace"]
+    assert (target.lstat().st_ino, target.lstat().st_mode) == (before.st_ino, before.st_mode)
+
+
+def test_a_trace_is_never_written_into_the_runtime_directory(tmp_path, monkeypatch):
+    """`capture -o <runtime dir>/engine-PID.sock` would have replaced the engine's control
+    socket: a path in the runtime directory is refused, even through a link to it."""
+    monkeypatch.setenv("KVTRACE_RUNTIME_DIR", str(tmp_path))
+    private = control.runtime_dir()
+    private.mkdir(mode=0o700)
+    (tmp_path / "link").symlink_to(private)
+    for path in (private / f"engine-{os.getpid()}.sock", private / "x.kvtrace",
+                 tmp_path / "link" / "x.kvtrace"):
+        with pytest.raises(UnsafePathError, match="runtime directory"):
+            NewTraceFile(str(path))
+    assert list(private.iterdir()) == []
+    own = NewTraceFile(str(private / "capture-default.kvtrace"), in_runtime_dir=True)
+    own.discard()
+    own.close()
 
 
 # --- the bootstrap's report, read by root ----------------------------------------------------
@@ -387,3 +420,45 @@ def test_the_bootstrap_report_is_read_without_links_or_blocking(shared, plant):
     finally:
         target.kill()
     assert time.monotonic() - started < 1 and "secret" not in str(refused.value)
+
+
+# --- root's other commands: outputs and databases another user controls (round three) -------
+
+@pytest.mark.parametrize("plant", [["ln", "-s", "{victim}", "{path}"], ["mkfifo", "{path}"],
+                                   ["ln", "-s", "/proc/self/fd/1", "{path}"]])
+def test_an_output_path_another_user_planted_is_left_alone(shared, plant):
+    """In a sticky shared directory the attacker puts a link (to a root-only file, or where
+    /dev/stdout points) or a FIFO where root's output goes: root's command refuses it before
+    any work, writes nothing through it and does not replace it."""
+    secret = "root's secret\n"
+    victim = root_file(shared / "victim", secret)
+    path = shared / "w.kvtrace"
+    as_attacker(*(part.format(victim=victim, path=path) for part in plant))
+    before = snapshot(shared)
+    code, err = run_cli("synth", "--preset", "chat", "--requests", "3", "-o", str(path))
+    assert code == 1 and "kvtrace replaces only regular files" in err, err
+    assert snapshot(shared) == before
+    assert_untouched(victim, secret)
+
+
+def test_a_database_another_user_made_reads_no_root_file(shared, workload, tmp_path):
+    """A database is input: the attacker hands root one whose view reads a root-only file.
+    Root's sql, report, why and export refuse it, and print nothing of the file."""
+    from bad_traces import crafted_databases
+    from click.testing import CliRunner
+
+    from kvtrace.cli import cli
+
+    secret = "root's secret\n"
+    victim = root_file(tmp_path / "victim", secret)
+    sound = tmp_path / "sound.duckdb"
+    assert run_cli("load", str(workload), "-o", str(sound))[0] == 0
+    crafted = crafted_databases(shared, sound, victim)["a view that reads a file"]
+    os.chown(crafted, ATTACKER_UID, ATTACKER_UID)
+    for args in (["sql", crafted, "SELECT * FROM lookups"], ["report", crafted],
+                 ["why", crafted, "-r", "0"], ["export", crafted, "--parquet", tmp_path / "pq"]):
+        result = CliRunner().invoke(cli, [str(a) for a in args], catch_exceptions=False)
+        assert result.exit_code == 1 and "disabled by configuration" in result.stderr, args
+        assert secret.strip() not in result.output
+    assert_untouched(victim, secret)
+    assert not (tmp_path / "pq").exists()

@@ -150,9 +150,9 @@ def test_the_model_backend_counts_the_same_rows(source, swept, monkeypatch):
     counting = []
     real = model.open_counting_model_backend
 
-    def spy(config, variant, summary):
+    def spy(config, variant, summary, snapshot=None):
         counting.append(variant)
-        return real(config, variant, summary)
+        return real(config, variant, summary, snapshot)
 
     monkeypatch.setattr(model, "open_counting_model_backend", spy)
     plan = plan_sweep(SweepGrid(str(source), ("unfixed", "fixed"), (0, None), (0.2, 0.5),

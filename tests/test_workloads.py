@@ -25,7 +25,7 @@ from kvtrace.workloads.workload import (
     pool_size,
     workload_records,
 )
-from shared_data import MOONCAKE_SYNTHETIC
+from third_party_data import MOONCAKE_SYNTHETIC
 
 H = 32
 
@@ -368,7 +368,6 @@ def test_mooncake_empty_log_is_refused(tmp_path):
     assert result.exit_code == 1 and "holds no requests" in result.stderr
 
 
-@pytest.mark.skipif(not MOONCAKE_SYNTHETIC.exists(), reason="shared Mooncake data not present")
 def test_real_mooncake_synthetic_trace_imports_faithfully(tmp_path):
     out = tmp_path / "synthetic.kvtrace"
     result = run("import", "mooncake", MOONCAKE_SYNTHETIC, "--hash-unit", 64, "-o", out)

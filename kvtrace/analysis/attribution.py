@@ -60,10 +60,13 @@ from kvtrace.events import (
     EngineConfig,
     EventsDropped,
     HashesExtended,
+    KeyCached,
     RemoveReason,
     RequestArrived,
     RequestFinished,
     RequestPreempted,
+    RequestQueue,
+    RequestState,
     SlotsAllocated,
     StepStarted,
     StoreKind,
@@ -127,6 +130,7 @@ _BLOCK_REFERENCES = (BlockAllocated, BlockTouched, BlockFreed)
 _CHECKPOINT, _TRANSIENT = int(StoreKind.CHECKPOINT), int(CheckpointClass.TRANSIENT)
 _LRU_REUSE, _STALE_CHECKPOINT = int(RemoveReason.LRU_REUSE), int(RemoveReason.STALE_CHECKPOINT)
 _REKEY = int(RemoveReason.REKEY)
+_RUNNING = int(RequestQueue.RUNNING)
 
 
 class AttributionError(KvtraceError):
@@ -185,6 +189,9 @@ class LookupAttribution:
     attention_hit: int | None  # the full-attention groups' own longest hit, alone
     mamba_hit: int | None  # the Mamba groups' own deepest state below the query's last token
     segments: list[Segment] = field(default_factory=list)
+    # In flight when the capture began (its start snapshot); its lookups count on from the
+    # admissions it had then, so lookup 1 is still a first admission inside the trace.
+    in_flight: bool = False
 
     def tokens(self, cause: str) -> int:
         return sum(s.tokens for s in self.segments if s.cause == cause)
@@ -313,7 +320,8 @@ class MissAttributor:
         self.lookups: list[LookupAttribution] = []
         self.dropped_events = 0
         num_groups = len(config.kv_cache_groups)
-        self._is_mamba = [g.kind == "mamba" for g in config.kv_cache_groups]
+        self.num_blocks = config.num_gpu_blocks
+        self.is_mamba = [g.kind == "mamba" for g in config.kv_cache_groups]
         self._copies: list[dict[int, int]] = [{} for _ in range(num_groups)]  # key -> blocks
         # key -> the fields of the Removal that took its last copy (a tuple: one per eviction)
         self._removals: list[dict[int, tuple]] = [{} for _ in range(num_groups)]
@@ -325,7 +333,10 @@ class MissAttributor:
         self._computed: set[int] = set()  # hash ids some allocation scheduled
         self._states: set[int] = set()  # hash ids where a Mamba state was computed
         self._suppressed: set[int] = set()  # hash ids of checkpoints a variant kept local
-        self._checkpoint_class: dict[tuple[int, int, int], int] = {}
+        # req -> (group, position) -> the class of its latest CheckpointRecorded there (dropped
+        # when the request finishes: no key is stored for a finished request)
+        self._checkpoint_class: dict[int, dict[tuple[int, int], int]] = {}
+        self._in_flight: set[int] = set()  # requests of the start snapshot
         self._pending: dict[int, _PendingLookup] = {}
         self._admissions: dict[int, int] = {}
         self._in_use: set[int] = set()
@@ -346,7 +357,8 @@ class MissAttributor:
             BlockTouched: self._on_taken, BlockFreed: self._on_freed,
             BlockStored: self._on_stored, BlockRemoved: self._on_removed,
             CheckpointRecorded: self._on_checkpoint, CheckpointSuppressed: self._on_suppressed,
-            EventsDropped: self._on_dropped,
+            EventsDropped: self._on_dropped, KeyCached: self._on_key_cached,
+            RequestState: self._on_request_state,
         }
 
     def feed(self, batch: RecordBatch) -> None:
@@ -365,6 +377,11 @@ class MissAttributor:
             values = [c.to_lists() if isinstance(c, ListColumn) else c for c in columns]
             if record_type in _BLOCK_REFERENCES:
                 blocks = np.frombuffer(columns[0], dtype=columns[0].typecode)
+                outside = (blocks < -1) | (blocks >= self.num_blocks)
+                if outside.any():
+                    self._seq = batch.first_seq + int(
+                        np.flatnonzero(kinds == index)[np.argmax(outside)])
+                    self._check_block(batch.tags[index], int(blocks[np.argmax(outside)]))
                 candidates = self._candidate_blocks(batch)
                 keep = (np.isin(blocks, candidates, kind="table") if len(candidates)
                         else np.zeros(len(blocks), dtype=bool))
@@ -443,6 +460,7 @@ class MissAttributor:
         self._units.pop(req, None)
         self._scheduled_units.pop(req, None)
         self._pending.pop(req, None)
+        self._checkpoint_class.pop(req, None)
 
     def _on_preempted(self, req) -> None:
         self._allocating = _NO_REQ
@@ -450,6 +468,53 @@ class MissAttributor:
 
     def _on_dropped(self, count, _ts) -> None:
         self.dropped_events += count
+
+    # --- the start snapshot ---------------------------------------------------------------------
+
+    def _on_key_cached(self, hash_id, group, _num_tokens, block_ids) -> None:
+        """A key cached when the capture began: present (so never cold), on these blocks."""
+        self._check_group("key_cached", group)
+        for block_id in block_ids:
+            self._check_block("key_cached", block_id)
+        if block_ids:
+            copies = self._copies[group]
+            copies[hash_id] = copies.get(hash_id, 0) + len(block_ids)
+            self._computed.add(hash_id)
+
+    def _on_request_state(self, req, queue, _status, _prompt_len, hash_ids, _max_tokens,
+                          _num_tokens, num_computed_tokens, num_preemptions, *rest) -> None:
+        """A request in flight when the capture began: its units so far, those its computed
+        tokens covered, and its admissions (the first, one after each preemption, and none
+        more while it waits)."""
+        units = self._units[req] = list(hash_ids)
+        done = min(max(num_computed_tokens // self.unit, 0), len(units))
+        self._computed.update(units[:done])
+        self._scheduled_units[req] = done
+        self._in_flight.add(req)
+        admissions = num_preemptions + (queue == _RUNNING)
+        if admissions > 0:
+            self._admissions[req] = admissions
+        if rest[-1] == self.request_id:
+            self.only_request = req
+
+    # --- records the header contradicts ---------------------------------------------------------
+
+    def _check_group(self, kind: str, group: int) -> None:
+        num_groups = len(self.is_mamba)
+        if not 0 <= group < num_groups:
+            raise ValueError(f"record {self._seq} ({kind}) names KV-cache group {group}, but the "
+                             f"header has {num_groups} group{'' if num_groups == 1 else 's'} "
+                             f"(0 to {num_groups - 1})")
+
+    def _check_block(self, kind: str, block_id: int) -> None:
+        """-1 is no block a source could name (vLLM's own KV events); the rest, the pool's."""
+        if not -1 <= block_id < self.num_blocks:
+            raise ValueError(f"record {self._seq} ({kind}) names block {block_id}, outside the "
+                             f"header's pool of {self.num_blocks} blocks")
+
+    def _check_key(self, kind: str, block_id: int, group: int) -> None:
+        self._check_group(kind, group)
+        self._check_block(kind, block_id)
 
     # --- effects --------------------------------------------------------------------------------
 
@@ -477,10 +542,11 @@ class MissAttributor:
             self._evictable_transient.pop(block_id, None)
 
     def _on_stored(self, block_id, hash_id, group, num_tokens, kind, req) -> None:
+        self._check_key("block_stored", block_id, group)
         copies = self._copies[group]
         copies[hash_id] = copies.get(hash_id, 0) + 1
-        if (kind == _CHECKPOINT
-                and self._checkpoint_class.get((req, group, num_tokens)) == _TRANSIENT):
+        if (kind == _CHECKPOINT and self._checkpoint_class.get(req, {}).get(
+                (group, num_tokens)) == _TRANSIENT):
             self._transient[block_id] = [req, group, num_tokens, 1]  # ..., keys on the block
             self._in_use.add(block_id)
             self._evictable_transient.pop(block_id, None)
@@ -490,6 +556,7 @@ class MissAttributor:
             self._evictable_transient.pop(block_id, None)
 
     def _on_removed(self, block_id, hash_id, group, _num_tokens, reason) -> None:
+        self._check_key("block_removed", block_id, group)
         copies = self._copies[group]
         left = copies.get(hash_id, 0) - 1
         if left > 0:
@@ -514,13 +581,15 @@ class MissAttributor:
             self._recheck(block_id)
 
     def _on_checkpoint(self, req, group, position, _block_idx, position_class) -> None:
-        self._checkpoint_class[(req, group, position)] = position_class
+        self._check_group("checkpoint_recorded", group)
+        self._checkpoint_class.setdefault(req, {})[(group, position)] = position_class
         units = self._units.get(req, ())
         if (self._allocating == req and self._allocation_ok
                 and 0 < position // self.unit <= len(units)):
             self._states.add(units[position // self.unit - 1])
 
-    def _on_suppressed(self, req, _group, position, *_) -> None:
+    def _on_suppressed(self, req, group, position, *_) -> None:
+        self._check_group("checkpoint_suppressed", group)
         units = self._units.get(req, ())
         if 0 < position // self.unit <= len(units):
             self._suppressed.add(units[position // self.unit - 1])
@@ -533,7 +602,7 @@ class MissAttributor:
         copies = self._copies[group].get(hash_id)
         if copies:
             return _PRESENT
-        mamba = self._is_mamba[group]
+        mamba = self.is_mamba[group]
         if copies is None:  # never stored
             if not mamba:
                 return _LEVEL["block_quantisation"]
@@ -583,7 +652,8 @@ class MissAttributor:
             lookup.shared_prefix_boundary,
             geometry.attention_reach(attention, _REAL, num_units, cap)
             if geometry.attention_groups else None,
-            geometry.mamba_state(mamba, _REAL, num_units, cap) if geometry.mamba_groups else None)
+            geometry.mamba_state(mamba, _REAL, num_units, cap) if geometry.mamba_groups else None,
+            in_flight=req in self._in_flight)
         # The waterfall: the hit after each restriction, clamped to [hit, the previous one].
         # First the last-token cap, then vLLM's hit search over the keys left after removing
         # each class in turn (block quantisation always: the search itself quantises). A
@@ -626,10 +696,10 @@ class MissAttributor:
         unit, geometry = self.unit, self.geometry
         keys = []
         last = end // unit
-        if last < len(mamba) and mamba[last] == level:
+        if 0 <= last < len(mamba) and mamba[last] == level:
             keys.append(self._lost_key(geometry.mamba_groups, level, last, units))
         per_block = geometry.attention_block // unit
-        for depth in range(start // unit + 1, min(last, len(attention) - 1) + 1):
+        for depth in range(max(start // unit + 1, 1), min(last, len(attention) - 1) + 1):
             if attention[depth] == level and (depth % per_block == 0 or depth == last):
                 keys.append(self._lost_key(geometry.attention_groups, level, depth, units))
             if keys and not self.explain:
@@ -647,14 +717,19 @@ class MissAttributor:
 
 def attribute_trace(path: str | os.PathLike, *, request: int | str | None = None,
                     explain: bool = False) -> TraceAttribution:
-    """Attribute every admitted lookup of the trace at ``path`` (one streaming pass)."""
+    """Attribute every admitted lookup of the trace at ``path`` (one streaming pass: the C core
+    where it is built, else ``MissAttributor``)."""
+    from kvtrace.analysis.stream import new_pass  # which builds on this module
+
     reader = TraceReader(os.fspath(path))
     with reader, cyclic_gc_paused():
-        attributor = new_attributor(reader.header, reader.path, request=request, explain=explain)
+        attribution = new_pass(reader.header, reader.path, request=request, explain=explain,
+                               keep_lookups=True, make_rows=False)
         for batch in reader.batches():
-            attributor.feed(batch)
-    return TraceAttribution(reader.path, reader.header, attributor.lookups, reader.truncated,
-                            attributor.dropped_events)
+            attribution.feed(batch)
+        attribution.finish()
+    return TraceAttribution(reader.path, reader.header, attribution.lookups, reader.truncated,
+                            attribution.dropped_events)
 
 
 @contextlib.contextmanager
@@ -758,7 +833,7 @@ def iter_rows(run: int, variant: str, backend: str,
                    removal.block_id if removal else None, removal.seq if removal else None,
                    removal.step if removal else None,
                    removal.by_req if removal and removal.by_req != _NO_REQ else None,
-                   removal.transient_behind if removal else None)
+                   removal.transient_behind if removal else None, lookup.in_flight)
 
 
 ROW_COLUMNS = (
@@ -771,4 +846,5 @@ ROW_COLUMNS = (
     ("to_tokens", "BIGINT"), ("key_group", "INTEGER"), ("key_depth_tokens", "BIGINT"),
     ("key_hash_id", "BIGINT"), ("removed_block_id", "BIGINT"), ("removed_seq", "BIGINT"),
     ("removed_step", "BIGINT"), ("removed_by_req", "BIGINT"), ("transient_behind", "BIGINT"),
+    ("in_flight", "BOOLEAN"),
 )

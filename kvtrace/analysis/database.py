@@ -35,15 +35,19 @@ import os
 import typing
 
 from kvtrace.analysis.attribution import ROW_COLUMNS
+from kvtrace.analysis.sql_access import connect
 from kvtrace.errors import KvtraceError
-from kvtrace.events import RECORD_TYPES, tag_of
+from kvtrace.events import RECORD_TYPES, CheckpointClass, RemoveReason, tag_of
 
-DB_SCHEMA_VERSION = 2
+DB_SCHEMA_VERSION = 3
 ATTRIBUTION_SCHEMA_VERSION = 2  # the first schema with the miss_attribution table
+# v3: cache_entries carries each entry's hits and the transient checkpoints cached at its
+# removal, made while loading; miss_attribution.in_flight; the start snapshot's tables
+ENTRY_FIGURES_SCHEMA_VERSION = 3
 ATTRIBUTION_TABLE = "miss_attribution"
 
 RENAMED_FIELDS = {"group": "group_id", "step": "engine_step"}
-RUN_COLUMNS = "run INTEGER, variant VARCHAR, backend VARCHAR, seq BIGINT, step BIGINT"
+
 # The sweep table: the sweep's own columns, then one per figure of a ``sweep.json`` row.
 SWEEP_COLUMNS = (
     ("sweep_id", "INTEGER"), ("source_path", "VARCHAR"), ("source_digest", "VARCHAR"),
@@ -92,118 +96,109 @@ def is_enum_field(field_type: object) -> bool:
     return isinstance(field_type, type) and issubclass(field_type, enum.IntEnum)
 
 
+def is_map_field(field_type: object) -> bool:
+    """A snapshot's named values (``dict[str, ...]``): stored as JSON text."""
+    return typing.get_origin(field_type) is dict
+
+
+def stored_column(field_name: str, field_type: object) -> str:
+    """The column a field's values are stored in: an enum field's codes go to ``<name>_code``
+    (its name column is computed from it), the others to their own."""
+    return column_name(field_name) + ("_code" if is_enum_field(field_type) else "")
+
+
+def enum_name_sql(code: str, enum_type: type[enum.IntEnum]) -> str:
+    """SQL naming an enum code: its member's name, or the number of a value this kvtrace does not
+    know (a newer writer's)."""
+    cases = " ".join(f"WHEN {member.value} THEN '{member.name}'" for member in enum_type)
+    return f"CASE {code} {cases} ELSE {code}::VARCHAR END"
+
+
+def enum_code_sql(name: str, enum_type: type[enum.IntEnum]) -> str:
+    """SQL back from a name ``enum_name_sql`` made to its code."""
+    cases = " ".join(f"WHEN '{member.name}' THEN {member.value}" for member in enum_type)
+    return f"CASE {name} {cases} ELSE TRY_CAST({name} AS BIGINT) END"
+
+
+def enum_columns(name: str, enum_type: type[enum.IntEnum]) -> list[tuple[str, str]]:
+    """An enum field as two columns: its codes, stored (small ints cost a load a fraction of
+    what a name a row would), and its names, computed when read."""
+    return [(f"{name}_code", "BIGINT"),
+            (name, f"VARCHAR GENERATED ALWAYS AS ({enum_name_sql(name + '_code', enum_type)}) "
+                   "VIRTUAL")]
+
+
 def _sql_type(field_type: object) -> str:
-    if is_enum_field(field_type):
-        return "VARCHAR"  # a name, or the number of a value this kvtrace does not know
+    if is_map_field(field_type):
+        return "VARCHAR"  # JSON
     return {int: "BIGINT", bool: "BOOLEAN", str: "VARCHAR", bytes: "BLOB"}[field_type]
 
 
-def schema_statements() -> list[str]:
-    """DDL for every table, before any view."""
-    statements = []
-    statements.append(f"CREATE TABLE {ATTRIBUTION_TABLE} "
-                      f"({', '.join(f'{name} {sql_type}' for name, sql_type in ROW_COLUMNS)})")
+def _quoted(text: str) -> str:
+    return "'" + text.replace("'", "''") + "'"
+
+
+def schema_tables(labels: list[tuple[str, str]] | None = None) -> list[tuple[str, str]]:
+    """(table, its DDL) for every table, before any view. ``labels``: per run number, its
+    (variant, backend): a run's rows carry them as columns computed from ``run`` when read
+    (stored, a string a row would cost a load a fifth of its time); None: stored columns."""
+    def table(name: str, columns) -> tuple[str, str]:
+        typed = ((c, _label_column(c, labels) if c in ("variant", "backend") and labels is not None
+                  else t) for c, t in columns)
+        return name, f"CREATE TABLE {name} ({', '.join(f'{c} {t}' for c, t in typed)})"
+
+    tables = [table(ATTRIBUTION_TABLE, ROW_COLUMNS),
+              table("cache_entry_figures", ENTRY_FIGURE_COLUMNS)]
     for record_type in RECORD_TYPES:
         tag = tag_of(record_type)
-        columns = [RUN_COLUMNS]
+        columns = [("run", "INTEGER"), ("variant", "VARCHAR"), ("backend", "VARCHAR"),
+                   ("seq", "BIGINT"), ("step", "BIGINT")]
         for name, field_type in record_fields(record_type):
             if is_list_field(field_type):
-                columns.append(f"num_{name} INTEGER")
-                statements.append(
-                    f"CREATE TABLE {child_table(tag, name)} (run INTEGER, seq BIGINT, req BIGINT, "
-                    f"pos INTEGER, {element_column(name)} BIGINT)"
-                )
+                columns.append((f"num_{name}", "INTEGER"))
+                tables.append(table(child_table(tag, name), (
+                    ("run", "INTEGER"), ("seq", "BIGINT"), ("req", "BIGINT"), ("pos", "INTEGER"),
+                    (element_column(name), "BIGINT"))))
+            elif is_enum_field(field_type):
+                columns += enum_columns(column_name(name), field_type)
             else:
-                columns.append(f"{column_name(name)} {_sql_type(field_type)}")
-        statements.append(f"CREATE TABLE {tag} ({', '.join(columns)})")
-    statements += [
-        """CREATE TABLE runs (
+                columns.append((column_name(name), _sql_type(field_type)))
+        tables.append(table(tag, columns))
+    tables += [
+        ("runs", """CREATE TABLE runs (
             run INTEGER PRIMARY KEY, path VARCHAR, source VARCHAR, variant VARCHAR,
             backend VARCHAR, mode VARCHAR, source_key VARCHAR, kvtrace_version VARCHAR,
             vllm_version VARCHAR, created_ns BIGINT, hash_block_size BIGINT,
             num_gpu_blocks BIGINT, retention_interval BIGINT, block_sizes BIGINT[],
             group_kinds VARCHAR[], num_records BIGINT, truncated BOOLEAN, num_dropped BIGINT,
-            header_json VARCHAR, digest VARCHAR)""",
-        "CREATE TABLE kvtrace_meta (key VARCHAR PRIMARY KEY, value VARCHAR)",
-        SWEEP_TABLE,
+            header_json VARCHAR, digest VARCHAR)"""),
+        ("kvtrace_meta", "CREATE TABLE kvtrace_meta (key VARCHAR PRIMARY KEY, value VARCHAR)"),
+        ("sweep", SWEEP_TABLE),
     ]
-    return statements
+    return tables
 
 
-# Tables derived once all runs are loaded: used several times per query, so built once.
-DERIVED_TABLES = {
-    # One row per cache entry: a hash stored on a block, until it was removed (NULL: still
-    # cached when the trace ended). ``position_class`` of a CHECKPOINT entry comes from the
-    # request's latest CheckpointRecorded at that position and group.
-    "cache_entries": """
-        SELECT s.run, s.variant, s.backend, s.seq AS stored_seq, s.step AS stored_step,
-               s.block_id, s.hash_id, s.group_id, s.num_tokens, s.kind, s.req,
-               r.seq AS removed_seq, r.step AS removed_step, r.reason AS removed_reason,
-               CASE WHEN s.kind = 'CHECKPOINT' THEN c.position_class END AS position_class,
-               coalesce(s.kind = 'CHECKPOINT' AND c.position_class = 'TRANSIENT', false) AS transient
-        FROM block_stored s
-        ASOF LEFT JOIN block_removed r
-            ON s.run = r.run AND s.block_id = r.block_id AND s.hash_id = r.hash_id
-               AND s.group_id = r.group_id AND r.seq > s.seq
-        ASOF LEFT JOIN checkpoint_recorded c
-            ON s.run = c.run AND s.req = c.req AND s.group_id = c.group_id
-               AND s.num_tokens = c.position AND c.seq < s.seq""",
-}
+def _label_column(name: str, labels: list[tuple[str, str]]) -> str:
+    values = ", ".join(_quoted(run_labels[name == "backend"]) for run_labels in labels)
+    return f"VARCHAR GENERATED ALWAYS AS (([{values}]::VARCHAR[])[run + 1]) VIRTUAL"
 
-# Views the shipped queries build on. Definitions of what is counted live here, once.
-VIEWS = {
-    # Every prefix lookup (get_computed_blocks). ``admitted``: the next allocate_slots of the
-    # request, before its next lookup, succeeded (a failed admission is looked up again later,
-    # and only the admitted lookup decides what gets prefilled). ``admission`` numbers a
-    # request's admitted lookups (a preempted request is admitted again) for pairing variants.
-    "lookups": """
-        WITH found AS (
-            SELECT c.*, lead(c.seq) OVER (PARTITION BY c.run, c.req ORDER BY c.seq) AS next_lookup_seq
-            FROM computed_blocks_found c),
-        judged AS (
-            SELECT f.run, f.variant, f.backend, f.seq, f.step, f.req, f.num_hit_tokens,
-                   f.shared_prefix_boundary, s.num_tokens AS num_query_tokens,
-                   coalesce(s.success AND s.seq < coalesce(f.next_lookup_seq, 9223372036854775807),
-                            false) AS admitted
-            FROM found f ASOF LEFT JOIN slots_allocated s
-                ON f.run = s.run AND f.req = s.req AND s.seq > f.seq)
-        SELECT *, CASE WHEN admitted THEN row_number() OVER (
-                      PARTITION BY run, req, admitted ORDER BY seq) END AS admission
-        FROM judged""",
-    # Every hash unit a request is known to have: its prompt units, then those decode added.
-    # ``unit`` i covers tokens [0, (i + 1) * hash_block_size).
-    "request_hashes": """
-        SELECT run, req, pos AS unit, hash_id FROM request_arrived_hash_ids
-        UNION ALL
-        SELECT e.run, e.req,
-               coalesce(a.num_hash_ids, 0)
-                 + row_number() OVER (PARTITION BY e.run, e.req ORDER BY e.seq, e.pos) - 1,
-               e.hash_id
-        FROM hashes_extended_hash_ids e
-        LEFT JOIN request_arrived a ON a.run = e.run AND a.req = e.req""",
-    # Hits per cache entry: a BlockTouched counts for the entry most recently stored on that
-    # block, if it was still there (blocks rarely hold two keys; then the newer one is credited).
-    "entry_hits": """
-        SELECT e.run, e.stored_seq, count(*) AS hits, max(t.seq) AS last_hit_seq,
-               max(t.step) AS last_hit_step
-        FROM block_touched t
-        ASOF JOIN block_stored s ON t.run = s.run AND t.block_id = s.block_id AND s.seq < t.seq
-        JOIN cache_entries e ON e.run = s.run AND e.stored_seq = s.seq
-        WHERE e.removed_seq IS NULL OR e.removed_seq > t.seq
-        GROUP BY e.run, e.stored_seq""",
-    # The state of a block after each event that changes it: ``in_use`` (ref_cnt > 0: allocated
-    # or touched, until freed to 0), ``num_keys`` (hashes on it), ``transient`` (its newest key is
-    # a TRANSIENT checkpoint); ``key_epoch`` counts the keys stored on it so far and ``is_touch``
-    # marks hits, so that hits since the newest key are a sum over (block_id, key_epoch).
-    "block_states": """
+
+def block_states_sql(entries: str) -> str:
+    """The state of a block after each event that changes it, given the relation of its cache
+    entries: ``in_use`` (ref_cnt > 0: allocated or touched, until freed to 0; a start snapshot
+    says so too), ``num_keys`` (hashes on it), ``transient`` (its newest key is a TRANSIENT
+    checkpoint); ``key_epoch`` counts the keys stored on it so far and ``is_touch`` marks hits,
+    so that hits since the newest key are a sum over (block_id, key_epoch)."""
+    return f"""
         WITH events AS (
             SELECT run, seq, step, block_id, true AS in_use, 0 AS key_delta,
                    NULL::BOOLEAN AS transient, 0 AS is_store, 0 AS is_touch
             FROM block_allocated
             UNION ALL SELECT run, seq, step, block_id, true, 0, NULL, 0, 1 FROM block_touched
             UNION ALL SELECT run, seq, step, block_id, ref_cnt > 0, 0, NULL, 0, 0 FROM block_freed
+            UNION ALL SELECT run, seq, step, block_id, ref_cnt > 0, 0, NULL, 0, 0 FROM block_state
             UNION ALL SELECT run, stored_seq, stored_step, block_id, NULL, 1, transient, 1, 0
-                      FROM cache_entries
+                      FROM {entries}
             UNION ALL SELECT run, seq, step, block_id, NULL, -1, NULL, 0, 0 FROM block_removed),
         running AS (
             SELECT run, seq, step, block_id, is_touch,
@@ -215,7 +210,171 @@ VIEWS = {
             WINDOW w AS (PARTITION BY run, block_id ORDER BY seq ROWS UNBOUNDED PRECEDING))
         SELECT run, seq, step, block_id, in_use, num_keys, transient AND num_keys > 0 AS transient,
                key_epoch, is_touch
-        FROM running""",
+        FROM running"""
+
+
+# The cache entries: one row per key put on a block (a BlockStored, or a key a start snapshot
+# found cached on it), until it was removed (NULL: still cached when the trace ended). What an
+# entry adds to its store is kept in ``cache_entry_figures`` (ENTRY_FIGURE_COLUMNS), filled while
+# each trace loads by the C core of the streaming pass (kvtrace/analysis/stream.py), or, without
+# it, once every trace is in, by CACHE_ENTRIES_SQL below: its twin, and the definition. The
+# ``cache_entries`` view joins the figures to their stores.
+ENTRY_FIGURE_COLUMNS = (
+    ("run", "INTEGER"), ("stored_seq", "BIGINT"), ("block_id", "BIGINT"),
+    ("removed_seq", "BIGINT"), ("removed_step", "BIGINT"), ("removed_reason_code", "BIGINT"),
+    ("position_class_code", "BIGINT"), ("hits", "BIGINT"), ("last_hit_seq", "BIGINT"),
+    ("last_hit_step", "BIGINT"), ("transient_cached", "BIGINT"),
+)
+# ``position_class`` of a CHECKPOINT entry: the storing request's latest CheckpointRecorded at
+# that position and group (``transient``: it says TRANSIENT). ``hits``: BlockTouched on its block
+# while it was the block's newest entry and still there (a block rarely holds two keys; then the
+# newer is credited). ``transient_cached``, for a removed entry: the transient checkpoint entries
+# cached in the free queue just before the removal - blocks whose newest key is a TRANSIENT
+# checkpoint, that hold a key and that no request holds (ref_cnt 0), the removed one included.
+# ``from_snapshot``: cached when the capture began (no kind or request: the snapshot says none).
+CACHE_ENTRIES_SQL = f"""
+    WITH stored AS (
+        SELECT run, variant, backend, seq AS stored_seq, step AS stored_step, block_id, hash_id,
+               group_id, num_tokens, kind, req, false AS from_snapshot
+        FROM block_stored
+        UNION ALL
+        SELECT k.run, k.variant, k.backend, k.seq, k.step, b.block_id, k.hash_id, k.group_id,
+               k.num_tokens, NULL, NULL, true
+        FROM key_cached k JOIN key_cached_block_ids b ON b.run = k.run AND b.seq = k.seq),
+    entries AS (
+        SELECT s.*, r.seq AS removed_seq, r.step AS removed_step, r.reason AS removed_reason,
+               CASE WHEN s.kind = 'CHECKPOINT' THEN c.position_class END AS position_class,
+               coalesce(s.kind = 'CHECKPOINT' AND c.position_class = 'TRANSIENT', false)
+                   AS transient
+        FROM stored s
+        ASOF LEFT JOIN block_removed r
+            ON s.run = r.run AND s.block_id = r.block_id AND s.hash_id = r.hash_id
+               AND s.group_id = r.group_id AND r.seq > s.stored_seq
+        ASOF LEFT JOIN checkpoint_recorded c
+            ON s.run = c.run AND s.req = c.req AND s.group_id = c.group_id
+               AND s.num_tokens = c.position AND c.seq < s.stored_seq),
+    hits AS (
+        SELECT e.run, e.stored_seq, e.block_id, count(*) AS hits, max(t.seq) AS last_hit_seq,
+               max(t.step) AS last_hit_step
+        FROM block_touched t
+        ASOF JOIN entries e
+            ON t.run = e.run AND t.block_id = e.block_id AND e.stored_seq < t.seq
+        WHERE e.removed_seq IS NULL OR e.removed_seq > t.seq
+        GROUP BY e.run, e.stored_seq, e.block_id),
+    states AS ({block_states_sql("entries")}),
+    changes AS (
+        SELECT run, seq, sum(delta) AS delta
+        FROM (SELECT run, seq, flag - coalesce(lag(flag) OVER (
+                  PARTITION BY run, block_id ORDER BY seq), 0) AS delta
+              FROM (SELECT run, seq, block_id, (NOT in_use AND transient)::INTEGER AS flag
+                    FROM states))
+        WHERE delta <> 0
+        GROUP BY run, seq),
+    series AS (
+        SELECT run, seq, sum(delta) OVER (PARTITION BY run ORDER BY seq
+                                          ROWS UNBOUNDED PRECEDING) AS cached
+        FROM changes)
+    SELECT e.run, e.variant, e.backend, e.stored_seq, e.stored_step, e.block_id, e.hash_id,
+           e.group_id, e.num_tokens, e.kind, e.req, e.removed_seq, e.removed_step,
+           e.removed_reason, e.position_class, e.transient, coalesce(h.hits, 0) AS hits,
+           h.last_hit_seq, h.last_hit_step,
+           CASE WHEN e.removed_seq IS NOT NULL THEN coalesce(s.cached, 0) END AS transient_cached,
+           e.from_snapshot
+    FROM entries e
+    LEFT JOIN hits h
+        ON h.run = e.run AND h.stored_seq = e.stored_seq AND h.block_id = e.block_id
+    ASOF LEFT JOIN series s ON s.run = e.run AND s.seq < e.removed_seq"""
+
+def cache_entries_insert_sql() -> str:
+    """The cache entries' figures by their SQL twin, into their table (enums as codes)."""
+    values = {"removed_reason_code": enum_code_sql("removed_reason", RemoveReason),
+              "position_class_code": enum_code_sql("position_class", CheckpointClass)}
+    names = [name for name, _ in ENTRY_FIGURE_COLUMNS]
+    return (f"INSERT INTO cache_entry_figures ({', '.join(names)}) "
+            f"SELECT {', '.join(values.get(name, name) for name in names)} "
+            f"FROM ({CACHE_ENTRIES_SQL})")
+
+
+def _cache_entries_view() -> str:
+    """The cache entries: their figures with their stores' fields (CACHE_ENTRIES_SQL's columns)."""
+    def figures(store: str) -> str:
+        return f"""f.removed_seq, f.removed_step,
+               {enum_name_sql("f.removed_reason_code", RemoveReason)} AS removed_reason,
+               {enum_name_sql("f.position_class_code", CheckpointClass)} AS position_class,
+               coalesce({store}.kind = 'CHECKPOINT'
+                        AND f.position_class_code = {CheckpointClass.TRANSIENT.value}, false)
+                   AS transient,
+               f.hits, f.last_hit_seq, f.last_hit_step, f.transient_cached"""
+    return f"""
+        SELECT s.run, s.variant, s.backend, f.stored_seq, s.step AS stored_step, f.block_id,
+               s.hash_id, s.group_id, s.num_tokens, s.kind, s.req, {figures("s")},
+               false AS from_snapshot
+        FROM cache_entry_figures f
+        JOIN block_stored s ON s.run = f.run AND s.seq = f.stored_seq
+        UNION ALL
+        SELECT k.run, k.variant, k.backend, f.stored_seq, k.step, f.block_id, k.hash_id,
+               k.group_id, k.num_tokens, NULL, NULL, {figures("k")}, true
+        FROM cache_entry_figures f
+        JOIN (SELECT *, NULL::VARCHAR AS kind FROM key_cached) k
+            ON k.run = f.run AND k.seq = f.stored_seq"""
+
+
+# Views the shipped queries build on. Definitions of what is counted live here, once.
+VIEWS = {
+    "cache_entries": _cache_entries_view(),
+    # Every prefix lookup (get_computed_blocks). ``admitted``: the next allocate_slots of the
+    # request, before its next lookup, succeeded (a failed admission is looked up again later,
+    # and only the admitted lookup decides what gets prefilled). ``admission`` numbers a
+    # request's admitted lookups (a preempted request is admitted again) for pairing variants;
+    # a request in flight when the capture began (``in_flight``: in its start snapshot) counts
+    # on from the admissions it had had (its first, one per preemption, none while waiting).
+    "lookups": """
+        WITH found AS (
+            SELECT c.*, lead(c.seq) OVER (PARTITION BY c.run, c.req ORDER BY c.seq) AS next_lookup_seq
+            FROM computed_blocks_found c),
+        judged AS (
+            SELECT f.run, f.variant, f.backend, f.seq, f.step, f.req, f.num_hit_tokens,
+                   f.shared_prefix_boundary, s.num_tokens AS num_query_tokens,
+                   coalesce(s.success AND s.seq < coalesce(f.next_lookup_seq, 9223372036854775807),
+                            false) AS admitted
+            FROM found f ASOF LEFT JOIN slots_allocated s
+                ON f.run = s.run AND f.req = s.req AND s.seq > f.seq),
+        prior AS (
+            SELECT run, req, max(num_preemptions + (queue = 'RUNNING')::INTEGER) AS admissions
+            FROM request_state
+            GROUP BY run, req)
+        SELECT j.*, CASE WHEN admitted THEN row_number() OVER (
+                        PARTITION BY j.run, j.req, admitted ORDER BY j.seq)
+                        + coalesce(p.admissions, 0) END AS admission,
+               p.req IS NOT NULL AS in_flight
+        FROM judged j
+        LEFT JOIN prior p ON p.run = j.run AND p.req = j.req""",
+    # Every hash unit a request is known to have: its prompt units (or, in flight when the
+    # capture began, its units then), then those decode added. ``unit`` i covers tokens
+    # [0, (i + 1) * hash_block_size).
+    "request_hashes": """
+        WITH known AS (
+            SELECT run, req, pos, hash_id FROM request_arrived_hash_ids
+            UNION ALL
+            SELECT run, req, pos, hash_id FROM request_state_hash_ids),
+        counts AS (
+            SELECT run, req, num_hash_ids FROM request_arrived
+            UNION ALL
+            SELECT run, req, num_hash_ids FROM request_state)
+        SELECT run, req, pos AS unit, hash_id FROM known
+        UNION ALL
+        SELECT e.run, e.req,
+               coalesce(a.num_hash_ids, 0)
+                 + row_number() OVER (PARTITION BY e.run, e.req ORDER BY e.seq, e.pos) - 1,
+               e.hash_id
+        FROM hashes_extended_hash_ids e
+        LEFT JOIN counts a ON a.run = e.run AND a.req = e.req""",
+    # Entries that were hit (the figures are cache_entries' own; kept for older queries).
+    "entry_hits": """
+        SELECT run, stored_seq, block_id, hits, last_hit_seq, last_hit_step
+        FROM cache_entries WHERE hits > 0""",
+    # The state of a block after each event that changes it (block_states_sql).
+    "block_states": block_states_sql("cache_entries"),
 }
 
 
@@ -224,53 +383,80 @@ MACROS = {
     # Every hot prefix entry evicted by LRU reuse while at least ``min_transient`` transient
     # checkpoints sat cached in the free queue (had they not been cached, they would have been
     # reused first), once with each later lookup that needed it and hit less, or once with NULL
-    # lookup columns when none did. Definitions: kvtrace/sql/checkpoint_pushouts.sql.
+    # lookup columns when none did. Definitions: kvtrace/sql/checkpoint_pushouts.sql. The
+    # eviction-time figures (hits, transient_cached) are cache_entries' own, made while loading.
     "checkpoint_pushout_lookups(min_hits, min_transient)": """
         WITH hot_evictions AS (
-            SELECT e.*, h.hits
-            FROM cache_entries e
-            JOIN entry_hits h ON h.run = e.run AND h.stored_seq = e.stored_seq
-            WHERE e.removed_reason = 'LRU_REUSE' AND h.hits >= min_hits),
-        transient_flags AS (
-            SELECT run, seq, block_id, (NOT in_use AND transient)::INTEGER AS evictable_transient
-            FROM block_states),
-        transient_deltas AS (
-            SELECT run, seq, evictable_transient - coalesce(lag(evictable_transient)
-                       OVER (PARTITION BY run, block_id ORDER BY seq), 0) AS delta
-            FROM transient_flags),
-        transient_series AS (
-            SELECT run, seq, sum(delta) OVER (PARTITION BY run ORDER BY seq
-                                              ROWS UNBOUNDED PRECEDING) AS cached_transient
-            FROM transient_deltas
-            WHERE delta <> 0),
+            SELECT *, transient_cached AS cached_transient
+            FROM cache_entries
+            WHERE removed_reason = 'LRU_REUSE' AND hits > 0 AND hits >= min_hits
+                  AND transient_cached >= min_transient),
         pushouts AS (
-            SELECT * FROM (
-                SELECT v.*, coalesce(s.cached_transient, 0) AS cached_transient,
-                       coalesce(n.seq, 9223372036854775807) AS restored_seq
-                FROM hot_evictions v
-                ASOF LEFT JOIN transient_series s ON v.run = s.run AND s.seq < v.removed_seq
-                ASOF LEFT JOIN block_stored n
-                    ON v.run = n.run AND v.hash_id = n.hash_id AND v.group_id = n.group_id
-                       AND n.seq > v.removed_seq)
-            WHERE cached_transient >= min_transient),
-        missed AS (
-            SELECT p.run, p.removed_seq, l.seq AS lookup_seq, l.req AS lookup_req,
-                   l.num_hit_tokens
+            SELECT v.*, coalesce(n.seq, 9223372036854775807) AS restored_seq
+            FROM hot_evictions v
+            ASOF LEFT JOIN (SELECT run, hash_id, group_id, seq FROM block_stored
+                            SEMI JOIN hot_evictions USING (run, hash_id, group_id)) n
+                ON v.run = n.run AND v.hash_id = n.hash_id AND v.group_id = n.group_id
+                   AND n.seq > v.removed_seq),
+        windows AS MATERIALIZED (
+            SELECT p.run, p.removed_seq, p.restored_seq, p.num_tokens, owner.unit,
+                   owner.hash_id AS unit_hash
             FROM pushouts p
             JOIN runs r ON r.run = p.run
             JOIN request_hashes owner
                 ON owner.run = p.run AND owner.req = p.req
-                   AND owner.unit = p.num_tokens // r.hash_block_size - 1
-            JOIN request_hashes other
-                ON other.run = p.run AND other.unit = owner.unit AND other.hash_id = owner.hash_id
-            JOIN lookups l
-                ON l.run = p.run AND l.req = other.req AND l.admitted
-                   AND l.seq > p.removed_seq AND l.seq < p.restored_seq
-            WHERE l.num_hit_tokens < p.num_tokens)
+                   AND owner.unit = p.num_tokens // r.hash_block_size - 1),
+        -- each admitted lookup's units its hit did not reach (a prefix of depth d needs unit
+        -- d // unit - 1, and a hit below d leaves it missed): joined by key, not by time
+        missed_units AS MATERIALIZED (
+            SELECT l.run, l.seq, l.req, l.num_hit_tokens, h.unit, h.hash_id
+            FROM lookups l
+            JOIN runs r ON r.run = l.run
+            JOIN request_hashes h
+                ON h.run = l.run AND h.req = l.req
+                   AND (h.unit + 2) * r.hash_block_size > l.num_hit_tokens
+            WHERE l.admitted),
+        missed AS (
+            SELECT w.run, w.removed_seq, m.seq AS lookup_seq, m.req AS lookup_req,
+                   m.num_hit_tokens
+            FROM windows w
+            JOIN missed_units m
+                ON m.run = w.run AND m.unit = w.unit AND m.hash_id = w.unit_hash
+                   AND m.seq > w.removed_seq AND m.seq < w.restored_seq
+                   AND m.num_hit_tokens < w.num_tokens)
         SELECT p.*, m.lookup_seq, m.lookup_req, m.num_hit_tokens
         FROM pushouts p
         LEFT JOIN missed m ON m.run = p.run AND m.removed_seq = p.removed_seq""",
 }
+
+
+# What prices each run's recomputed tokens (recompute_gpu_seconds, variant_verdict): the
+# model's figures in the run's header (cost.*, written by kvtrace replay; execute.* by older
+# versions), else the query's flops parameters when positive, else nothing (NULL).
+MACROS["run_costs(flops_per_token, flops_per_position)"] = """
+    WITH figures AS (
+        SELECT run,
+               coalesce(json_extract_string(header_json, '$.params."cost.model"'),
+                        json_extract_string(header_json, '$.params."execute.model"')) AS model,
+               TRY_CAST(coalesce(
+                   json_extract_string(header_json, '$.params."cost.flops_per_token"'),
+                   json_extract_string(header_json, '$.params."execute.flops_per_token"'))
+                   AS DOUBLE) AS per_token,
+               TRY_CAST(coalesce(
+                   json_extract_string(header_json,
+                                       '$.params."cost.flops_per_token_per_position"'),
+                   json_extract_string(header_json,
+                                       '$.params."execute.flops_per_token_per_position"'))
+                   AS DOUBLE) AS per_position
+        FROM runs)
+    SELECT run,
+           CASE WHEN per_token IS NOT NULL AND per_position IS NOT NULL THEN model
+                WHEN flops_per_token > 0 THEN '(parameters)' END AS cost_model,
+           CASE WHEN per_token IS NOT NULL AND per_position IS NOT NULL THEN per_token
+                WHEN flops_per_token > 0 THEN flops_per_token END AS per_token,
+           CASE WHEN per_token IS NOT NULL AND per_position IS NOT NULL THEN per_position
+                WHEN flops_per_token > 0 THEN flops_per_position END AS per_position
+    FROM figures"""
 
 
 def create_macros(connection) -> None:
@@ -283,22 +469,18 @@ def create_views(connection) -> None:
         connection.execute(f"CREATE OR REPLACE VIEW {name} AS {body}")
 
 
-def build_derived_tables(connection) -> None:
-    """Fill the derived tables from everything loaded (they are views over data that no
-    longer changes, stored once)."""
-    for name, body in DERIVED_TABLES.items():
-        connection.execute(f"CREATE OR REPLACE TABLE {name} AS {body}")
-
-
-def open_database(path: str | os.PathLike, *, read_only: bool = True):
-    """Open a forensics DB, refusing a missing file, a non-kvtrace file and a newer schema."""
+def open_database(path: str | os.PathLike, *, read_only: bool = True, unsafe: bool = False,
+                  writable_dirs: tuple[str, ...] = ()):
+    """Open a forensics DB, refusing a missing file, a non-kvtrace file and a newer schema.
+    Its SQL reaches nothing outside it (``sql_access``; ``unsafe`` lifts that)."""
     import duckdb
 
     path = os.fspath(path)
     if not os.path.isfile(path):
         raise DatabaseError(f"no such database: {path}")
     try:
-        connection = duckdb.connect(path, read_only=read_only)
+        connection = connect(path, read_only=read_only, unsafe=unsafe,
+                             writable_dirs=writable_dirs)
     except duckdb.Error as error:
         raise DatabaseError(f"cannot open {path} as a DuckDB database: {_first_line(error)}") from None
     try:
@@ -323,9 +505,14 @@ def open_database(path: str | os.PathLike, *, read_only: bool = True):
             hint="Upgrade kvtrace (pip install -U kvtrace), or re-create the database with this "
             "kvtrace: `kvtrace load TRACE ... -o DB.duckdb`.",
         )
-    if int(version[0]) < ATTRIBUTION_SCHEMA_VERSION:
-        _stand_in_for_attribution(connection, path, int(version[0]))
-    create_macros(connection)
+    try:
+        if int(version[0]) < ENTRY_FIGURES_SCHEMA_VERSION:
+            _stand_ins_for_older(connection, path, int(version[0]))
+        create_macros(connection)
+    except duckdb.Error as error:  # views of its own that do not bind: not kvtrace's
+        connection.close()
+        raise DatabaseError(f"{path} cannot be read as a kvtrace database: "
+                            f"{_first_line(error)}") from None
     return connection
 
 
@@ -336,15 +523,34 @@ def has_attribution(connection) -> bool:
         [ATTRIBUTION_TABLE]).fetchone()[0])
 
 
-def _stand_in_for_attribution(connection, path: str, version: int) -> None:
-    """A temporary view named like the missing table that fails, when read, with what to do."""
-    message = (f"{path} was loaded by an older kvtrace (database schema v{version}) and has no "
-               f"{ATTRIBUTION_TABLE} table; reload its traces with `kvtrace load TRACE ... -o DB`")
-    columns = ", ".join(f"NULL::{'VARCHAR' if sql_type.startswith('ENUM') else sql_type} AS {name}"
-                        for name, sql_type in ROW_COLUMNS[1:])
-    quoted = "'" + message.replace("'", "''") + "'"
-    connection.execute(f"CREATE TEMP VIEW {ATTRIBUTION_TABLE} AS SELECT "
-                       f"error({quoted})::INTEGER AS run, {columns} FROM range(1)")
+def _stand_ins_for_older(connection, path: str, version: int) -> None:
+    """Temporary tables and views that give a database of an older schema what the shipped
+    queries read: empty tables of the record kinds added since, the cache entries' figures
+    computed by their SQL twin, the views as they are defined now, and for the attribution
+    table, ``in_flight`` (false: older kvtraces read no start snapshot) or, before v2, a view
+    that fails when read, with what to do."""
+    catalog = connection.execute("SELECT current_database()").fetchone()[0]
+    present = {name for (name,) in connection.execute(
+        "SELECT table_name FROM duckdb_tables() WHERE NOT temporary").fetchall()}
+    for name, ddl in schema_tables():
+        if name not in present and name not in (ATTRIBUTION_TABLE, "cache_entry_figures"):
+            connection.execute(ddl.replace("CREATE TABLE", "CREATE TEMP TABLE", 1))
+    if version >= ATTRIBUTION_SCHEMA_VERSION:
+        connection.execute(f"CREATE TEMP VIEW {ATTRIBUTION_TABLE} AS SELECT *, false AS in_flight "
+                           f'FROM "{catalog}".main.{ATTRIBUTION_TABLE}')
+    else:
+        message = (f"{path} was loaded by an older kvtrace (database schema v{version}) and has "
+                   f"no {ATTRIBUTION_TABLE} table; reload its traces with `kvtrace load TRACE ... "
+                   "-o DB`")
+        columns = ", ".join(
+            f"NULL::{'VARCHAR' if sql_type.startswith('ENUM') else sql_type} AS {name}"
+            for name, sql_type in ROW_COLUMNS[1:])
+        quoted = "'" + message.replace("'", "''") + "'"
+        connection.execute(f"CREATE TEMP VIEW {ATTRIBUTION_TABLE} AS SELECT "
+                           f"error({quoted})::INTEGER AS run, {columns} FROM range(1)")
+    for name, body in VIEWS.items():
+        body = CACHE_ENTRIES_SQL if name == "cache_entries" else body  # no figures table there
+        connection.execute(f"CREATE OR REPLACE TEMP VIEW {name} AS {body}")
 
 
 def _first_line(error: Exception) -> str:

@@ -1,69 +1,63 @@
-"""Loading traces into the forensics database, column by column.
+"""Loading traces into the forensics database, column by column, in one pass per trace.
 
-Traces are read with ``TraceReader.batches()``: every batch already holds its records as
-fixed-width int columns, which ``numpy.frombuffer`` views without copying. Rows of one kind are
-gathered into chunks of about a million and handed to DuckDB as a dict of numpy arrays (its
-replacement scan reads them in bulk), so no record is ever turned into a Python object.
-The same pass feeds the miss attribution (``kvtrace.analysis.attribution``), whose rows go to
-the ``miss_attribution`` table. For a large trace the attribution (Python, a few microseconds
-a record) runs in a child interpreter (``python -m kvtrace.analysis.load``) reading the same
-file while this one loads the records, so on two cores the two overlap instead of adding up.
+A trace is opened once (``traceio.open_trace_file``: a regular file, or refused) and that one
+descriptor serves everything: its bytes go through the digest (``runs.digest``) as the reader
+reads them, every batch already holds its records as fixed-width int columns (which
+``numpy.frombuffer`` views without copying), and the same batches feed the streaming pass of
+``kvtrace.analysis.stream`` (the miss attribution and the cache entries; its C core where it is
+built). No record is ever turned into a Python object. Each table's rows gather in fixed-size
+column buffers (``CHUNK_ROWS``) handed to DuckDB as numpy arrays by a second thread while the
+next batches are read, so the memory a load holds does not grow with the trace.
 """
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import os
-import subprocess
-import sys
+import queue
+import resource
+import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from enum import IntEnum
 
 import msgspec
 import numpy as np
 
 from kvtrace import __version__
-from kvtrace.analysis.attribution import (
-    ROW_COLUMNS,
-    attribute_trace,
-    cyclic_gc_paused,
-    iter_rows,
-    new_attributor,
-)
+from kvtrace.analysis import stream
+from kvtrace.analysis.attribution import CAUSES, SHORTFALL_CAUSES, cyclic_gc_paused
 from kvtrace.analysis.database import (
     ATTRIBUTION_TABLE,
+    cache_entries_insert_sql,
     DB_SCHEMA_VERSION,
     SWEEP_COLUMNS,
     SWEEP_TABLE,
     DatabaseError,
-    build_derived_tables,
     child_table,
     column_name,
     create_views,
     element_column,
-    is_enum_field,
     is_list_field,
+    is_map_field,
     open_database,
     record_fields,
-    schema_statements,
+    schema_tables,
+    stored_column,
 )
-from kvtrace.errors import KvtraceError, error_class
 from kvtrace.events import RECORD_TYPES, StepStarted, TraceHeader, tag_of
-from kvtrace.files import (
-    OutputError,
-    StagedOutput,
-    file_digest,
-    refuse_overwrite,
-    require_regular_file,
-)
-from kvtrace.traceio import ListColumn, TraceReader
+from kvtrace.files import OutputError, StagedOutput, refuse_overwrite
+from kvtrace.traceio import ListColumn, TraceReader, open_trace_file
 
 TRACE_SUFFIX = ".kvtrace"
-CHUNK_ROWS = 1 << 20
-# Traces at least this large are attributed in a child process (starting one costs about
-# 0.3 s; a trace of this size takes seconds to attribute).
-PARALLEL_ATTRIBUTION_BYTES = 16 << 20
+# Rows per table handed to DuckDB at a time: a table's buffer holds at most this many rows
+# (about 1 MB a column), so a load's memory is bounded whatever the trace's length. DuckDB's
+# row group: an insert of another size leaves a partial group behind and costs twice as much.
+CHUNK_ROWS = 122_880
+INSERTS_IN_FLIGHT = 4  # chunks waiting for the inserting thread (each at most CHUNK_ROWS rows)
+# DuckDB's own buffers while it builds a database (it writes what does not fit to the file).
+LOAD_MEMORY_LIMIT = "512MB"
 
 
 @dataclass
@@ -75,6 +69,7 @@ class LoadedRun:
     num_records: int
     truncated: bool
     unknown_values: Counter  # enum values this kvtrace does not know: (tag, field, value) -> n
+    digest: str = ""
 
 
 @dataclass
@@ -118,44 +113,83 @@ def load_traces(paths: list[str | os.PathLike], db_path: str | os.PathLike,
 
     An existing file there is replaced, atomically: the DB is built beside it and renamed only
     once every trace loaded, so a bad trace leaves nothing half-written. ``db_path`` must not
-    be one of the traces. A trace whose content (sha256) a run already holds is not loaded
-    again (``duplicates``): its records would count twice."""
+    be one of the traces. A trace whose content (sha256) a run already holds is not kept
+    (``duplicates``): its records would count twice."""
     started = time.perf_counter()
     traces = trace_paths(paths)
-    for trace in traces:
-        require_regular_file(trace, "kvtrace load reads it twice (its digest, then its records)")
     refuse_overwrite([(option, db_path)], traces)
     summary = LoadSummary(os.fspath(db_path))
-
-    def fill(connection) -> None:
-        loaded: dict[str, str] = {}  # digest -> path
+    _allow_open_files(len(traces))
+    opened: list[_OpenTrace] = []
+    try:  # every trace opened once, and its header read, before the database is made
+        files: dict[tuple[int, int], str] = {}  # (device, inode) -> the first path of that file
         for trace in traces:
-            with TraceReader(trace):  # the reader's own error for a missing or foreign file
-                digest = file_digest(trace)
-            if digest in loaded:
-                summary.duplicates.append((trace, loaded[digest]))
-                continue
-            loaded[digest] = trace
-            summary.runs.append(_load_trace(connection, len(summary.runs), trace, digest))
+            candidate = _OpenTrace(trace)
+            if candidate.identity in files:  # the same file again (a directory and a trace in it)
+                candidate.reader.close()
+                summary.duplicates.append((trace, files[candidate.identity]))
+            else:
+                files[candidate.identity] = trace
+                opened.append(candidate)
 
-    _new_database(summary.db_path, fill)
+        def fill(connection) -> None:
+            loaded: dict[str, str] = {}  # digest -> path
+            for run, trace in enumerate(opened):
+                loaded_run = _load_trace(connection, run, trace)
+                if loaded_run.digest in loaded:  # a copy: its run number stays unused
+                    _delete_run(connection, run)
+                    summary.duplicates.append((trace.path, loaded[loaded_run.digest]))
+                    continue
+                loaded[loaded_run.digest] = trace.path
+                summary.runs.append(loaded_run)
+            if not stream.core:  # the cache entries by their SQL twin, once every run is in
+                connection.execute(cache_entries_insert_sql())
+
+        labels = [run_labels(trace.reader.header)[:2] for trace in opened]
+        _new_database(summary.db_path, fill, labels)
+    finally:
+        for trace in opened:
+            trace.reader.close()
     summary.seconds = time.perf_counter() - started
     return summary
 
 
-def _new_database(db_path: str, fill) -> None:
-    """Create a forensics DB at ``db_path`` (replacing one there) with what ``fill(connection)``
-    inserts: built in a private scratch directory beside it and renamed once complete."""
+def _allow_open_files(count: int) -> None:
+    """Raise this process's soft limit of open files (to at most its hard limit) so that
+    ``count`` traces can be open at once, each read from its one descriptor."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = count + 64  # DuckDB's own files, the interpreter's
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        resource.setrlimit(resource.RLIMIT_NOFILE,
+                           (wanted if hard == resource.RLIM_INFINITY else min(wanted, hard), hard))
+
+
+class _OpenTrace:
+    """A trace opened once (one descriptor for its header, records and digest), its header
+    read."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.file = _Digesting(open_trace_file(path))
+        status = os.fstat(self.file.file.fileno())
+        self.identity = (status.st_dev, status.st_ino)
+        self.reader = TraceReader(path, source=self.file)
+
+
+def _new_database(db_path: str, fill, labels: list[tuple[str, str]] = ()) -> None:
+    """Create a forensics DB at ``db_path`` (replacing one there) for runs of these ``labels``
+    (per run number, its variant and backend) with what ``fill(connection)`` inserts: built in
+    a private scratch directory beside it and renamed once complete."""
     import duckdb
 
     with StagedOutput(db_path) as staged:
         try:
-            connection = duckdb.connect(staged.path)
+            connection = duckdb.connect(staged.path, config={"memory_limit": LOAD_MEMORY_LIMIT})
         except duckdb.Error as error:
             raise OutputError(f"cannot create the database {db_path}: "
                               f"{str(error).splitlines()[0]}") from None
         try:
-            for statement in schema_statements():
+            for _, statement in schema_tables(list(labels)):
                 connection.execute(statement)
             connection.executemany(
                 "INSERT INTO kvtrace_meta VALUES (?, ?)",
@@ -163,7 +197,6 @@ def _new_database(db_path: str, fill) -> None:
                  ("created_ns", str(time.time_ns()))],
             )
             fill(connection)
-            build_derived_tables(connection)
             create_views(connection)
             connection.execute("CHECKPOINT")
         except duckdb.IOException as error:
@@ -209,79 +242,65 @@ def run_labels(header: TraceHeader) -> tuple[str, str, str]:
     return header.source, "live" if header.source == "capture" else "none", ""
 
 
-def _load_trace(connection, run: int, path: str, digest: str) -> LoadedRun:
-    reader = TraceReader(path)
+def _load_trace(connection, run: int, trace: _OpenTrace) -> LoadedRun:
+    """One trace as run ``run``: its records, its miss attribution and its cache entries, in
+    one pass over its one descriptor (which also makes its digest)."""
+    path, reader = trace.path, trace.reader
     variant, backend, mode = run_labels(reader.header)
-    labels = (run, variant, backend)
-    aside = attributor = None  # a child interpreter attributing while this one loads, or not
-    if reader.header.config is not None:
-        if os.path.getsize(path) >= PARALLEL_ATTRIBUTION_BYTES:
-            aside = subprocess.Popen(
-                [sys.executable, "-m", __name__, path, *map(str, labels)],
-                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE)
-        else:
-            attributor = new_attributor(reader.header, path)
+    inserts = _Inserts(connection, run)
     try:
-        sink = _RunSink(connection, run, variant, backend)
-        with cyclic_gc_paused():
+        analysis = stream.new_pass(reader.header, path)
+        sink = _RunSink(inserts, analysis.shaped_types if analysis else frozenset())
+        with reader, cyclic_gc_paused():
             for batch in reader.batches():
-                if attributor is not None:
-                    attributor.feed(batch)
+                if analysis is not None:
+                    analysis.feed(batch)
+                    _take_analysis(analysis, inserts, CHUNK_ROWS)
                 sink.add_batch(batch)
+        if analysis is not None:
+            analysis.finish()
+            _take_analysis(analysis, inserts, 0)
         sink.flush_all()
-        if aside is not None:
-            _insert_attribution(connection, _rows_or_raise(_collect(aside, path)))
-        elif attributor is not None:
-            _insert_attribution(connection, list(iter_rows(*labels, attributor.lookups)))
+        inserts.finish()
     finally:
-        if aside is not None and aside.poll() is None:
-            aside.kill()
-            aside.wait()
+        inserts.close()
+    digest = trace.file.hexdigest()
     _insert_run_row(connection, run, path, reader, variant, backend, mode, digest)
     return LoadedRun(run, path, variant, backend, reader.num_records, reader.truncated,
-                     reader.unknown_values)
+                     reader.unknown_values, digest)
 
 
-def attribution_rows(path: str, run: int, variant: str, backend: str) -> bytes:
-    """What the child of ``_load_trace`` hands back: the miss-attribution rows of one trace,
-    msgpack-encoded; or, for a ``KvtraceError``, its class name, message and hint (so that the
-    loading process raises the same error)."""
-    try:
-        rows = list(iter_rows(run, variant, backend, attribute_trace(path).lookups))
-    except KvtraceError as error:
-        return msgspec.msgpack.encode({"error": [type(error).__name__, str(error), error.hint]})
-    return msgspec.msgpack.encode({"rows": rows})
+class _Digesting:
+    """A file whose bytes go through sha256 as they are read (the trace's digest, from the
+    same descriptor and the same bytes as its records)."""
+
+    def __init__(self, file) -> None:
+        self.file, self.sha = file, hashlib.sha256()
+
+    def read(self, size: int = -1) -> bytes:
+        data = self.file.read(size)
+        self.sha.update(data)
+        return data
+
+    def close(self) -> None:
+        self.file.close()
+
+    def hexdigest(self) -> str:
+        """The digest of every byte read: the whole file once the reader reached its end."""
+        return f"sha256:{self.sha.hexdigest()}"
 
 
-def _collect(aside: subprocess.Popen, path: str) -> bytes:
-    output, _ = aside.communicate()
-    if aside.returncode != 0:
-        raise DatabaseError(
-            f"attributing the misses of {path} failed in a child process "
-            f"(exit status {aside.returncode})",
-            hint="Its error is printed above; run with -vv, or report it with the trace.")
-    return output
+def _take_analysis(analysis, inserts: _Inserts, chunk: int) -> None:
+    """What the pass made, to the inserting thread: every whole chunk of every table (0: all)."""
+    for table, columns in analysis.take_tables(chunk):
+        inserts.put(table, columns)
 
 
-def _rows_or_raise(encoded: bytes) -> list[tuple]:
-    result = msgspec.msgpack.decode(encoded)
-    if "error" in result:
-        name, message, hint = result["error"]
-        raise error_class(name)(message, hint=hint)
-    return [tuple(row) for row in result["rows"]]
-
-
-def _insert_attribution(connection, rows: list[tuple]) -> None:
-    if not rows:
-        return
-    names = [name for name, _ in ROW_COLUMNS]
-    columns = {name: np.array(values, dtype=object) for name, values in zip(names, zip(*rows))}
-    connection.register("kvtrace_chunk", columns)
-    try:
-        connection.execute(f"INSERT INTO {ATTRIBUTION_TABLE} ({', '.join(names)}) "
-                           f"SELECT {', '.join(names)} FROM kvtrace_chunk")
-    finally:
-        connection.unregister("kvtrace_chunk")
+def _delete_run(connection, run: int) -> None:
+    """Remove what a run inserted (a trace found to duplicate another once read)."""
+    for table, _ in schema_tables():
+        if table not in ("kvtrace_meta", "sweep"):
+            connection.execute(f"DELETE FROM {table} WHERE run = ?", [run])
 
 
 def _insert_run_row(connection, run, path, reader, variant, backend, mode, digest) -> None:
@@ -304,19 +323,94 @@ def _insert_run_row(connection, run, path, reader, variant, backend, mode, diges
     )
 
 
-class _RunSink:
-    """Gathers one run's columns per kind and inserts them a chunk at a time."""
+class _Inserts:
+    """Chunks of one run's rows, inserted by a second thread (on its own cursor) while the
+    next batches are read: DuckDB works without the interpreter lock, so on two cores the two
+    overlap. At most ``INSERTS_IN_FLIGHT`` chunks wait; an insert's error comes back on the next
+    ``put`` or on ``finish``."""
 
-    def __init__(self, connection, run: int, variant: str, backend: str) -> None:
-        self.connection = connection
-        self.constants = {"run": run, "variant": variant, "backend": backend}
-        self.pending: dict[str, list[dict[str, np.ndarray]]] = {}
-        self.pending_rows: dict[str, int] = {}
-        self.child_tables: set[str] = set()
+    def __init__(self, connection, run: int) -> None:
+        self.run = run
+        self.cursor = connection.cursor()
+        self.queue: queue.Queue = queue.Queue(INSERTS_IN_FLIGHT)
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._insert_all, name="kvtrace-load", daemon=True)
+        self.thread.start()
+
+    def put(self, table: str, columns: dict[str, np.ndarray]) -> None:
+        if self.error is not None:
+            raise self.error
+        if len(next(iter(columns.values()), ())):
+            self.queue.put((table, columns))
+
+    def _insert_all(self) -> None:
+        while (item := self.queue.get()) is not None:
+            if self.error is not None:
+                continue  # drain: the reader stops at its next put
+            table, columns = item
+            try:
+                self._insert(table, columns)
+            except BaseException as error:  # handed to the reading thread
+                self.error = error
+
+    def _insert(self, table: str, columns: dict[str, np.ndarray]) -> None:
+        self.cursor.register("kvtrace_chunk", columns)
+        try:
+            self.cursor.execute(_insert_sql(table, tuple(columns)), {"run": self.run})
+        finally:
+            self.cursor.unregister("kvtrace_chunk")
+
+    def finish(self) -> None:
+        """Wait for every chunk put so far; raise an insert's error."""
+        self.close()
+        if self.error is not None:
+            raise self.error
+
+    def close(self) -> None:
+        if self.thread.is_alive():
+            self.queue.put(None)
+            self.thread.join()
+            self.cursor.close()
+
+
+class _Buffer:
+    """One table's pending rows: a fixed-size array per column, filled batch by batch."""
+
+    def __init__(self, columns: dict[str, np.ndarray]) -> None:
+        self.arrays = {name: np.empty(CHUNK_ROWS, dtype=_buffer_dtype(values))
+                       for name, values in columns.items()}
+        self.num_rows = 0
+
+    def append(self, columns: dict[str, np.ndarray], start: int, stop: int) -> None:
+        end = self.num_rows + stop - start
+        for name, values in columns.items():
+            self.arrays[name][self.num_rows:end] = values[start:stop]
+        self.num_rows = end
+
+    def take(self) -> dict[str, np.ndarray]:
+        taken = {name: array[:self.num_rows].copy() for name, array in self.arrays.items()}
+        self.num_rows = 0
+        return taken
+
+
+def _buffer_dtype(values: np.ndarray) -> np.dtype:
+    return values.dtype if values.dtype.kind in "bO" else np.dtype(np.int64)
+
+
+class _RunSink:
+    """Gathers one run's columns per table and hands them to ``_Inserts`` a chunk at a time:
+    the Python twin of the C core's record tables, for the kinds it does not make (``skip``)."""
+
+    def __init__(self, inserts: _Inserts, skip: frozenset = frozenset()) -> None:
+        self.inserts = inserts
+        self.skip = skip
+        self.buffers: dict[str, _Buffer] = {}
         self.steps_before = 0
 
     def add_batch(self, batch) -> None:
         """A batch's records, each kind as columns, with its sequence number and step."""
+        if self.skip.issuperset(batch.types) and StepStarted not in batch.types:
+            return  # the C core made every row (a step's start only moves the count)
         kinds = np.frombuffer(batch.kinds, dtype=np.uint8)
         seqs = batch.first_seq + np.arange(len(kinds), dtype=np.int64)
         steps = np.full(len(kinds), self.steps_before, dtype=np.int64)
@@ -325,7 +419,7 @@ class _RunSink:
                 steps += np.cumsum(kinds == index)
                 self.steps_before = int(steps[-1])
         for index, record_type in enumerate(batch.types):
-            if record_type is None:
+            if record_type is None or record_type in self.skip:
                 continue
             rows = slice(None) if len(batch.types) == 1 else np.flatnonzero(kinds == index)
             self.add(record_type, seqs[rows], steps[rows], batch.columns[index])
@@ -337,8 +431,8 @@ class _RunSink:
             if is_list_field(field_type):
                 chunk[f"num_{name}"] = self._add_children(tag, name, seqs, chunk, column)
             else:
-                chunk[column_name(name)] = _as_numpy(column, field_type)
-        self._queue(tag, chunk, len(seqs))
+                chunk[stored_column(name, field_type)] = _as_numpy(column, field_type)
+        self._queue(tag, chunk)
 
     def _add_children(self, tag: str, name: str, seqs: np.ndarray, parent: dict,
                       column: ListColumn) -> np.ndarray:
@@ -352,33 +446,27 @@ class _RunSink:
             "pos": np.arange(len(values), dtype=np.int64) - np.repeat(starts, lengths),
             element_column(name): values,
         }
-        self.child_tables.add(child_table(tag, name))
-        self._queue(child_table(tag, name), children, len(values))
+        self._queue(child_table(tag, name), children)
         return lengths
 
-    def _queue(self, table: str, chunk: dict[str, np.ndarray], num_rows: int) -> None:
-        self.pending.setdefault(table, []).append(chunk)
-        self.pending_rows[table] = self.pending_rows.get(table, 0) + num_rows
-        if self.pending_rows[table] >= CHUNK_ROWS:
-            self._flush(table)
-
-    def _flush(self, table: str) -> None:
-        chunks = self.pending.pop(table, [])
-        self.pending_rows.pop(table, None)
-        if not chunks or not any(len(c["seq"]) for c in chunks):
-            return
-        merged = {name: np.concatenate([c[name] for c in chunks]) for name in chunks[0]}
-        self.connection.register("kvtrace_chunk", merged)
-        labelled = table not in self.child_tables
-        constants = self.constants if labelled else {"run": self.constants["run"]}
-        try:
-            self.connection.execute(_insert_sql(table, tuple(merged), labelled), constants)
-        finally:
-            self.connection.unregister("kvtrace_chunk")
+    def _queue(self, table: str, chunk: dict[str, np.ndarray]) -> None:
+        """Copy ``chunk`` into the table's buffer, a chunk of ``CHUNK_ROWS`` rows going to
+        DuckDB each time it fills."""
+        buffer = self.buffers.get(table)
+        if buffer is None:
+            buffer = self.buffers[table] = _Buffer(chunk)
+        num_rows, start = len(chunk["seq"]), 0
+        while start < num_rows:
+            stop = min(num_rows, start + CHUNK_ROWS - buffer.num_rows)
+            buffer.append(chunk, start, stop)
+            start = stop
+            if buffer.num_rows == CHUNK_ROWS:
+                self.inserts.put(table, buffer.take())
 
     def flush_all(self) -> None:
-        for table in list(self.pending):
-            self._flush(table)
+        for table, buffer in self.buffers.items():
+            if buffer.num_rows:
+                self.inserts.put(table, buffer.take())
 
 
 def _as_numpy(column, field_type) -> np.ndarray:
@@ -387,35 +475,36 @@ def _as_numpy(column, field_type) -> np.ndarray:
         return values.astype(bool) if field_type is bool else values
     if field_type in (str, bytes):
         return np.array(column, dtype=object)
+    if is_map_field(field_type):
+        return np.array([msgspec.json.encode(v).decode() for v in column], dtype=object)
     return np.asarray([int(v) for v in column], dtype=np.int64 if field_type is not bool else bool)
 
 
-_ENUM_OF_COLUMN = {
-    (tag_of(record_type), column_name(name)): field_type
-    for record_type in RECORD_TYPES
-    for name, field_type in record_fields(record_type)
-    if is_enum_field(field_type)
-}
+_BOOL_COLUMNS = {(tag_of(record_type), column_name(name))
+                 for record_type in RECORD_TYPES
+                 for name, field_type in record_fields(record_type) if field_type is bool}
+# The streaming pass's columns: int64, NULL as stream.NONE; flags as 0/1.
+_PASS_TABLES = {ATTRIBUTION_TABLE: stream.ATTRIBUTION_COLUMNS,
+                "cache_entry_figures": stream.ENTRY_COLUMNS}
+_FLAGS = {"in_flight"}
 
 
-def _insert_sql(table: str, columns: tuple[str, ...], labelled: bool) -> str:
-    """INSERT of a chunk: the run's constants first, enum codes mapped to their names (a code
-    this kvtrace does not know is kept as its number).
-
-    Child tables of list fields carry only ``run`` (join to the parent on run and seq)."""
-    run_columns = "$variant, $backend, " if labelled else ""
-    expressions = []
+@functools.cache
+def _insert_sql(table: str, columns: tuple[str, ...]) -> str:
+    """INSERT of a chunk of ``table`` for the run ``$run`` (its labels are computed from it).
+    Enum fields go in as codes (``<name>_code``)."""
+    targets, expressions = ["run"], ["$run"]
+    if table == ATTRIBUTION_TABLE:
+        causes = ", ".join(f"'{cause}'" for cause in CAUSES)
+        targets += ["resumed", "in_shortfall"]
+        expressions += ["lookup > 1", f"cause < {len(SHORTFALL_CAUSES)}"]
     for name in columns:
-        enum: type[IntEnum] | None = _ENUM_OF_COLUMN.get((table, name))
-        if enum is None:
-            expressions.append(name)
-        else:
-            cases = " ".join(f"WHEN {member.value} THEN '{member.name}'" for member in enum)
-            expressions.append(f"CASE {name} {cases} ELSE {name}::VARCHAR END")
-    target = "run, " + ("variant, backend, " if labelled else "") + ", ".join(columns)
-    return (f"INSERT INTO {table} ({target}) SELECT $run, {run_columns}{', '.join(expressions)} "
+        value = f"nullif({name}, {stream.NONE})" if table in _PASS_TABLES else name
+        if table == ATTRIBUTION_TABLE and name == "cause":
+            value = f"[{causes}][{name} + 1]"
+        elif (name in _FLAGS and table in _PASS_TABLES) or (table, name) in _BOOL_COLUMNS:
+            value = f"{name}::BOOLEAN"  # from the C core, 0 or 1
+        targets.append(name)
+        expressions.append(value)
+    return (f"INSERT INTO {table} ({', '.join(targets)}) SELECT {', '.join(expressions)} "
             f"FROM kvtrace_chunk")
-
-
-if __name__ == "__main__":  # the child of ``_load_trace``: PATH RUN VARIANT BACKEND
-    sys.stdout.buffer.write(attribution_rows(sys.argv[1], int(sys.argv[2]), *sys.argv[3:5]))

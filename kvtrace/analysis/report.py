@@ -1,65 +1,263 @@
-"""``kvtrace report``: the shipped queries summarised for a terminal, or as one HTML page.
+"""``kvtrace report``: a verdict first - per pair of variants, what moving from one to the other
+does to hits, prefill and GPU time on this traffic, and what to do - then the forensics behind
+it, for a terminal, as Markdown for an incident ticket, or as one self-contained HTML page
+(``report_html``).
 
-Everything shown comes from the shipped queries (no SQL of its own), so the report and
-``kvtrace sql --query`` always agree. The HTML embeds its plots as PNG data URIs (matplotlib,
-Agg backend) so the page is a single file that can be mailed or attached to an issue.
-Warnings come first: a run whose hit rate is near zero although it need not be (a *silent
-zero*, ``kvtrace.analysis.attribution.silent_zero_warning``), named by its dominant cause.
+Every figure comes from a shipped query, and the report names the query and the parameters it
+ran with, so ``kvtrace sql DB --query NAME --param ...`` reproduces it; the one other read is
+the ``runs`` table, for short labels. Recomputed tokens are priced with the model each replay
+names in its header (``kvtrace replay`` writes its figures), or ``--model`` for runs that name
+none, on ``--gpu``. Warnings come before the tables: a run whose hit rate is near zero although
+it need not be (a *silent zero*, ``attribution.silent_zero_warning``), named by its dominant
+cause: the data behind the verdict is suspect then.
 """
 
 from __future__ import annotations
 
-import base64
-import html
-import io
 import os
-from dataclasses import dataclass
+import shlex
+from collections.abc import Iterable
+from dataclasses import dataclass, field
 
 from kvtrace.analysis.attribution import CAUSES, CauseTotals, silent_zero_warning
-from kvtrace.analysis.queries import Result, run_query
-from kvtrace.analysis.render import format_table
-from kvtrace.files import write_atomically
+from kvtrace.analysis.queries import Result, execute, run_query
+from kvtrace.analysis.render import format_markdown, format_table
+from kvtrace.geometry.cost import DEFAULT_GPU, CostModel, GpuThroughput, gpu_throughput
 
 TOP_ROWS = 10
-TEXT_CELL_WIDTH = 24  # a source's sha256 would otherwise take a terminal's width
+TOP_VERDICT_PREFIXES = 3
+DRILL_DOWN_PREFIXES = 10  # pushed-out prefixes given a drill-down in the HTML report
+DRILL_DOWN_LOOKUPS = 5  # lookups per prefix whose `kvtrace why` is rendered
+TEXT_CELL_WIDTH = 24  # a long cell would otherwise take a terminal's width
 OCCUPANCY_CATEGORIES = ("running", "hot_prefix", "transient_checkpoint", "other_cached", "free")
 MAX_OCCUPANCY_PLOTS = 4
+# Below this share of the prefill the moved-from variant recomputes, a pair's difference is
+# noise for a verdict.
+MATERIAL_SHARE = 0.005
+# What each variant stands for, for the verdict's sentence (docs/commands/replay.md#variants).
+VARIANT_ROLES = {"unfixed": "before #56794", "naive": "#56794's gate without stripping stale keys",
+                 "fixed": "#56794 as merged", "upstream": "vLLM 0.33.0's own checkpoint logic"}
+GATED = ("fixed", "upstream")  # the variants that carry the #56794 gate, for the sentence
+PRICED_BY_PARAMETERS = "(parameters)"  # cost_model of the runs the flops parameters priced
+
+
+@dataclass(frozen=True)
+class Pricing:
+    """What prices recomputed tokens: the GPU, and ``model`` for the runs whose header names
+    none (a capture replayed without --model)."""
+
+    gpu: GpuThroughput
+    model: CostModel | None = None
+
+    def params(self) -> dict[str, str]:
+        """The pricing parameters of recompute_gpu_seconds and variant_verdict."""
+        values = {"gpu_flops_per_s": f"{self.gpu.flops_per_s:.17g}"}
+        if self.model is not None:
+            values["flops_per_token"] = str(self.model.flops.constant)
+            values["flops_per_position"] = str(self.model.flops.per_position)
+        return values
+
+    def name_given_model(self, result: Result) -> Result:
+        """``result`` with the cost_model of the runs the flops parameters priced named: the
+        --model that set them."""
+        if self.model is None or "cost_model" not in result.columns:
+            return result
+        index = result.columns.index("cost_model")
+        label = f"{self.model.model.name} (--model)"
+        return Result(result.columns, [
+            row[:index] + (label if row[index] == PRICED_BY_PARAMETERS else row[index],)
+            + row[index + 1:] for row in result.rows])
+
+    def describe(self, models: Iterable[str | None]) -> str:
+        """Which model and GPU priced the figures, in one sentence."""
+        named = sorted({m for m in models if m and not m.endswith("(--model)")})
+        parts = []
+        if named:
+            parts.append(f"{', '.join(named)} (the replays' own figures)")
+        if self.model is not None:
+            parts.append(f"{self.model.model.name} at TP {self.model.tensor_parallel_size} "
+                         "(--model, for runs that name no model)")
+        if not parts:
+            return ("Not priced: no run names its model. Replay with --model NAME|CONFIG.json, "
+                    "or give the report --model.")
+        return (f"Priced as {' and '.join(parts)} on {self.gpu.title} ({self.gpu.source}: "
+                f"{self.gpu.flops_per_s / 1e12:,.1f} TFLOP/s effective).")
+
+
+def pricing_for(gpu: str = DEFAULT_GPU, model: str | None = None) -> Pricing:
+    """``--gpu`` and ``--model`` of the report."""
+    from kvtrace.geometry.cost import cost_model
+
+    return Pricing(gpu_throughput(gpu), cost_model(model, None, gpu) if model else None)
+
+
+@dataclass(frozen=True)
+class Labels:
+    """Short names for runs and sources, instead of digests and paths."""
+
+    runs: dict[int, str]  # run -> "1 unfixed"
+    sources: dict[str, str]  # source_key -> "workload.kvtrace"
+
+    @classmethod
+    def of(cls, runs: Result) -> Labels:
+        rows = [dict(zip(runs.columns, row)) for row in runs.rows]
+        names: dict[str, str] = {}
+        for row in rows:
+            names.setdefault(row["source_key"], os.path.basename(row["source_path"] or row["path"]))
+        taken = list(names.values())
+        sources = {key: name if taken.count(name) == 1 else f"{name} ({_short_digest(key)})"
+                   for key, name in names.items()}
+        return cls({row["run"]: f"{row['run']} {row['variant']}" for row in rows}, sources)
+
+    def source(self, key: str) -> str:
+        return self.sources.get(key, _short_digest(key))
+
+
+def _short_digest(key: str) -> str:
+    digest = key.removeprefix("sha256:")
+    return digest[:12] if digest != key else os.path.basename(key)
+
+
+@dataclass
+class Table:
+    """A section of the report: a titled result, what it means, and the command behind it."""
+
+    key: str
+    title: str
+    result: Result
+    note: str
+    command: str
+
+
+@dataclass
+class Verdict:
+    """One pair of variants: the ``variant_verdict`` row, the top pushed-out prefixes of the
+    moved-from run, and the sentence."""
+
+    row: dict
+    source: str
+    prefixes: list[dict]
+    advice: str
 
 
 @dataclass
 class ReportData:
-    hit_rates: Result
-    timeline: Result
-    pushouts: Result
-    lost_hits: Result
-    causes: Result
-    occupancy: Result
-    attribution: Result | None  # miss_attribution_summary; None: the database predates it
+    db: str
+    labels: Labels
+    pricing: Pricing
+    verdicts: list[Verdict]
+    verdict_command: str
+    priced_as: str
     warnings: list[str]
-    gpu_seconds: Result
-    gpu_seconds_per_variant: Result
+    tables: list[Table]
+    timeline: Result
+    occupancy: Result
+    pushout_evictions: Result
+    pushout_lookups: Result
+    sweep: Result
+    break_even: Result
+    hits_went: Result
+    explanations: dict[tuple[int, int], str] = field(default_factory=dict)
+
+    def table(self, key: str) -> Table:
+        return next(table for table in self.tables if table.key == key)
 
 
-def collect(connection, *, bucket_steps: int = 10, min_hits: int = 2) -> ReportData:
+def sql_command(db: str, query: str, values: dict[str, str] | None = None) -> str:
+    """The ``kvtrace sql`` command that reproduces a figure."""
+    params = "".join(f" --param {k}={v}" for k, v in (values or {}).items())
+    return f"kvtrace sql {shlex.quote(db)} --query {query}{params}"
+
+
+def collect(connection, db: str, *, bucket_steps: int = 10, min_hits: int = 2,
+            pricing: Pricing | None = None) -> ReportData:
+    import msgspec
+
     from kvtrace.analysis.database import has_attribution
+    from kvtrace.analysis.explain import describe, lookups_from_causes
+    from kvtrace.events import TraceHeader
 
+    pricing = pricing or pricing_for()
+    runs = execute(connection, """
+        SELECT run, variant, path, source_key, header_json,
+               json_extract_string(header_json, '$.replay.source_path') AS source_path
+        FROM runs ORDER BY run""")
+    labels = Labels.of(runs)
+    priced = pricing.params()
+    hot = {"min_hits": str(min_hits)}
     timeline = run_query(connection, "hit_rate_timeline", {"bucket_steps": str(bucket_steps)})
     attribution = (run_query(connection, "miss_attribution_summary")
                    if has_attribution(connection) else None)
-    gpu_seconds = run_query(connection, "recompute_gpu_seconds")
-    return ReportData(
-        hit_rates=_overall_hit_rates(timeline),
-        timeline=timeline,
-        pushouts=run_query(connection, "pushed_out_prefixes", {"min_hits": str(min_hits)}),
-        lost_hits=run_query(connection, "lost_hits_by_prefix"),
-        causes=run_query(connection, "eviction_causes"),
-        occupancy=run_query(connection, "cache_occupancy",
-                            {"min_hits": str(min_hits), "bucket_steps": str(bucket_steps)}),
-        attribution=attribution,
+    pushouts = run_query(connection, "pushed_out_prefixes", hot)
+    verdict_rows = pricing.name_given_model(run_query(connection, "variant_verdict", priced))
+    gpu_seconds = pricing.name_given_model(
+        run_query(connection, "recompute_gpu_seconds", priced))
+    lookups = run_query(connection, "pushout_lookups", hot)
+    data = ReportData(
+        db=db, labels=labels, pricing=pricing,
+        verdicts=_verdicts(verdict_rows, pushouts, labels, pricing),
+        verdict_command=sql_command(db, "variant_verdict", priced),
+        priced_as=pricing.describe(
+            [r[verdict_rows.columns.index("cost_model")] for r in verdict_rows.rows]
+            + [r[gpu_seconds.columns.index("cost_model")] for r in gpu_seconds.rows]),
         warnings=_silent_zero_warnings(attribution) if attribution else [],
-        gpu_seconds=gpu_seconds,
-        gpu_seconds_per_variant=_gpu_seconds_per_variant(gpu_seconds),
+        tables=_tables(connection, db, labels, timeline, attribution, pushouts, gpu_seconds,
+                       priced, hot),
+        timeline=timeline,
+        occupancy=run_query(connection, "cache_occupancy",
+                            {**hot, "bucket_steps": str(bucket_steps)}),
+        pushout_evictions=run_query(connection, "checkpoint_pushouts", hot),
+        pushout_lookups=lookups,
+        sweep=execute(connection, "SELECT * FROM sweep ORDER BY sweep_id, variant, "
+                                  "retention_interval, num_gpu_blocks"),
+        break_even=run_query(connection, "sweep_break_even"),
+        hits_went=hits_went(attribution),
     )
+    if attribution is not None:
+        headers = {row[0]: msgspec.json.decode(row[4], type=TraceHeader) for row in runs.rows}
+        paths = {row[0]: row[2] for row in runs.rows}
+        for run, req in _drill_down_requests(pushouts, lookups):
+            causes = run_query(connection, "request_causes", {"run": str(run), "req": str(req)})
+            if causes.rows:
+                data.explanations[(run, req)] = describe(
+                    paths[run], headers[run], lookups_from_causes(causes))
+    return data
+
+
+def _drill_down_requests(pushouts: Result, lookups: Result) -> list[tuple[int, int]]:
+    """(run, request) of the first lookups that lost each of the top pushed-out prefixes."""
+    wanted = {(row[0], row[2]) for row in pushouts.rows[:DRILL_DOWN_PREFIXES]}
+    found: dict[tuple[int, int], list[tuple[int, int]]] = {}
+    for row in map(lambda r: dict(zip(lookups.columns, r)), lookups.rows):
+        key = (row["run"], row["hash_id"])
+        if key in wanted and len(found.setdefault(key, [])) < DRILL_DOWN_LOOKUPS:
+            found[key].append((row["run"], row["req"]))
+    return sorted({pair for pairs in found.values() for pair in pairs})
+
+
+def report_database(db: str, html_path: str | None = None, *, bucket_steps: int = 10,
+                    min_hits: int = 2, markdown: bool = False, gpu: str = DEFAULT_GPU,
+                    model: str | None = None) -> str:
+    """The terminal report of ``db`` (Markdown with ``markdown``); with ``html_path``, also
+    write the HTML report there (atomically)."""
+    from kvtrace.analysis.database import open_database
+    from kvtrace.files import write_atomically
+
+    pricing = pricing_for(gpu, model)
+    connection = open_database(db)
+    try:
+        data = collect(connection, db, bucket_steps=bucket_steps, min_hits=min_hits,
+                       pricing=pricing)
+    finally:
+        connection.close()
+    if html_path:
+        from kvtrace.analysis.report_html import render_html
+
+        write_atomically(html_path, render_html(data).encode())
+    return render_markdown(data) if markdown else render_text(data)
+
+
+# --- what the tables hold ----------------------------------------------------------------------
 
 
 def first_admission_totals(summary: Result) -> dict[int, tuple[str, int, CauseTotals]]:
@@ -84,12 +282,12 @@ def _silent_zero_warnings(summary: Result) -> list[str]:
     return warnings
 
 
-def hits_went(data: ReportData) -> Result:
+def hits_went(attribution: Result | None) -> Result:
     """Per run (first admissions): the hit, the ideal and every cause that cost tokens, as
     percentages of the query tokens; a cause column only where some run has it."""
-    if data.attribution is None:
+    if attribution is None:
         return Result([])
-    runs = first_admission_totals(data.attribution)
+    runs = first_admission_totals(attribution)
     causes = [c for c in CAUSES if any(t.tokens.get(c) for _, _, t in runs.values())]
     rows = []
     for run, (variant, _, totals) in runs.items():
@@ -98,23 +296,6 @@ def hits_went(data: ReportData) -> Result:
                      round(totals.ideal_tokens * share, 1),
                      *(round(totals.tokens.get(c, 0) * share, 1) for c in causes)))
     return Result(["run", "variant", "lookups", "hit", "ideal", *causes], rows)
-
-
-def report_database(db: str, html_path: str | None = None, *, bucket_steps: int = 10,
-                    min_hits: int = 2) -> str:
-    """The terminal report of ``db``; with ``html_path``, also write the HTML report there
-    (atomically)."""
-    from kvtrace.analysis.database import open_database
-
-    connection = open_database(db)
-    try:
-        data = collect(connection, bucket_steps=bucket_steps, min_hits=min_hits)
-    finally:
-        connection.close()
-    if html_path:
-        write_atomically(html_path, render_html(data, f"kvtrace report: "
-                                                      f"{os.path.basename(db)}").encode())
-    return render_text(data)
 
 
 def _overall_hit_rates(timeline: Result) -> Result:
@@ -130,221 +311,258 @@ def _overall_hit_rates(timeline: Result) -> Result:
                    "hit_rate"], rows)
 
 
+def _with_source_labels(result: Result, labels: Labels, column: str = "source") -> Result:
+    """``column``'s digests replaced by the sources' short labels."""
+    index = result.columns.index(column)
+    return Result(result.columns, [row[:index] + (labels.source(row[index]),) + row[index + 1:]
+                                   for row in result.rows])
+
+
+def compact_groups(ids: list[int]) -> str:
+    """[0, 1, 2, 3, 5] -> '5: 0-3, 5' (how many groups, then which)."""
+    spans: list[list[int]] = []
+    for group in sorted(ids):
+        if spans and group == spans[-1][1] + 1:
+            spans[-1][1] = group
+        else:
+            spans.append([group, group])
+    which = ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in spans)
+    return f"{len(ids)}: {which}"
+
+
+def _pushouts_table(pushouts: Result) -> Result:
+    """pushed_out_prefixes with its group list folded to 'count: ranges'."""
+    index = pushouts.columns.index("group_ids")
+    columns = pushouts.columns[:index] + ["groups"] + pushouts.columns[index + 1:]
+    return Result(columns, [row[:index] + (compact_groups(list(row[index])),) + row[index + 1:]
+                            for row in pushouts.rows])
+
+
+def _folded_causes(causes: Result) -> Result:
+    """eviction_causes with the rows that differ only in their KV-cache group folded into one,
+    with the groups' count and ranges: a checkpoint holds a block in every Mamba group, so its
+    evictions otherwise repeat once per group."""
+    folded: dict[tuple, list] = {}
+    for row in map(lambda r: dict(zip(causes.columns, r)), causes.rows):
+        key = (row["run"], row["variant"], row["reason"], row["entry_kind"], row["position_class"])
+        entry = folded.setdefault(key, [[], 0, 0.0])
+        entry[0].append(row["group_id"])
+        entry[1] += row["removals"]
+        entry[2] += row["share_of_run"]
+    rows = [(*key[:3], compact_groups(groups), *key[3:], removals, share)
+            for key, (groups, removals, share) in folded.items()]
+    rows.sort(key=lambda r: (r[0], -r[6]))
+    return Result(["run", "variant", "reason", "groups", "entry_kind", "position_class",
+                   "removals", "share_of_run"], rows)
+
+
 def _gpu_seconds_per_variant(per_prefix: Result) -> Result:
     """Per source and variant: the prefixes' rows summed."""
     columns = ["source", "variant", "other_variant", "lookups", "tokens_recomputed",
-               "gpu_seconds", "cost_source"]
+               "gpu_seconds", "cost_model"]
     totals: dict[tuple, list] = {}
     for row in map(lambda r: dict(zip(per_prefix.columns, r)), per_prefix.rows):
-        key = (row["source"], row["variant"], row["other_variant"], row["cost_source"])
-        total = totals.setdefault(key, [0, 0, 0.0])
+        key = (row["source"], row["variant"], row["other_variant"], row["cost_model"])
+        total = totals.setdefault(key, [0, 0, None])
         total[0] += row["lookups"]
         total[1] += row["tokens_recomputed"]
-        total[2] += row["gpu_seconds"]
+        if row["gpu_seconds"] is not None:
+            total[2] = (total[2] or 0.0) + row["gpu_seconds"]
     rows = [(source, variant, other, *total, cost)
             for (source, variant, other, cost), total in totals.items()]
-    rows.sort(key=lambda r: (r[0], -r[5]))
+    rows.sort(key=lambda r: (r[0], -(r[5] or 0), -r[4]))
     return Result(columns, rows)
 
 
-def _sections(data: ReportData) -> list[tuple[str, Result, str]]:
+def _tables(connection, db: str, labels: Labels, timeline: Result, attribution: Result | None,
+            pushouts: Result, gpu_seconds: Result, priced: dict[str, str],
+            hot: dict[str, str]) -> list[Table]:
+    went = hits_went(attribution)
+    lost = run_query(connection, "lost_hits_by_prefix")
     return [
-        ("Hit rate per run", data.hit_rates,
-         "First admission of each request (as kvtrace replay counts); hit_rate = hit tokens / "
-         "prompt tokens."),
-        ("Where the hits went", hits_went(data),
-         "Per run, first admissions, in % of prompt tokens: the hit, the ideal (what an "
-         "unbounded cache under the same schedule would have hit), and what each cause cost "
-         "(`kvtrace sql --query miss_attribution_summary`; one lookup: `kvtrace why`). The "
-         "causes sum to 100 - hit; those before `cold` make up ideal - hit."
-         if data.attribution is not None else
-         "This database was loaded by an older kvtrace and has no miss attribution: reload "
-         "its traces (`kvtrace load TRACE ... -o DB`) to see where the hits went."),
-        ("Top pushed-out prefixes", data.pushouts,
-         "Hot prefixes evicted by LRU reuse while transient checkpoints sat cached behind them, "
-         "one row per prefix (`kvtrace sql --query checkpoint_pushouts`: one per eviction)."),
-        ("Hits lost by the unfixed variant", data.lost_hits,
-         "Per prefix: lookups that hit in `fixed` and hit less in `unfixed` (same source)."),
-        ("GPU-seconds recomputing hits the other variant kept", data.gpu_seconds_per_variant,
-         "Per variant: prefill its lookups recomputed where the paired variant hit deeper, in "
-         "FLOPs of the model over an H200's effective throughput (cost_source: execute = the "
-         "figures of `kvtrace replay --execute`, default = Kimi-Linear-48B-A3B on an H200)."),
-        ("Top prefixes by GPU-seconds recomputed", data.gpu_seconds,
-         "`kvtrace sql --query recompute_gpu_seconds`: one row per variant and prefix."),
-        ("Eviction causes", data.causes, "Hash removals by reason and kind of entry."),
+        Table("hit_rates", "Hit rate per run", _overall_hit_rates(timeline),
+              "First admission of each request (as kvtrace replay counts); hit_rate = hit "
+              "tokens / prompt tokens.", sql_command(db, "hit_rate_timeline")),
+        Table("hits_went", "Where the hits went", went,
+              "Per run, first admissions, in % of prompt tokens: the hit, the ideal (what an "
+              "unbounded cache under the same schedule would have hit), and what each cause "
+              "cost (one lookup: `kvtrace why`). The causes sum to 100 - hit; those before "
+              "`cold` make up ideal - hit."
+              if attribution is not None else
+              "This database was loaded by an older kvtrace and has no miss attribution: "
+              "reload its traces (`kvtrace load TRACE ... -o DB`) to see where the hits went.",
+              sql_command(db, "miss_attribution_summary")),
+        Table("pushouts", "Top pushed-out prefixes", _pushouts_table(pushouts),
+              "Hot prefixes evicted by LRU reuse while transient checkpoints sat cached behind "
+              "them, one row per prefix; groups: how many KV-cache groups lost an entry for "
+              "it, and which (`--query checkpoint_pushouts`: one row per eviction; "
+              "`--query pushout_lookups`: the lookups that lost it).",
+              sql_command(db, "pushed_out_prefixes", hot)),
+        Table("lost_hits", "Hits lost by the unfixed variant", _with_source_labels(lost, labels),
+              "Per prefix: lookups that hit in `fixed` and hit less in `unfixed` (same source).",
+              sql_command(db, "lost_hits_by_prefix")),
+        Table("gpu_per_variant", "GPU-seconds recomputing hits the other variant kept",
+              _with_source_labels(_gpu_seconds_per_variant(gpu_seconds), labels),
+              "Per variant: prefill its lookups recomputed where the paired variant hit "
+              "deeper, priced with the model's FLOPs (cost_model) on the report's GPU.",
+              sql_command(db, "recompute_gpu_seconds", priced)),
+        Table("gpu_per_prefix", "Top prefixes by GPU-seconds recomputed",
+              _with_source_labels(gpu_seconds, labels),
+              "One row per variant and prefix.", sql_command(db, "recompute_gpu_seconds", priced)),
+        Table("causes", "Eviction causes",
+              _folded_causes(run_query(connection, "eviction_causes")),
+              "Hash removals by reason and kind of entry; the rows of the KV-cache groups "
+              "that removed alike are folded into one (groups: how many, and which).",
+              sql_command(db, "eviction_causes")),
     ]
+
+
+# --- the verdict -------------------------------------------------------------------------------
+
+
+def _verdicts(rows: Result, pushouts: Result, labels: Labels, pricing: Pricing) -> list[Verdict]:
+    verdicts = []
+    prefixes = [dict(zip(pushouts.columns, row)) for row in pushouts.rows]
+    for row in map(lambda r: dict(zip(rows.columns, r)), rows.rows):
+        top = [p for p in prefixes if p["run"] == row["from_run"]][:TOP_VERDICT_PREFIXES]
+        verdicts.append(Verdict(row, labels.source(row["source"]), top, advice(row, pricing)))
+    return verdicts
+
+
+def tokens_phrase(count: float) -> str:
+    count = abs(count)
+    if count >= 1e6:
+        return f"{count / 1e6:,.2f} M"
+    return f"{count:,.0f}"
+
+
+def advice(row: dict, pricing: Pricing) -> str:
+    """One sentence: what to do about the pair ``row`` (a ``variant_verdict`` row)."""
+    old, new = row["from_variant"], row["to_variant"]
+    per_hour = row["prefill_tokens_saved_per_hour"]
+    if per_hour is None:
+        return (f"No verdict: the runs of {old} and {new} have no scheduler steps to measure "
+                "their traffic by.")
+    gpu = row["gpu_seconds_saved_per_hour"]
+    model = row["cost_model"].removesuffix(" (--model)") if gpu is not None else ""
+    cost = (f" ({abs(gpu):,.3g} GPU-seconds per hour of {model} on {pricing.gpu.title})"
+            if gpu is not None else " (not priced: give --model)")
+    changed = row["from_prefill_tokens"] - row["to_prefill_tokens"]
+    if abs(changed) < MATERIAL_SHARE * max(row["from_prefill_tokens"], 1):
+        return (f"No action: {new} and {old} recompute within {MATERIAL_SHARE:.1%} of each "
+                f"other on this traffic ({changed / row['traffic_hours']:+,.0f} tokens per "
+                "hour).")
+    amount = f"{tokens_phrase(per_hour)} {'fewer' if per_hour > 0 else 'more'} prefill tokens"
+    better, worse = (new, old) if per_hour > 0 else (old, new)
+    if better == "naive":
+        return (f"naive would recompute {tokens_phrase(per_hour)} "
+                f"{'fewer' if better == new else 'more'} prefill tokens per hour{cost}, but "
+                "it leaves stale keys that hand a hit the wrong state (`--query "
+                "stale_key_hazards`): do not run it; compare the other variants.")
+    if old == "unfixed" and new in GATED:
+        if per_hour > 0:
+            return (f"Upgrade to a release with the #56794 gate ({new}: {VARIANT_ROLES[new]}): "
+                    f"on this traffic it would recompute {amount} per hour{cost}.")
+        return (f"The #56794 gate ({new}) would recompute {amount} per hour on this "
+                f"traffic{cost}: the transient checkpoints {old} publishes served later hits "
+                "here. Size the pool before relying on the gate (`kvtrace sweep` finds the "
+                "pool size at which it pays).")
+    return (f"Prefer {better} ({VARIANT_ROLES.get(better, 'a variant')}) over {worse}: "
+            f"{new} would recompute {amount} per hour than {old} on this traffic{cost}.")
+
+
+def verdict_lines(verdict: Verdict) -> list[tuple[str, str, str]]:
+    """(label, value, the variant_verdict columns behind it) of a verdict's figures."""
+    row = verdict.row
+    rate = (f"{row['from_hit_rate']:.2%} -> {row['to_hit_rate']:.2%} "
+            f"({row['hit_rate_change'] * 100:+.2f} points)")
+    hours = row["traffic_hours"]
+    lines = [("hit rate", rate, "from_hit_rate, to_hit_rate, hit_rate_change")]
+    if hours:
+        per_hour = row["prefill_tokens_saved_per_hour"]
+        lines.append(("prefill tokens saved per hour",
+                      f"{per_hour:+,.0f} ({row['from_prefill_tokens']:,} -> "
+                      f"{row['to_prefill_tokens']:,} tokens in {hours * 3600:,.1f} s of "
+                      "traffic)",
+                      "prefill_tokens_saved_per_hour, from_prefill_tokens, to_prefill_tokens, "
+                      "traffic_hours"))
+        gpu = row["gpu_seconds_saved_per_hour"]
+        lines.append(("GPU-seconds saved per hour",
+                      f"{gpu:+,.3g}, priced as {row['cost_model']}" if gpu is not None
+                      else "not priced (give --model)",
+                      "gpu_seconds_saved_per_hour, cost_model"))
+    return lines
+
+
+def prefix_phrase(prefix: dict) -> str:
+    return (f"hash {prefix['hash_id']} ({prefix['depth_tokens']:,} tokens): "
+            f"{prefix['evictions']} eviction{'s' if prefix['evictions'] != 1 else ''}, "
+            f"{prefix['later_missed_lookups']} missed lookup"
+            f"{'s' if prefix['later_missed_lookups'] != 1 else ''}, "
+            f"{prefix['regret_tokens']:,} tokens of regret")
+
+
+def verdict_title(verdict: Verdict) -> str:
+    row = verdict.row
+    return (f"{row['from_variant']} -> {row['to_variant']} on {verdict.source} "
+            f"({row['backend']}, {row['mode']}; runs {row['from_run']} and {row['to_run']})")
+
+
+# --- text and Markdown ------------------------------------------------------------------------
 
 
 def render_text(data: ReportData) -> str:
     parts = [f"WARNING: {warning}\n" for warning in data.warnings]
-    if parts:
+    if data.warnings:
         parts.append("\n")
-    for title, result, note in _sections(data):
-        parts.append(f"== {title} ==\n{note}\n")
-        if result.rows:
-            parts.append(format_table(result.columns, result.rows, max_rows=TOP_ROWS,
-                                      max_width=TEXT_CELL_WIDTH))
+    parts.append("== Verdict ==\n")
+    parts += _verdict_text(data, bullet="  ", code=lambda s: s)
+    parts.append("\n")
+    for table in data.tables:
+        parts.append(f"== {table.title} ==\n{table.note}\n")
+        if table.result.rows:
+            parts.append(format_table(table.result.columns, table.result.rows,
+                                      max_rows=TOP_ROWS, max_width=TEXT_CELL_WIDTH))
         else:
             parts.append("(none)\n")
         parts.append("\n")
     return "".join(parts)
 
 
-# --- HTML -------------------------------------------------------------------------------------
+def _verdict_text(data: ReportData, bullet: str, code, title=lambda text: text) -> list[str]:
+    """The verdict block's lines, shared by the terminal and Markdown (``code`` marks a
+    command, ``title`` a pair's heading)."""
+    if not data.verdicts:
+        return [f"{bullet}No pair of variants replayed from one source: replay the traffic "
+                f"under two variants (kvtrace replay SOURCE --variant unfixed --variant fixed "
+                f"--db DB) for a verdict.\n"]
+    lines = []
+    for verdict in data.verdicts:
+        lines.append(f"{title(verdict_title(verdict))}\n")
+        lines.append(f"{bullet}{verdict.advice}\n")
+        lines += [f"{bullet}{label}: {value}\n" for label, value, _ in verdict_lines(verdict)]
+        if verdict.prefixes:
+            lines.append(f"{bullet}top pushed-out prefixes (run {verdict.row['from_run']}): "
+                         + "; ".join(prefix_phrase(p) for p in verdict.prefixes) + "\n")
+    lines.append(f"{bullet}{data.priced_as}\n")
+    lines.append(f"{bullet}Reproduce: {code(data.verdict_command)}; prefixes: "
+                 f"{code(data.table('pushouts').command)}\n")
+    return lines
 
 
-def render_html(data: ReportData, title: str) -> str:
-    plots = [("Hit rate over time", _plot_hit_rate(data.timeline)),
-             ("Top pushed-out prefixes (regret, prefill tokens)", _plot_pushouts(data.pushouts))]
-    plots += [(f"Pool occupancy: run {run} ({variant})", png)
-              for run, variant, png in _plot_occupancy(data.occupancy)]
-    body = [f"<h1>{html.escape(title)}</h1>"]
-    body += [f'<p class="warning">WARNING: {html.escape(warning)}</p>'
-             for warning in data.warnings]
-    for caption, png in plots:
-        if png is not None:
-            body.append(f"<h2>{html.escape(caption)}</h2>"
-                        f'<img alt="{html.escape(caption)}" src="data:image/png;base64,{png}">')
-    for heading, result, note in _sections(data):
-        bars = _html_hits_went(result) if heading == "Where the hits went" else ""
-        body.append(f"<h2>{html.escape(heading)}</h2><p>{html.escape(note)}</p>" + bars
-                    + _html_table(result))
-    return ("<!doctype html><html><head><meta charset=\"utf-8\">"
-            f"<title>{html.escape(title)}</title><style>{_CSS}</style></head><body>"
-            + "\n".join(body) + "</body></html>\n")
+MARKDOWN_TABLES = ("hit_rates", "pushouts", "lost_hits", "gpu_per_variant")
 
 
-_CSS = ("body{font-family:sans-serif;margin:2em;max-width:70em}"
-        "table{border-collapse:collapse;font-size:90%}"
-        "td,th{border:1px solid #ccc;padding:2px 8px;text-align:right}"
-        "th{background:#eee}img{max-width:100%}"
-        ".warning{background:#fde9e7;border:1px solid #c0504d;padding:6px 10px}"
-        ".bar-row{display:flex;align-items:center;margin:4px 0}"
-        ".bar-label{width:14em;font-size:90%}"
-        ".bar{position:relative;display:flex;width:40em;height:1.2em;border:1px solid #999}"
-        ".bar span{display:block;height:100%}"
-        ".bar i{position:absolute;top:-3px;bottom:-3px;width:2px;background:#000}"
-        ".legend span{margin-right:1em;font-size:85%}"
-        ".legend b{display:inline-block;width:.9em;height:.9em;margin-right:.3em}")
-
-
-def _html_table(result: Result) -> str:
-    if not result.rows:
-        return "<p><em>none</em></p>"
-    head = "".join(f"<th>{html.escape(c)}</th>" for c in result.columns)
-    rows = "".join(
-        "<tr>" + "".join(f"<td>{html.escape(_html_cell(v))}</td>" for v in row) + "</tr>"
-        for row in result.rows[:TOP_ROWS * 2])
-    return f"<table><tr>{head}</tr>{rows}</table>"
-
-
-def _html_cell(value) -> str:
-    if value is None:
-        return ""
-    return f"{value:.4g}" if isinstance(value, float) else str(value)
-
-
-def _figure():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    from matplotlib import pyplot
-
-    figure, axes = pyplot.subplots(figsize=(9, 3.6), dpi=100)
-    return pyplot, figure, axes
-
-
-def _png(pyplot, figure) -> str:
-    buffer = io.BytesIO()
-    figure.tight_layout()
-    figure.savefig(buffer, format="png")
-    pyplot.close(figure)
-    return base64.b64encode(buffer.getvalue()).decode()
-
-
-def _rows_by_run(result: Result) -> dict[int, list[dict]]:
-    runs: dict[int, list[dict]] = {}
-    for row in result.rows:
-        record = dict(zip(result.columns, row))
-        runs.setdefault(record["run"], []).append(record)
-    return runs
-
-
-def _plot_hit_rate(timeline: Result) -> str | None:
-    if not timeline.rows:
-        return None
-    pyplot, figure, axes = _figure()
-    highest = 0.0
-    for run, rows in _rows_by_run(timeline).items():
-        label = f"run {run}: {rows[0]['variant']} ({rows[0]['backend']})"
-        rates = [r["cumulative_hit_rate"] or 0 for r in rows]
-        highest = max(highest, *rates)
-        live = rows[0]["backend"] == "live"  # a capture: dashed on top, so a faithful replay
-        axes.plot([r["step_start"] for r in rows], rates, label=label,  # stays visible
-                  linestyle="--" if live else "-", zorder=3 if live else 2)
-    axes.set_xlabel("scheduler step")
-    axes.set_ylabel("cumulative hit rate (tokens)")
-    # Room above the highest curve, so that runs a few points apart stay apart.
-    axes.set_ylim(0, min(1.0, max(highest * 1.25, 0.05)))
-    axes.legend(loc="best", fontsize="small")
-    return _png(pyplot, figure)
-
-
-# One colour per cause, in waterfall order; cold and the uncacheable tails in greys.
-_CAUSE_COLOURS = dict(zip(("hit",) + CAUSES, (
-    "#9bbb59", "#8064a2", "#4bacc6", "#f79646", "#fac090", "#ffc000", "#b7dee8", "#7f7f7f",
-    "#c0504d", "#e6b9b8", "#ccc1da", "#000000", "#d9d9d9", "#bfbfbf", "#a6a6a6")))
-
-
-def _html_hits_went(shares: Result) -> str:
-    """A stacked bar per run, drawn in HTML: the hit, then each cause, in % of prompt tokens;
-    a black tick marks the ideal."""
-    if "hit" not in shares.columns or not shares.rows:
-        return ""
-    parts = ["hit"] + shares.columns[5:]
-    bars = []
-    for row in map(lambda r: dict(zip(shares.columns, r)), shares.rows):
-        segments = "".join(
-            f'<span title="{html.escape(p)}: {row[p]:.1f}%" style="width:{row[p]}%;'
-            f'background:{_CAUSE_COLOURS[p]}"></span>' for p in parts if row[p])
-        bars.append(f'<div class="bar-row"><span class="bar-label">run {row["run"]} '
-                    f'({html.escape(str(row["variant"]))})</span><span class="bar">{segments}'
-                    f'<i style="left:{row["ideal"]}%" title="ideal {row["ideal"]:.1f}%"></i>'
-                    "</span></div>")
-    legend = "".join(f'<span><b style="background:{_CAUSE_COLOURS[p]}"></b>'
-                     f'{html.escape(p.replace("_", " "))}</span>' for p in parts)
-    return f'<div class="bars">{"".join(bars)}<div class="legend">{legend}</div></div>'
-
-
-def _plot_pushouts(pushouts: Result) -> str | None:
-    if not pushouts.rows:
-        return None
-    rows = [dict(zip(pushouts.columns, r)) for r in pushouts.rows[:TOP_ROWS]]
-    pyplot, figure, axes = _figure()
-    labels = [f"run {r['run']} ({r['variant']}) hash {r['hash_id']}, {r['depth_tokens']} tok: "
-              f"{r['evictions']} eviction{'s' if r['evictions'] != 1 else ''}" for r in rows]
-    axes.barh(range(len(rows)), [r["regret_tokens"] for r in rows], color="#c0504d")
-    axes.set_yticks(range(len(rows)), labels, fontsize="small")
-    axes.invert_yaxis()
-    axes.set_xlabel("regret (prefill tokens recomputed by later lookups, each counted once)")
-    return _png(pyplot, figure)
-
-
-def _plot_occupancy(occupancy: Result) -> list[tuple[int, str, str]]:
-    plots = []
-    for run, rows in list(_rows_by_run(occupancy).items())[:MAX_OCCUPANCY_PLOTS]:
-        pool = rows[0]["pool_blocks"]
-        if not pool:
-            continue
-        pyplot, figure, axes = _figure()
-        steps = [r["step_start"] for r in rows]
-        shares = [[r[c] / pool for r in rows] for c in OCCUPANCY_CATEGORIES]
-        axes.stackplot(steps, shares, labels=[c.replace("_", " ") for c in OCCUPANCY_CATEGORIES],
-                       step="post",
-                       colors=["#4f81bd", "#9bbb59", "#c0504d", "#f79646", "#dddddd"])
-        axes.set_xlabel("scheduler step")
-        axes.set_ylabel("share of the block pool")
-        axes.set_ylim(0, 1)
-        axes.legend(loc="upper left", fontsize="small", ncol=5)
-        plots.append((run, rows[0]["variant"], _png(pyplot, figure)))
-    return plots
+def render_markdown(data: ReportData) -> str:
+    """The verdict and the top tables, to paste into an incident ticket."""
+    parts = [f"## kvtrace report: {os.path.basename(data.db)}\n\n"]
+    parts += [f"> **Warning:** {warning}\n\n" for warning in data.warnings]
+    parts.append("### Verdict\n\n")
+    parts += _verdict_text(data, bullet="- ", code=lambda s: f"`{s}`",
+                           title=lambda s: f"**{s}**\n")
+    for table in (data.table(key) for key in MARKDOWN_TABLES):
+        parts.append(f"\n### {table.title}\n\n{table.note}\n\n")
+        parts.append(format_markdown(table.result.columns, table.result.rows, max_rows=TOP_ROWS)
+                     if table.result.rows else "(none)\n")
+        parts.append(f"\n`{table.command}`\n")
+    return "".join(parts)

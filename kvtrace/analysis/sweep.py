@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import base64
 import html
+import io
 import os
 from pathlib import Path
 from typing import Any
@@ -19,24 +20,43 @@ import msgspec
 
 from kvtrace.analysis.database import SWEEP_COLUMNS, open_database
 from kvtrace.analysis.load import load_sweep
-from kvtrace.analysis.report import _CSS, _figure, _html_cell, _png
+from kvtrace.analysis.render import cell
+from kvtrace.analysis.report_html import CSS
 from kvtrace.errors import KvtraceError
-from kvtrace.files import StagedOutput, cannot_write, check_output_dir, refuse_overwrite
+from kvtrace.files import (
+    StagedOutput,
+    cannot_write,
+    check_output_dir,
+    existing_output,
+    locked_output,
+    refuse_overwrite,
+)
 
 SWEEP_JSON, SWEEP_PNG, SWEEP_HTML = "sweep.json", "sweep.png", "sweep.html"
 SWEEP_DB = "sweep.duckdb"
 
 
 def check_outputs(outdir: str | os.PathLike, db: str | None, source: str = "") -> None:
-    """Refuse, before a sweep runs, outputs it could not write or that would replace its
-    source."""
+    """Refuse, before a sweep runs, outputs it could not write, that would replace its source
+    (``-o DIR`` holding a source named ``sweep.html``), or that name one file twice
+    (``--db DIR/sweep.json``)."""
     if os.path.exists(outdir) and not os.path.isdir(outdir):
         raise KvtraceError(f"output directory {outdir} is a file", "Give -o a directory.")
-    refuse_overwrite([("--db", db)], [source] if source else [])
+    outputs = _outputs(outdir, db)
+    refuse_overwrite(outputs, [source] if source else [])
+    for option, path in outputs:
+        existing_output(path, option)
     if db is not None and os.path.exists(db):
         open_database(db).close()  # a kvtrace database this version can write to
     elif db is not None:
         check_output_dir(db, "--db")
+
+
+def _outputs(outdir: str | os.PathLike, db: str | None) -> list[tuple[str, str]]:
+    """What a sweep writes: ``(option, path)``, the database first."""
+    database = ("--db", db) if db is not None else ("-o", os.path.join(outdir, SWEEP_DB))
+    return [database, *(("-o", os.path.join(outdir, name))
+                        for name in (SWEEP_JSON, SWEEP_PNG, SWEEP_HTML))]
 
 
 def write_outputs(sweep: dict[str, Any], outdir: str | os.PathLike,
@@ -61,7 +81,7 @@ def write_outputs(sweep: dict[str, Any], outdir: str | os.PathLike,
             staged.append(StagedOutput(outdir / name))
             Path(staged[-1].path).write_bytes(data)
         target = db if db is not None else str(outdir / SWEEP_DB)
-        sweep_id = load_sweep(sweep, target, replace=db is None)
+        sweep_id = _add_rows(sweep, target, replace=db is None)
     except OSError as error:
         _remove(staged)
         raise cannot_write(outdir, error) from None
@@ -73,6 +93,17 @@ def write_outputs(sweep: dict[str, Any], outdir: str | os.PathLike,
     written = {name: output.final for output, name in zip(staged, contents)}
     written["db"] = f"{target} (sweep_id {sweep_id})"
     return written
+
+
+def _add_rows(sweep: dict[str, Any], db: str, *, replace: bool) -> int:
+    """The sweep's rows into ``db``: a new database, or (``--db`` an existing one) added in
+    place while holding its lock, so that a ``kvtrace load -o`` of the same path waits, and
+    then refuses to replace what was added (``files.StagedOutput.publish``)."""
+    if not replace:
+        with locked_output(db, "--db") as existing:
+            if existing is not None:
+                return load_sweep(sweep, db)
+    return load_sweep(sweep, db, replace=True)
 
 
 def _remove(staged: list[StagedOutput]) -> None:
@@ -106,7 +137,25 @@ def plot_png(sweep: dict[str, Any]) -> bytes:
                                                      lambda share: share * distinct))
         top.set_xlabel(f"share of the {distinct} distinct attention blocks")
     axes.legend(loc="lower right", fontsize="small")
-    return base64.b64decode(_png(pyplot, figure))
+    return _png(pyplot, figure)
+
+
+def _figure():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib import pyplot
+
+    figure, axes = pyplot.subplots(figsize=(9, 3.6), dpi=100)
+    return pyplot, figure, axes
+
+
+def _png(pyplot, figure) -> bytes:
+    buffer = io.BytesIO()
+    figure.tight_layout()
+    figure.savefig(buffer, format="png")
+    pyplot.close(figure)
+    return buffer.getvalue()
 
 
 def render_html(sweep: dict[str, Any], png: bytes) -> str:
@@ -116,12 +165,12 @@ def render_html(sweep: dict[str, Any], png: bytes) -> str:
              f"in {sweep['runner']}, {sweep['wall_s']:.1f} s")
     columns = [name for name, _ in SWEEP_COLUMNS if name in sweep["rows"][0]]
     head = "".join(f"<th>{html.escape(c)}</th>" for c in columns)
-    rows = "".join("<tr>" + "".join(f"<td>{html.escape(_html_cell(row[c]))}</td>"
+    rows = "".join("<tr>" + "".join(f"<td>{html.escape(cell(row[c]))}</td>"
                                     for c in columns) + "</tr>" for row in sweep["rows"])
     notes = "".join(f"<p>{html.escape(note)}</p>" for note in sweep["notes"])
     image = base64.b64encode(png).decode()
     return ("<!doctype html><html><head><meta charset=\"utf-8\">"
-            f"<title>{html.escape(title)}</title><style>{_CSS}</style></head><body>"
+            f"<title>{html.escape(title)}</title><style>{CSS}</style></head><body>"
             f"<h1>{html.escape(title)}</h1><p>{html.escape(facts)}</p>{notes}"
             f'<img alt="hit rate against pool size" src="data:image/png;base64,{image}">'
             f"<table><tr>{head}</tr>{rows}</table></body></html>\n")

@@ -51,6 +51,7 @@ from kvtrace.capture.messages import (
     StatusRequest,
     options_from,
 )
+from kvtrace.capture.safe_paths import check_not_in_runtime_dir
 
 ENGINE_CORE_TITLE = "::EngineCore"
 METHODS = ("auto", "plugin", "remote-exec", "gdb", "lldb")
@@ -281,10 +282,13 @@ OTHER_WAYS_IN = {
 }
 
 
-def arm(target: Target, options: CaptureOptions | dict) -> CaptureStatus:
+def arm(target: Target, options: CaptureOptions | dict) -> control.Lease:
     """Start capturing in ``target`` (options: a Struct or a dict of its fields, checked here
-    and again by the engine); its status."""
-    return control.request(target.pid, ArmRequest(options_from(options)), uid=target.uid)
+    and again by the engine). The capture lasts as long as the returned lease is held: close
+    it after disarming (this process's end closes it too, and the engine then disarms)."""
+    options = options_from(options)
+    check_not_in_runtime_dir(options.path, target.uid)
+    return control.Lease.take(target.pid, ArmRequest(options), uid=target.uid)
 
 
 def status(target: Target) -> CaptureStatus:

@@ -33,6 +33,7 @@ from kvtrace.capture.messages import (
     REPLY_TYPES,
     ArmRequest,
     CaptureOptions,
+    CaptureStatus,
     ControlMessageError,
     DisarmRequest,
     ErrorReply,
@@ -47,7 +48,7 @@ from kvtrace.capture.messages import (
     error_reply,
     raise_error,
 )
-from kvtrace.capture.safe_paths import open_private_dir, remove_if_there
+from kvtrace.capture.safe_paths import open_private_dir, remove_if_there, runtime_dir
 from kvtrace.errors import KvtraceError, UnsafePathError
 
 ACCEPT_POLL_S = 0.5
@@ -56,12 +57,6 @@ MAX_REQUEST_BYTES = 1 << 16
 
 class ControlChannelError(KvtraceError):
     default_hint = "Is kvtrace armed in that process? Start it with `kvtrace capture --pid PID`."
-
-
-def runtime_dir(uid: int | None = None) -> Path:
-    """Where an engine running as ``uid`` keeps its control socket."""
-    uid = os.getuid() if uid is None else uid
-    return Path(os.environ.get("KVTRACE_RUNTIME_DIR", "/tmp")) / f"kvtrace-{uid}"
 
 
 def socket_path(pid: int, uid: int | None = None) -> Path:
@@ -93,6 +88,33 @@ def _read_line(connection: socket.socket) -> bytes:
     return data
 
 
+class LeaseWatch:
+    """The engine's side of a controller's lease on its capture: the arm's connection, kept
+    open. The capture ends (``hook.end``) when the controller closes it, which its death
+    does whatever killed it, or lets ``lease_s`` pass without writing on it."""
+
+    def __init__(self, connection: socket.socket, lease_s: float, session) -> None:
+        self.connection, self.lease_s, self.session = connection, lease_s, session
+        threading.Thread(target=self._watch, name="kvtrace-lease", daemon=True).start()
+
+    def _watch(self) -> None:
+        from kvtrace.capture import hook
+
+        connection = self.connection
+        try:
+            connection.settimeout(self.lease_s)
+            while connection.recv(64):
+                pass
+            reason = "its controller closed the control connection"
+        except socket.timeout:
+            reason = f"its controller renewed no lease for {self.lease_s:g} s"
+        except OSError as error:
+            reason = f"its control connection failed ({error.strerror or error})"
+        finally:
+            connection.close()
+        hook.end(self.session, reason)
+
+
 def handle_request(request: Request) -> Reply:
     """Answer one control request; never raises."""
     from kvtrace.capture import hook
@@ -100,8 +122,10 @@ def handle_request(request: Request) -> Reply:
     try:
         match request:
             case PingRequest():
+                from kvtrace.probes.signatures import replaced_methods
+
                 return Pong(os.getpid(), __version__, hook.vllm_version(), hook.process_title(),
-                            hook.active_session() is not None)
+                            hook.active_session() is not None, replaced_methods())
             case ArmRequest(options=options):
                 return hook.arm(options)
             case StatusRequest():
@@ -160,21 +184,41 @@ class ControlServer:
                 continue
             except OSError:
                 return
-            with connection:
-                try:
-                    connection.settimeout(10)
-                    if _peer(connection)[1] not in (os.getuid(), 0):
-                        reply = ErrorReply(KvtraceError.__name__,
-                                           "permission denied: peer runs as another user",
-                                           "Run kvtrace as the engine's user or as root.")
-                    else:
-                        try:
-                            reply = answer(_read_line(connection))
-                        except ControlMessageError as error:
-                            reply = error_reply(error)
-                    connection.sendall(encode(reply))
-                except Exception:  # noqa: BLE001 - a bad client must not stop the server
-                    continue
+            try:
+                self._answer(connection)
+            except Exception:  # noqa: BLE001 - a bad client must not stop the server
+                connection.close()
+
+    def _answer(self, connection: socket.socket) -> None:
+        """Answer one request; the connection an arm came on becomes that capture's lease
+        (``LeaseWatch``), every other one is closed."""
+        from kvtrace.capture import hook
+
+        request = None
+        connection.settimeout(10)
+        if _peer(connection)[1] not in (os.getuid(), 0):
+            reply = ErrorReply(KvtraceError.__name__,
+                               "permission denied: peer runs as another user",
+                               "Run kvtrace as the engine's user or as root.")
+        else:
+            try:
+                request = decode_request(_read_line(connection))
+                reply = handle_request(request)
+            except ControlMessageError as error:
+                reply = error_reply(error)
+        leased = type(request) is ArmRequest and type(reply) is CaptureStatus and reply.armed
+        session = hook.active_session() if leased else None
+        try:
+            connection.sendall(encode(reply))
+        except OSError:
+            if session is not None:  # the controller is gone before it heard of its capture
+                hook.end(session, "its controller left while arming")
+            connection.close()
+            return
+        if session is None:
+            connection.close()
+        else:
+            LeaseWatch(connection, request.lease_s, session)
 
     def stop(self) -> None:
         self._stop.set()
@@ -212,13 +256,32 @@ def default_trace_path() -> str:
     return str(runtime_dir() / f"capture-{os.getpid()}-{stamp}.kvtrace")
 
 
+# A capture armed by SIGUSR1 has no controller to hold a lease: it ends after this long.
+SIGNAL_CAPTURE_S = 600.0
+
+
+def _arm_on_signal() -> None:
+    """SIGUSR1's capture, to a default path, ended after ``SIGNAL_CAPTURE_S`` at the latest.
+    Never raises: it runs on a thread of the engine's."""
+    from kvtrace.capture import hook
+
+    try:
+        hook.arm(CaptureOptions(path=default_trace_path()), default_path=True)
+        session = hook.active_session()
+    except BaseException:  # noqa: BLE001 - the engine must never see it (a second arm...)
+        return
+    timer = threading.Timer(SIGNAL_CAPTURE_S, hook.end, (
+        session, f"a capture armed by SIGUSR1 lasts {SIGNAL_CAPTURE_S:g} s at most"))
+    timer.daemon = True
+    timer.start()
+
+
 def _install_signal_handlers() -> None:
     """SIGUSR1 arms to a default path, SIGUSR2 disarms; only where vLLM left them unused."""
     if threading.current_thread() is not threading.main_thread():
         return
     actions = {
-        signal.SIGUSR1: lambda: handle_request(
-            ArmRequest(CaptureOptions(path=default_trace_path()))),
+        signal.SIGUSR1: _arm_on_signal,
         signal.SIGUSR2: lambda: handle_request(DisarmRequest()),
     }
     for signum, action in actions.items():
@@ -235,7 +298,66 @@ def request(pid: int, message: Request, uid: int | None = None,
             timeout_s: float = 30.0) -> Reply:
     """Send one request to the engine ``pid``'s control server; return its reply, of the type
     ``messages.REPLY_TYPES`` gives that request. An error reply is raised as the engine's
-    ``KvtraceError`` subclass; a malformed reply as ``ControlMessageError``."""
+    ``KvtraceError`` subclass; a malformed reply as ``ControlMessageError``. An arm's
+    connection is closed here too, which ends the capture at once: arm with ``Lease``."""
+    client = _connect(pid, uid, timeout_s)
+    try:
+        return _exchange(client, pid, message)
+    finally:
+        client.close()
+
+
+class Lease:
+    """A controller's hold on the capture it armed in an engine (``Lease.take``): the arm's
+    connection, kept open, on which a daemon thread writes a line every fifth of the lease.
+    The engine disarms when it closes (``close``, or this process's death, however it dies)
+    or falls silent for ``lease_s``. ``status`` is the arm's reply."""
+
+    def __init__(self, client: socket.socket, status: CaptureStatus, lease_s: float) -> None:
+        self._client, self.status = client, status
+        self._closed = threading.Event()
+        # The renewing thread holds no reference to the lease: a lease dropped without
+        # ``close`` (an exception on the way) is collected, and that closes it.
+        threading.Thread(target=_renew, args=(client, self._closed, lease_s / 5),
+                         name="kvtrace-lease", daemon=True).start()
+
+    @classmethod
+    def take(cls, pid: int, arm: ArmRequest, uid: int | None = None,
+             timeout_s: float = 30.0) -> Lease:
+        """Arm engine ``pid`` (``arm``) and hold the capture."""
+        client = _connect(pid, uid, timeout_s)
+        try:
+            return cls(client, _exchange(client, pid, arm), arm.lease_s)
+        except BaseException:
+            client.close()
+            raise
+
+    def close(self) -> None:
+        """Let go: the engine disarms if it still captures."""
+        self._closed.set()
+        self._client.close()
+
+    __del__ = close
+
+    def __enter__(self) -> Lease:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _renew(client: socket.socket, closed: threading.Event, interval_s: float) -> None:
+    """A lease's renewals: a line every ``interval_s`` until it is closed (or the engine ended
+    it: its status says why)."""
+    while not closed.wait(interval_s):
+        try:
+            client.sendall(b"\n")
+        except OSError:
+            return
+
+
+def _connect(pid: int, uid: int | None, timeout_s: float) -> socket.socket:
+    """A connection to the engine ``pid``'s control socket, both ends checked."""
     uid = os.getuid() if uid is None else uid
     path = socket_path(pid, uid)
     try:
@@ -248,15 +370,26 @@ def request(pid: int, message: Request, uid: int | None = None,
         _check_socket_file(path, dir_fd)
         client.connect(_in(dir_fd, path.name))
         _check_server(client, path, pid, uid)  # before a byte of the request leaves
+    except BaseException as error:
+        client.close()
+        if isinstance(error, FileNotFoundError):
+            raise ControlChannelError(
+                f"no kvtrace control socket for pid {pid} ({path})") from None
+        if isinstance(error, OSError):
+            raise ControlChannelError(f"cannot talk to kvtrace in pid {pid}: {error}") from None
+        raise
+    finally:
+        os.close(dir_fd)
+    return client
+
+
+def _exchange(client: socket.socket, pid: int, message: Request) -> Reply:
+    """Send ``message`` on ``client``; the reply (see ``request``)."""
+    try:
         client.sendall(encode(message))
         line = _read_line(client)
-    except FileNotFoundError:
-        raise ControlChannelError(f"no kvtrace control socket for pid {pid} ({path})") from None
-    except (ConnectionRefusedError, socket.timeout, OSError) as error:
+    except (socket.timeout, OSError) as error:
         raise ControlChannelError(f"cannot talk to kvtrace in pid {pid}: {error}") from None
-    finally:
-        client.close()
-        os.close(dir_fd)
     if not line:
         raise ControlChannelError(f"pid {pid} closed the control connection without a reply")
     reply = decode_reply(line)

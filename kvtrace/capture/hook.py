@@ -1,7 +1,11 @@
 """The in-engine half of capture: runs inside a vLLM engine-core process.
 
-``CaptureSession.start()`` arms the shared probes on the real vLLM classes (refusing before
-anything is patched if a signature differs from the supported version), and from then on the
+``CaptureSession.start()`` checks every probed signature (refusing before anything is patched if
+one differs from the supported version) and arms the capture *at the start of the engine's next
+step*, on vLLM's scheduler thread (``NextStep``): production is mid-flight, so the first records
+are the start snapshot (``probes.snapshot``: the cache and the requests in flight as they stand
+then), taken between two steps where nothing else changes them, and only then are the shared
+probes armed on the real vLLM classes. From then on the
 probes hand each engine step's records, as one list, to a ``StepBuffer``, a bounded buffer that
 encodes them in batches of steps (msgspec, in C, while the records are still in cache). A writer
 thread drains the encoded chunks, frames and writes them, holding the interpreter lock only
@@ -162,6 +166,16 @@ def _scheduler_limits(scheduler_config: Any) -> dict[str, Any]:
     }
 
 
+def served_model(scheduler: Any) -> dict[str, str]:
+    """The model the engine serves, by the name it serves it as (vLLM's ``served_model_name``;
+    a replay prices recomputed tokens with it when it names a model kvtrace knows)."""
+    model_config = getattr(getattr(scheduler, "vllm_config", None), "model_config", None)
+    name = getattr(model_config, "served_model_name", None) or getattr(model_config, "model", "")
+    if isinstance(name, list):
+        name = name[0] if name else ""
+    return {"model": name} if isinstance(name, str) and name else {}
+
+
 def engine_variant(manager: Any) -> str:
     """The checkpoint variant kvtrace's own engine installed, else the vLLM's own code."""
     for single_type_manager in manager.coordinator.single_type_managers:
@@ -219,14 +233,72 @@ class StepBuffer:
             self._pending = []
 
 
+class NextStep:
+    """Runs ``begin(manager, scheduler)`` on vLLM's scheduler thread at the start of the next
+    step (``KVCacheManager.new_step_starts``, first thing in ``Scheduler.schedule``), then the
+    step as usual (through whatever ``begin`` patched). Until then, ``new_step_starts`` is a
+    trigger that restores the original first, so ``begin`` finds vLLM's own method; ``cancel``
+    restores it if the step never came. A pool with a probe set of its own (a replay backend in
+    the same process) does not trigger. ``begin`` must not raise: the engine is running."""
+
+    def __init__(self, begin: Callable[[Any, Any], None]) -> None:
+        from vllm.v1.core.kv_cache_manager import KVCacheManager
+
+        from kvtrace.probes.wrappers import _PROBE_ATTR
+
+        self._owner = KVCacheManager
+        self._original = KVCacheManager.__dict__["new_step_starts"]
+        # Reentrant: ``begin`` runs under it and may stop the capture, which cancels.
+        self._lock = threading.RLock()
+        original, lock, restore = self._original, self._lock, self._restore
+
+        def new_step_starts(self):  # vLLM's own parameters, as every wrapper keeps
+            if _PROBE_ATTR in self.block_pool.__dict__:
+                return original(self)
+            with lock:
+                if restore():  # the first step to come: begin, once
+                    begin(self, _scheduler_of(self))
+            return self.new_step_starts()
+
+        self._trigger = new_step_starts
+        KVCacheManager.new_step_starts = new_step_starts
+
+    def _restore(self) -> bool:
+        """Put vLLM's method back; whether the trigger was still installed."""
+        if self._owner.__dict__.get("new_step_starts") is not self._trigger:
+            return False
+        setattr(self._owner, "new_step_starts", self._original)
+        return True
+
+    def cancel(self) -> bool:
+        """Take the trigger back if no step has come yet (waiting for one that runs)."""
+        with self._lock:
+            return self._restore()
+
+
+def _scheduler_of(manager: Any) -> Any:
+    """The vLLM scheduler calling ``manager`` on this thread: the caller's frame holds it."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        candidate = frame.f_locals.get("self")
+        if candidate is not manager and getattr(candidate, "kv_cache_manager", None) is manager:
+            return candidate
+        frame = frame.f_back
+    return None
+
+
 class CaptureSession:
     """One capture to one trace file; at most one per process (see ``active_session``)."""
 
-    def __init__(self, options: CaptureOptions) -> None:
+    def __init__(self, options: CaptureOptions, default_path: bool = False) -> None:
+        """``default_path``: the engine chose ``options.path`` itself (SIGUSR1), in its
+        runtime directory, where an operator's ``-o`` may not point."""
         self.options = options
+        self._default_path = default_path
         self.num_dropped = 0
         self.error: str | None = None
         self.started_ns = 0
+        self.snapshot_pause_ns: int | None = None  # None: the first step has not come yet
         step_buffer = StepBuffer if native.core is None else native.core.StepBuffer
         self._steps = step_buffer(encode_rows, options.buffer_capacity, self._overflow,
                                   ENCODE_BATCH_RECORDS, ENCODE_MAX_DELAY_S)
@@ -235,6 +307,7 @@ class CaptureSession:
         self._writer: TraceWriter | None = None
         self._writer_thread: threading.Thread | None = None
         self._probes: Any = None
+        self._next_step: NextStep | None = None
         self._telemetry: Any = None
         self._stopped = False
 
@@ -272,9 +345,10 @@ class CaptureSession:
         """Check, patch, and start writing. All or nothing: on a failure, what was done is
         undone (probes disarmed, threads stopped, the trace file removed) and the error raised;
         a ``KvtraceError`` says what to do."""
-        from kvtrace.probes import CacheProbes, probe_targets
+        from kvtrace.probes import CacheProbes, probe_targets, snapshot
 
         probe_targets()  # signature check before anything else happens
+        self._take_snapshot = snapshot.take  # imported here: not on the scheduler's time
         managers = find_kv_cache_managers()
         config = engine_config_of(*managers[0]) if managers else None
         self.started_ns = time.time_ns()
@@ -291,9 +365,10 @@ class CaptureSession:
             includes_hash_bytes=self.options.hash_bytes,
             params={"buffer_capacity": str(self.options.buffer_capacity),
                     "num_kv_cache_managers": str(len(managers)),
-                    "variant": engine_variant(managers[0][0]) if managers else "upstream"},
+                    "variant": engine_variant(managers[0][0]) if managers else "upstream",
+                    **(served_model(managers[0][1]) if managers else {})},
         )
-        trace_file = self._trace_file = NewTraceFile(self.options.path)
+        trace_file = self._trace_file = NewTraceFile(self.options.path, self._default_path)
         try:
             self._writer = TraceWriter(trace_file.reopen_path, header, rows=True)
         except OSError as error:
@@ -305,7 +380,7 @@ class CaptureSession:
             self._probes = CacheProbes(self._enqueue, HashInterner(), created_ns=self.started_ns,
                                        emit_hash_bytes=self.options.hash_bytes,
                                        sink_many=self._steps)
-            self._probes.arm()
+            self._next_step = NextStep(self._begin)
             self._writer_thread = threading.Thread(target=self._write_loop,
                                                    name="kvtrace-writer", daemon=True)
             self._writer_thread.start()
@@ -314,6 +389,27 @@ class CaptureSession:
         except BaseException:
             self._undo_start()
             raise
+
+    def _begin(self, manager: Any, scheduler: Any) -> None:
+        """At the first step after arming, on the scheduler thread: the start snapshot goes
+        first (whatever the buffer's room: it is what the rest means), then the probes arm.
+        A failure stops the capture with its error, never the engine."""
+        try:
+            if self._stopped:
+                return
+            taken = self._take_snapshot(manager, scheduler, self._probes)
+            steps = self._steps
+            steps.flush()
+            # The writer thread makes its records (``_drain``): the scheduler has waited enough.
+            steps.chunks.append((len(taken), taken))
+            steps.num_buffered += len(taken)
+            steps.num_enqueued += len(taken)
+            self.snapshot_pause_ns = taken.ended.pause_ns
+            self._probes.arm()
+        except BaseException as error:  # noqa: BLE001 - the engine must never see it
+            self._probes.disarm()
+            self.error = f"the start snapshot failed: {error!r}"
+            self._stop.set()
 
     def _undo_start(self) -> None:
         """Take back a start that failed part way: nothing patched, running or written."""
@@ -354,7 +450,8 @@ class CaptureSession:
     def _drain(self, writer: TraceWriter) -> bool:
         """Move everything buffered into the writer; False when there was nothing. The buffer's
         chunks leave it in one slice: producers only append behind them, and each of the two
-        list operations is one step under the interpreter lock."""
+        list operations is one step under the interpreter lock. The start snapshot comes as
+        read; its records are made and encoded here."""
         buffer = self._steps.chunks
         num_chunks = len(buffer)
         if not num_chunks:
@@ -362,10 +459,15 @@ class CaptureSession:
             return False
         chunks = buffer[:num_chunks]
         del buffer[:num_chunks]
+        chunks = [chunk if type(chunk[1]) is bytes  # the start snapshot comes as read:
+                  else (chunk[0], encode_rows(chunk[1].records()))  # ``snapshot.Taken``
+                  for chunk in chunks]
         self._steps.num_drained += writer.write_encoded_rows(chunks)
         return True
 
     def _disarm_probes(self) -> None:
+        if self._next_step is not None:
+            self._next_step.cancel()
         if self._probes is not None:
             self._probes.disarm()
 
@@ -402,6 +504,7 @@ class CaptureSession:
             gpu=self._telemetry.description if self._telemetry else "",
             error=self.error,
             started_ns=self.started_ns,
+            snapshot_pause_ns=-1 if self.snapshot_pause_ns is None else self.snapshot_pause_ns,
         )
 
 
@@ -423,34 +526,56 @@ def active_session() -> CaptureSession | None:
     return _active
 
 
-def arm(options: CaptureOptions) -> CaptureStatus:
+def arm(options: CaptureOptions, default_path: bool = False) -> CaptureStatus:
     """Start this process's capture; refuse a second one, and options of the wrong type or
-    range (``ControlMessageError`` naming the field). A refused or failed arm changes nothing."""
-    global _active
+    range (``ControlMessageError`` naming the field). A refused or failed arm changes nothing.
+    ``default_path``: see ``CaptureSession``."""
+    global _active, last_end
     options = checked_options(options)
     with _lock:
         if _active is not None and _active.status().armed:
             raise AlreadyCapturingError(
                 f"pid {os.getpid()} is already capturing to {_active.options.path}")
-        session = CaptureSession(options)
+        session = CaptureSession(options, default_path)
         session.start()
         _active = session
+        last_end = ""
         return session.status()
 
 
 def status() -> CaptureStatus:
-    """This process's capture's progress (``path`` None: none runs)."""
+    """This process's capture's progress (``path`` None: none runs; then ``error`` says why
+    the last one ended on its own, if it did)."""
     session = _active
-    return session.status() if session else CaptureStatus(pid=os.getpid(), armed=False)
+    if session is not None:
+        return session.status()
+    return CaptureStatus(pid=os.getpid(), armed=False, error=last_end or None)
+
+
+def end(session: CaptureSession, reason: str) -> None:
+    """End ``session`` if it is still this process's capture: its controller is gone
+    (``control.LeaseWatch``). ``reason`` stays in ``last_end`` for a later status."""
+    global _active, last_end
+    with _lock:
+        if _active is not session:
+            return
+        session.stop()
+        _active = None
+        last_end = f"the capture to {session.options.path} ended: {reason}"
+
+
+last_end = ""  # why the last capture ended on its own (its controller went away)
 
 
 def disarm() -> CaptureStatus:
-    """Stop this process's capture (a no-op report if none runs)."""
-    global _active
+    """Stop this process's capture (a no-op report if none runs, saying why the last one
+    ended on its own, once)."""
+    global _active, last_end
     with _lock:
         session = _active
         if session is None:
-            return CaptureStatus(pid=os.getpid(), armed=False)
+            ended, last_end = last_end, ""
+            return CaptureStatus(pid=os.getpid(), armed=False, error=ended or None)
         final = session.stop()
         _active = None
         return final

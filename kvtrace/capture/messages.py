@@ -59,8 +59,17 @@ class PingRequest(Request, tag="ping"):
     """Is a kvtrace control server here, and which versions does it run."""
 
 
+# How long an engine keeps capturing without word from its controller (``ArmRequest``).
+DEFAULT_LEASE_S = 15.0
+
+
 class ArmRequest(Request, tag="arm"):
+    """Start a capture. The connection it comes on is the controller's *lease*: the engine
+    disarms when the controller closes it (or dies, however) or writes nothing on it for
+    ``lease_s`` seconds (``control.Lease`` renews it)."""
+
     options: CaptureOptions
+    lease_s: Annotated[float, msgspec.Meta(gt=0, le=86400)] = DEFAULT_LEASE_S
 
 
 class StatusRequest(Request, tag="status"):
@@ -83,6 +92,8 @@ class Pong(Reply, tag="pong"):
     vllm_version: str
     process_title: str
     capturing: bool
+    # The probed vLLM methods kvtrace has replaced right now: [] when only vLLM's code runs.
+    patched: list[str] = []
 
 
 class CaptureStatus(Reply, tag="status"):
@@ -100,6 +111,9 @@ class CaptureStatus(Reply, tag="status"):
     gpu: str = ""  # what GPU telemetry does
     error: str | None = None  # why the capture stopped by itself
     started_ns: int = 0
+    # How long the start snapshot held the engine's scheduler thread; -1: the engine's next
+    # step (which takes it, then arms the probes) has not come yet.
+    snapshot_pause_ns: int = -1
 
     def __getitem__(self, field: str):
         """Mapping access, for callers written against the dict status this replaced

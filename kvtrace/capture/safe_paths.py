@@ -166,6 +166,23 @@ def read_owned_file(name: str, dir_fd: int, path: Path, uid: int, max_bytes: int
         os.close(fd)
 
 
+def runtime_dir(uid: int | None = None) -> Path:
+    """Where an engine running as ``uid`` keeps its control socket (a private directory)."""
+    uid = os.getuid() if uid is None else uid
+    return Path(os.environ.get("KVTRACE_RUNTIME_DIR", "/tmp")) / f"kvtrace-{uid}"
+
+
+def check_not_in_runtime_dir(path: str, uid: int | None = None) -> None:
+    """Refuse a trace path inside ``uid``'s runtime directory: a capture written there could
+    take the control socket's name, and with it the way to stop the capture."""
+    directory = Path(os.path.realpath(os.path.dirname(os.path.abspath(path))))
+    private = Path(os.path.realpath(runtime_dir(uid)))
+    if directory == private or private in directory.parents:
+        raise UnsafePathError(f"{path} is in kvtrace's runtime directory {private}, which holds "
+                              "the engine's control socket",
+                              "Write the trace elsewhere (-o).")
+
+
 class NewTraceFile:
     """The trace a capture writes at ``path``, made by the engine process (mode 0600) in a
     directory trusted for its user, without following a link anywhere.
@@ -177,10 +194,14 @@ class NewTraceFile:
     leaves whatever ``path`` was untouched, so a failed start changes nothing.
     ``reopen_path`` opens this very file again (``/proc/self/fd``) for the trace writer."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, in_runtime_dir: bool = False) -> None:
+        """``in_runtime_dir``: the engine's own default path (SIGUSR1) may be there; an
+        operator's path may not (``check_not_in_runtime_dir``)."""
         if not os.path.isabs(path):
             raise KvtraceError(f"the trace path {path!r} is not absolute",
                                "Give the engine an absolute -o path (kvtrace capture does).")
+        if not in_runtime_dir:
+            check_not_in_runtime_dir(path)
         self.path = path
         directory, self._name = os.path.split(path)
         try:
@@ -188,6 +209,11 @@ class NewTraceFile:
         except FileNotFoundError:
             raise KvtraceError(f"cannot write the trace {path}: {directory} does not exist",
                                "Pick an -o path in a directory that exists.") from None
+        try:
+            self._check_replaceable()
+        except BaseException:
+            os.close(self._dir_fd)
+            raise
         self._draft = f".{self._name}.{secrets.token_hex(8)}.partial"
         try:
             self._fd = create_file(self._draft, self._dir_fd)
@@ -201,8 +227,21 @@ class NewTraceFile:
     def reopen_path(self) -> str:
         return f"/proc/self/fd/{self._fd}"
 
+    def _check_replaceable(self) -> None:
+        """What has the trace's name may be replaced only if it is a file or a link (the link
+        itself, never what it points to): not a socket, a device, a FIFO or a directory."""
+        try:
+            info = os.stat(self._name, dir_fd=self._dir_fd, follow_symlinks=False)
+        except FileNotFoundError:
+            return
+        if not (stat.S_ISREG(info.st_mode) or stat.S_ISLNK(info.st_mode)):
+            raise UnsafePathError(f"{self.path} exists and is not a regular file (mode "
+                                  f"{info.st_mode:o}); a capture will not replace it",
+                                  "Pick another -o path.")
+
     def publish(self) -> None:
         """Give the file its name."""
+        self._check_replaceable()
         try:
             os.rename(self._draft, self._name, src_dir_fd=self._dir_fd,
                       dst_dir_fd=self._dir_fd)

@@ -40,17 +40,47 @@ COMMAND_MODULES = {
 
 
 class Terminated(KeyboardInterrupt):
-    """SIGTERM, raised in the main thread: what Ctrl-C stops stops cleanly for it too (a
-    capture disarms, a replay removes its partial outputs) before kvtrace exits 143."""
+    """SIGTERM or SIGHUP (a closed terminal or SSH session), raised in the main thread: what
+    Ctrl-C stops stops cleanly for them too (a capture disarms, a replay removes its partial
+    outputs) before kvtrace exits 128 + the signal's number."""
+
+    def __init__(self, signum: int = signal.SIGTERM) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+TERMINATING_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+
+
+# The stop signals this process received. A library may turn the exception a signal raised
+# into one of its own (DuckDB: "Query interrupted"); a failure after one is the stop's.
+_stop_signals: list[int] = []
 
 
 def _terminate(signum, frame) -> None:
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second one must not cut the clean-up
-    raise Terminated
+    _stop(signum)
+    for each in TERMINATING_SIGNALS:  # a second one must not cut the clean-up
+        signal.signal(each, signal.SIG_IGN)
+    raise Terminated(signum)
+
+
+def _interrupt(signum, frame) -> None:
+    _stop(signum)
+    raise KeyboardInterrupt
+
+
+def _stop(signum: int) -> None:
+    """Record a stop, and interrupt the DuckDB queries running (if DuckDB is in use)."""
+    _stop_signals.append(signum)
+    queries = sys.modules.get("kvtrace.analysis.sql_access")
+    if queries is not None:
+        queries.interrupt_all()
 
 
 class KvtraceGroup(click.Group):
-    """Loads command modules lazily and turns ``KvtraceError`` into two stderr lines."""
+    """Loads command modules lazily and turns ``KvtraceError`` (and a full disk met inside a
+    library: ``files.write_failure``) into two stderr lines, and a stop by SIGTERM, SIGHUP or
+    SIGINT, whatever exception it became, into ``stopped by ...`` and exit 128 + its number."""
 
     def list_commands(self, ctx: click.Context) -> list[str]:
         return list(COMMAND_MODULES.values())
@@ -64,16 +94,34 @@ class KvtraceGroup(click.Group):
     def invoke(self, ctx: click.Context):
         try:
             return super().invoke(ctx)
-        except KvtraceError as error:
-            verbosity = ctx.obj.get("verbose", 0) if isinstance(ctx.obj, dict) else 0
-            if verbosity >= 2:
-                traceback.print_exc()
-            click.echo(f"kvtrace: error: {error}", err=True)
-            click.echo(f"kvtrace: hint: {error.hint}", err=True)
-            ctx.exit(error.exit_code)
-        except Terminated:
-            click.echo("kvtrace: stopped by SIGTERM", err=True)
-            ctx.exit(128 + signal.SIGTERM)
+        except (click.exceptions.Exit, click.Abort, click.ClickException):
+            raise
+        except (Exception, KeyboardInterrupt) as error:
+            signum = error.signum if isinstance(error, Terminated) else (
+                _stop_signals[0] if _stop_signals else None)
+            if signum is not None:  # whatever the stop turned into on its way out
+                click.echo(f"kvtrace: stopped by {signal.Signals(signum).name}", err=True)
+                ctx.exit(128 + signum)
+            if isinstance(error, KeyboardInterrupt):
+                raise
+            from kvtrace.files import write_failure
+
+            failure = error if isinstance(error, KvtraceError) else write_failure(error)
+            if failure is None:
+                raise
+            self._report(ctx, failure)
+
+    @staticmethod
+    def _report(ctx: click.Context, error: KvtraceError) -> None:
+        """Two lines on stderr, what failed and what to do, shown inert (they quote input)."""
+        from kvtrace.cli.common import terminal_safe
+
+        verbosity = ctx.obj.get("verbose", 0) if isinstance(ctx.obj, dict) else 0
+        if verbosity >= 2:
+            traceback.print_exc()
+        click.echo(terminal_safe(f"kvtrace: error: {error}"), err=True)
+        click.echo(terminal_safe(f"kvtrace: hint: {error.hint}"), err=True)
+        ctx.exit(error.exit_code)
 
 
 @click.group(cls=KvtraceGroup, context_settings={"help_option_names": ["-h", "--help"]})
@@ -100,7 +148,10 @@ def verbosity() -> int:
 
 def main(argv: list[str] | None = None) -> None:
     if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, _terminate)
+        for signum in TERMINATING_SIGNALS:
+            if signal.getsignal(signum) is not signal.SIG_IGN:  # nohup's SIGHUP stays ignored
+                signal.signal(signum, _terminate)
+        signal.signal(signal.SIGINT, _interrupt)
     cli.main(args=argv, prog_name="kvtrace")
 
 

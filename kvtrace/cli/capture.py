@@ -109,35 +109,48 @@ def _capture_pid(pid: int, method: str, options, seconds: float | None) -> None:
     import msgspec
 
     from kvtrace.capture import attach
+    from kvtrace.cli import Terminated
 
     targets = attach.find_engine_cores(pid)
     sessions: list[tuple] = []  # (target, trace path) of each armed engine core
+    leases = []  # while we hold them, the engines capture; our end, however, ends theirs
+    terminated = None
     try:
         for target in targets:
             way_in = attach.ensure_hook(target, method, _log)
             path = _output_path(options.path, target, len(targets))
-            attach.arm(target, msgspec.structs.replace(options, path=path))
+            leases.append(attach.arm(target, msgspec.structs.replace(options, path=path)))
             sessions.append((target, path))
             click.echo(f"kvtrace: capturing pid {target.pid} ({target.title}) via {way_in} "
                        f"-> {path}", err=True)
         _watch(sessions, seconds)
+    except Terminated as signal_:  # SIGTERM or SIGHUP: stop as for Ctrl-C, then say so
+        terminated = signal_
     finally:
         # Whatever happened (Ctrl-C included), no engine is left armed by us.
-        finals, died = _disarm_all(sessions)
+        try:
+            finals, died = _disarm_all(sessions)
+        finally:
+            for lease in leases:
+                lease.close()
     for target, path in sessions:
         final = finals.get(target.pid)
         if final is not None and final.path is not None:
             _print_summary(target, path, final)
         elif final is not None:
             click.echo(f"kvtrace: pid {target.pid}: the capture was stopped from elsewhere "
-                       f"(kvtrace capture --stop) -> {path}")
+                       f"({final.error or 'kvtrace capture --stop'}) -> {path}")
     if died:
         _raise_died(died)
+    if terminated is not None:
+        raise terminated
 
 
 def _watch(sessions, seconds: float | None) -> None:
-    """Show a status line until Ctrl-C, the duration, or the death of a target."""
+    """Show a status line until Ctrl-C, the duration, or the death of a target; SIGTERM and
+    SIGHUP (``Terminated``) go to the caller, which stops the same way and then says so."""
     from kvtrace.capture import attach
+    from kvtrace.cli import Terminated
 
     started = previous_time = time.monotonic()
     previous_records = 0
@@ -163,6 +176,8 @@ def _watch(sessions, seconds: float | None) -> None:
                            f"dropped {sum(s.dropped for s in statuses):,}  "
                            f"{sum(s.bytes for s in statuses) / 2**20:8.1f} MiB", err=True,
                            nl=False)
+    except Terminated:
+        raise
     except KeyboardInterrupt:
         pass
     except KvtraceError:
@@ -203,6 +218,12 @@ def _still_alive(pid: int, grace_s: float = 2.0) -> bool:
 def _print_summary(target, path: str, final) -> None:
     click.echo(f"kvtrace: pid {target.pid}: {final.written:,} records written, "
                f"{final.dropped:,} dropped, {final.bytes / 2**20:.1f} MiB -> {path}")
+    if final.snapshot_pause_ns >= 0:
+        click.echo(f"kvtrace: pid {target.pid}: the start snapshot held its scheduler "
+                   f"{final.snapshot_pause_ns / 1e6:.1f} ms")
+    else:
+        click.echo(f"kvtrace: pid {target.pid}: no scheduler step came while armed: nothing "
+                   "was captured")
     if final.gpu:
         click.echo(f"kvtrace: pid {target.pid}: {final.gpu}")
 

@@ -6,6 +6,7 @@ import contextlib
 import errno
 import io
 import os
+import re
 import sys
 from collections import Counter
 from collections.abc import Iterator
@@ -15,6 +16,19 @@ import click
 from kvtrace.errors import KvtraceError, TraceTruncatedError
 from kvtrace.files import write_atomically  # noqa: F401  (the commands' one way to write a file)
 from kvtrace.traceio import TraceReader
+
+
+# What a terminal acts on rather than shows: C0 controls but newline and tab, DEL, C1 controls
+# (ESC and CSI start escape sequences: a title, a hyperlink, a rewritten screen), and the
+# bidirectional overrides that make text read other than it is.
+_TERMINAL_CONTROLS = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f\u200e\u200f\u202a-\u202e"
+                                r"\u2066-\u2069]")
+
+
+def terminal_safe(text: str) -> str:
+    """``text`` with every terminal control shown as its escape (``\\x1b``, ``\\u202e``): a
+    trace's header or a database's strings are input, and must not drive root's terminal."""
+    return _TERMINAL_CONTROLS.sub(lambda match: ascii(match.group())[1:-1], text)
 
 
 def raise_if_truncated(reader: TraceReader) -> None:

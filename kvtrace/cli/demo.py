@@ -16,6 +16,12 @@ import click
 DEMO_PRESET = "documents"
 DEMO_MODEL = "nemotron-h-8b"
 DEMO_REQUESTS = {"full": 120, "quick": 60}
+# Production is mid-flight: the engine serves in accelerated real time, the capture arms this
+# long after the workload started, while requests run, and stops this long after, while they
+# still run.
+DEMO_SPEED = 30
+ARM_AFTER_S = 3.0
+CAPTURE_S = 5.0
 
 
 class Stages:
@@ -44,10 +50,12 @@ def command(workdir: str, quick: bool) -> None:
     Generates the #56794 seed scenario (hot system prompts, long documents prefilled in
     several chunks) for Nemotron-H-8B's cache as vLLM 0.33 builds it (six Mamba2 groups),
     under memory pressure at retention 0;
-    starts `kvtrace engine` running the unfixed (pre-#56794) checkpoint logic on the real
-    vLLM 0.33 cache; attaches `kvtrace capture --pid` to it; replays the capture in lockstep
-    (fidelity) and the workload under unfixed and fixed; loads everything into DuckDB; prints
-    the report and writes it as HTML. The engine is stopped whatever happens.
+    starts `kvtrace engine` serving it with the unfixed (pre-#56794) checkpoint logic on the
+    real vLLM 0.33 cache; attaches `kvtrace capture --pid` while requests are running, as
+    production is, and stops it while they still are; replays the capture in lockstep from
+    its start snapshot (fidelity) and rescheduled under unfixed and fixed; loads everything
+    into DuckDB; prints the report and writes it as HTML. The engine is stopped whatever
+    happens.
 
     \b
     Example:
@@ -84,7 +92,7 @@ def command(workdir: str, quick: bool) -> None:
     stages.done(f"{workload}, a pool of {header.config.num_gpu_blocks} blocks")
 
     engine = EngineProcess(
-        [str(workload), "--variant", "unfixed", "--speed", "0"],
+        [str(workload), "--variant", "unfixed", "--speed", str(DEMO_SPEED)],
         {**os.environ, "KVTRACE_PLUGIN": "1"}, cwd=str(work))
     try:
         stages.start("Starting `kvtrace engine` "
@@ -92,13 +100,16 @@ def command(workdir: str, quick: bool) -> None:
         pid = engine.wait_ready()
         stages.done(f"pid {pid}, process title VLLM::EngineCore")
 
-        stages.start(f"Attaching `kvtrace capture --pid {pid}` and running the workload")
+        stages.start(f"Serving the workload ({DEMO_SPEED}x real time); `kvtrace capture --pid "
+                     f"{pid}` attaches after {ARM_AFTER_S:g} s, mid-flight, for "
+                     f"{CAPTURE_S:g} s")
         records = _capture(pid, capture, engine)
         stages.done(f"{records:,} records -> {capture}")
     finally:
         engine.stop(grace_s=10)
 
-    stages.start("Replaying the capture in lockstep against the real vLLM cache (fidelity)")
+    stages.start("Replaying the capture in lockstep against the real vLLM cache, rebuilt "
+                 "from its start snapshot (fidelity)")
     fidelity = replay(ReplayOptions(source=str(capture), outdir=str(work / "fidelity"),
                                     lockstep=True, verify=True)).fidelity
     if fidelity.matched != fidelity.total:
@@ -107,8 +118,9 @@ def command(workdir: str, quick: bool) -> None:
                            f"{fidelity.first_divergence}", "Please report this as a kvtrace bug.")
     stages.done(f"{fidelity.matched:,}/{fidelity.total:,} effect records match (100%)")
 
-    stages.start("Replaying the workload under unfixed and fixed (equal scheduling)")
-    result = replay(ReplayOptions(source=str(workload), outdir=str(work / "runs"),
+    stages.start("Replaying the capture under unfixed and fixed from its snapshot "
+                 "(equal scheduling)")
+    result = replay(ReplayOptions(source=str(capture), outdir=str(work / "runs"),
                                   variants=("unfixed", "fixed")))
     rates = ", ".join(f"{v.variant} {v.summary['hit_rate'] * 100:.2f}%" for v in result.variants)
     stages.done(f"hit rates: {rates}")
@@ -125,18 +137,25 @@ def command(workdir: str, quick: bool) -> None:
 
 
 def _capture(pid: int, path: Path, engine) -> int:
-    """Attach to the engine, run its workload, disarm; the number of records written."""
+    """Start the workload, attach to the engine while it serves, capture for a while, disarm
+    while it still serves; the number of records written."""
     from kvtrace.capture import attach
+    from kvtrace.errors import KvtraceError
 
     (target,) = attach.find_engine_cores(pid)
     attach.ensure_hook(target, "auto", lambda message: None)
-    attach.arm(target, {"path": str(path), "gpu_interval_ms": 0})
-    try:
-        engine.send("start")
-        engine.expect("kvtrace engine: done (")
-    finally:
-        final = attach.disarm(target)
-    return final["written"]
+    engine.send("start")
+    engine.expect("kvtrace engine: running")
+    time.sleep(ARM_AFTER_S)
+    with attach.arm(target, {"path": str(path), "gpu_interval_ms": 0}):
+        try:
+            time.sleep(CAPTURE_S)
+        finally:
+            final = attach.disarm(target)
+    if final.error:
+        raise KvtraceError(f"the capture stopped inside the engine: {final.error}",
+                           "Please report this as a kvtrace bug.")
+    return final.written
 
 
 def _next_steps(work: Path, capture: Path, database: Path, html: Path) -> None:

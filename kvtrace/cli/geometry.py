@@ -11,8 +11,9 @@ GIB = 1 << 30
 @click.option("--model", "model", required=True, metavar="NAME|CONFIG.json",
               help="A preset (kimi-linear-48b-a3b, qwen3-next-80b-a3b, nemotron-h-8b, kimi-k3) "
                    "or a Hugging Face config.json (or its folder).")
-@click.option("--gpu-memory-gib", type=float, default=141.0, show_default=True,
-              help="Memory of one GPU (141: one H200).")
+@click.option("--gpu-memory-gib", type=float, default=None,
+              help="Memory of one GPU, as CUDA reports it [default: this host's GPU as NVML "
+                   "sees it, else an H200's 139.8].")
 @click.option("--gpu-memory-utilization", type=float, default=0.9, show_default=True)
 @click.option("--tensor-parallel-size", type=int, default=1, show_default=True)
 @click.option("--kv-cache-dtype", default="auto", show_default=True)
@@ -22,7 +23,7 @@ GIB = 1 << 30
               help="Per-GPU memory for activations, CUDA graphs and non-torch allocations, "
                    "which vLLM profiles at start-up [default: an assumed 6 GiB].")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of text.")
-def command(model: str, gpu_memory_gib: float, gpu_memory_utilization: float,
+def command(model: str, gpu_memory_gib: float | None, gpu_memory_utilization: float,
             tensor_parallel_size: int, kv_cache_dtype: str, max_num_batched_tokens: int | None,
             non_kv_memory_gib: float | None, as_json: bool) -> None:
     """Show the KV-cache groups, block sizes, page bytes, checkpoint cost and num_gpu_blocks

@@ -72,31 +72,38 @@ def _kinds(batch):
         yield tag, record_type, batch.columns[i], by_index[i]
 
 
+def _say(line: str) -> None:
+    """A line of the text form; the header's strings are the trace writer's, shown inert."""
+    from kvtrace.cli.common import terminal_safe
+
+    click.echo(terminal_safe(line))
+
+
 def _print_text(summary: dict, reader) -> None:
     header = reader.header
-    click.echo(f"trace:      {summary['path']}")
-    click.echo(f"format:     v{header.format_major}.{header.format_minor}, "
+    _say(f"trace:      {summary['path']}")
+    _say(f"format:     v{header.format_major}.{header.format_minor}, "
                f"written by kvtrace {header.kvtrace_version}")
-    click.echo(f"source:     {header.source}"
+    _say(f"source:     {header.source}"
                + (f" (vLLM {header.vllm_version})" if header.vllm_version else ""))
     if header.pid:
-        click.echo(f"process:    pid {header.pid} {header.process_title} on {header.host}")
+        _say(f"process:    pid {header.pid} {header.process_title} on {header.host}")
     if header.replay:
         r = header.replay
         source = f", from {r.source_path}" if r.source_path else ""
-        click.echo(f"replay:     variant {r.variant}, backend {r.backend}, {r.mode}{source}")
+        _say(f"replay:     variant {r.variant}, backend {r.backend}, {r.mode}{source}")
     if header.config:
         c = header.config
         groups = ", ".join(f"{g.kind}/{g.block_size}" for g in c.kv_cache_groups)
         retention = "none (dense)" if c.retention_interval is None else c.retention_interval
-        click.echo(f"cache:      groups [{groups}], hash unit {c.hash_block_size}, "
+        _say(f"cache:      groups [{groups}], hash unit {c.hash_block_size}, "
                    f"{c.num_gpu_blocks} blocks, retention {retention}")
-    click.echo(f"records:    {summary['num_records']}")
+    _say(f"records:    {summary['num_records']}")
     for tag, count in summary["counts"].items():
-        click.echo(f"  {tag:<26} {count:>12}")
+        _say(f"  {tag:<26} {count:>12}")
     for tag, count in summary["unknown_kinds"].items():
-        click.echo(f"  {tag:<26} {count:>12}  (unknown kind, skipped)")
-    click.echo(f"dropped:    {summary['dropped_events']}")
-    click.echo(f"complete:   {'no (truncated)' if summary['truncated'] else 'yes'}")
+        _say(f"  {tag:<26} {count:>12}  (unknown kind, skipped)")
+    _say(f"dropped:    {summary['dropped_events']}")
+    _say(f"complete:   {'no (truncated)' if summary['truncated'] else 'yes'}")
     for warning in summary["warnings"]:
-        click.echo(f"warning:    {warning}")
+        _say(f"warning:    {warning}")

@@ -23,17 +23,17 @@ def command(traces: tuple[str, ...], db_path: str) -> None:
         kvtrace load prod.kvtrace runs/ -o prod.duckdb
     """
     from kvtrace.analysis.load import load_traces
-    from kvtrace.cli.common import unknown_value_warnings
+    from kvtrace.cli.common import terminal_safe, unknown_value_warnings
 
     summary = load_traces(list(traces), db_path)
     for path, same in summary.duplicates:
-        click.echo(f"kvtrace: skipped {path}: the same content as {same}, loaded already",
-                   err=True)
+        click.echo(terminal_safe(f"kvtrace: skipped {path}: the same content as {same}, "
+                                 "loaded already"), err=True)
     for run in summary.runs:
         note = "  (truncated: records up to the cut)" if run.truncated else ""
-        click.echo(f"run {run.run}: {run.path}  variant {run.variant}, backend {run.backend}, "
-                   f"{run.num_records} records{note}")
+        click.echo(terminal_safe(f"run {run.run}: {run.path}  variant {run.variant}, backend "
+                                 f"{run.backend}, {run.num_records} records{note}"))
         for warning in unknown_value_warnings(run.path, run.unknown_values):
-            click.echo(f"kvtrace: warning: {warning}", err=True)
-    click.echo(f"loaded {summary.num_records} records from {len(summary.runs)} trace(s) into "
-               f"{summary.db_path} in {summary.seconds:.1f} s")
+            click.echo(terminal_safe(f"kvtrace: warning: {warning}"), err=True)
+    click.echo(terminal_safe(f"loaded {summary.num_records} records from {len(summary.runs)} "
+                             f"trace(s) into {summary.db_path} in {summary.seconds:.1f} s"))

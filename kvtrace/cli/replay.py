@@ -38,8 +38,12 @@ import click
               help="Also write the summary as JSON to this file.")
 @click.option("--db", type=click.Path(dir_okay=False), default=None,
               help="Then load the replay traces (and a captured SOURCE) into this DuckDB file.")
+@click.option("--model", "model", default=None, metavar="NAME|CONFIG.json",
+              help="The model whose prefill FLOPs price the lookups (and whose state --execute "
+                   "re-executes): a preset of `kvtrace geometry` or a config.json  [default: "
+                   "the model the source was written for; a capture names none].")
 @click.option("--execute", is_flag=True,
-              help="Also re-execute the KDA recurrent state in torch: check every Mamba hit "
+              help="Also re-execute the recurrent state in torch: check every Mamba hit "
                    "against a recomputed state, time the recomputed prefill, price it in GPU "
                    "time (docs/execute.md).")
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default=None,
@@ -48,14 +52,14 @@ import click
 @click.option("--state-scale", type=float, default=None, metavar="F",
               help="With --execute: state dimensions times F in (0, 1]  [default: 1 on CUDA "
                    "when the pool fits, 1/16 on CPU].")
-@click.option("--gpu", default=None, metavar="h200|h100|TFLOPS",
+@click.option("--gpu", default=None, metavar="h200|h100|b200|TFLOPS",
               help="With --execute: the GPU that prices recomputed tokens, a preset (published "
                    "peak x 40%) or effective TFLOP/s  [default: h200].")
 def command(source: str, variants: tuple[str, ...], backend: str, num_gpu_blocks: int | None,
             retention: str | None, max_num_batched_tokens: int | None, max_num_seqs: int | None,
             long_prefill_token_threshold: int | None, lockstep: bool, verify: bool, outdir: str,
-            summary_json: str | None, db: str | None, execute: bool, device: str | None,
-            state_scale: float | None, gpu: str | None) -> None:
+            summary_json: str | None, db: str | None, model: str | None, execute: bool,
+            device: str | None, state_scale: float | None, gpu: str | None) -> None:
     """Replay SOURCE against the prefix-cache logic of each --variant.
 
     A workload (kvtrace synth / import) is rescheduled: kvtrace's model of vLLM's scheduler
@@ -76,6 +80,7 @@ def command(source: str, variants: tuple[str, ...], backend: str, num_gpu_blocks
     from kvtrace.cli.common import write_atomically
     from kvtrace.engine_config import KEEP, Overrides, parse_retention
     from kvtrace.errors import KvtraceError
+    from kvtrace.geometry.cost import DEFAULT_GPU
     from kvtrace.replay.execute import ExecuteOptions
     from kvtrace.replay.run import ReplayOptions, replay
 
@@ -95,7 +100,7 @@ def command(source: str, variants: tuple[str, ...], backend: str, num_gpu_blocks
             max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
             long_prefill_token_threshold=long_prefill_token_threshold),
         execute=ExecuteOptions(device=device or "auto", state_scale=state_scale,
-                               gpu=gpu or "h200") if execute else None)
+                               gpu=gpu or DEFAULT_GPU) if execute else None, model=model)
     result = replay(options, progress=_progress_bar if sys.stderr.isatty() else None)
     _print_table(result)
     for warning in result.warnings:

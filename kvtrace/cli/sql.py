@@ -14,8 +14,15 @@ import click
 @click.option("--list", "list_queries", is_flag=True, help="List the shipped queries.")
 @click.option("--csv", "output_format", flag_value="csv", help="Print CSV.")
 @click.option("--json", "output_format", flag_value="json", help="Print JSON lines.")
-def command(db, statement, query_name, params, list_queries, output_format) -> None:
+@click.option("--unsafe", is_flag=True,
+              help="Let the SQL reach files, the network and extensions (COPY, read_csv, "
+                   "ATTACH, INSTALL); by default it reaches DB only.")
+def command(db, statement, query_name, params, list_queries, output_format, unsafe) -> None:
     """Run STATEMENT, or a shipped query (--query NAME), against the database DB.
+
+    DB is opened read-only, and its SQL reaches nothing else: no file is read or written, no
+    extension loaded (docs/security.md). --unsafe lifts that, for a trusted database only:
+    the views of a database run with your rights when read.
 
     \b
     Examples:
@@ -46,13 +53,22 @@ def command(db, statement, query_name, params, list_queries, output_format) -> N
         raise QueryError("--param applies to --query only",
                          hint="Write the values into the SQL statement itself.")
     from kvtrace.analysis.database import open_database
+    from kvtrace.cli.common import terminal_safe
 
-    connection = open_database(db)
+    connection = open_database(db, unsafe=unsafe)
     try:
         if query_name is not None:
             result = run_query(connection, query_name, values)
         else:
             result = execute(connection, statement)
+    except QueryError as error:
+        if "disabled by configuration" in str(error) or "disabled through configuration" in str(
+                error):
+            error.hint = ("kvtrace sql reaches only DB: no file, network or extension. For a "
+                          "database you trust, --unsafe lifts that.")
+        raise
     finally:
         connection.close()
-    click.echo(format_result(result, output_format or "table"), nl=False)
+    text = format_result(result, output_format or "table")
+    # The database's strings, shown inert (JSON escapes its controls itself).
+    click.echo(text if output_format == "json" else terminal_safe(text), nl=False)

@@ -33,6 +33,7 @@ cache (``tests/test_scheduler_vs_vllm.py``), so its figures for a workload equal
 from __future__ import annotations
 
 import collections
+import functools
 import math
 import os
 import queue
@@ -62,6 +63,7 @@ ENGINE_CORE_PROCESS_NAME = "EngineCore"
 START, QUIT = "start", "quit"
 ENGINE_MODEL_DIR = Path(__file__).with_name("engine_model")
 END_OF_INPUT = "end of input"  # queued by the stdin reader at EOF: stop, as for quit
+COMMAND_LINE_BYTES = 4096  # the longest command line read whole
 
 
 class Shutdown(BaseException):
@@ -82,6 +84,7 @@ class EngineWorkload:
     config: EngineConfig
     settings: SchedulerSettings
     arrivals: list[Arrival]
+    model: str = ""  # the model the workload was written for (its header's), if it names one
 
 
 def load_workload(options: EngineOptions) -> EngineWorkload:
@@ -101,7 +104,7 @@ def load_workload(options: EngineOptions) -> EngineWorkload:
                       len(arrival.hash_ids), config.hash_block_size)
         check_fits_model_len(settings, arrival.req, arrival.prompt_len)
         check_pool_fits(config, arrival.req, arrival.prompt_len + arrival.max_tokens)
-    return EngineWorkload(config, settings, arrivals)
+    return EngineWorkload(config, settings, arrivals, reader.header.params.get("model", ""))
 
 
 class _Quit(Exception):
@@ -118,11 +121,15 @@ class VllmScheduler:
     The runner's answer: one sampled token for each request whose scheduled chunk reached its
     last token; nothing for a chunk that ends inside the prompt (the runner discards it)."""
 
-    def __init__(self, config: EngineConfig, settings: SchedulerSettings, variant: str) -> None:
+    def __init__(self, config: EngineConfig, settings: SchedulerSettings, variant: str,
+                 model: str = "") -> None:
+        """``model``: the name the engine serves as (vLLM's ``served_model_name``, which a
+        capture records): the workload's model, whose geometry the cache has; without one,
+        ``kvtrace-engine`` (never the bundled stand-in config's path)."""
         from vllm.v1.core.sched.scheduler import Scheduler
         from vllm.v1.structured_output import StructuredOutputManager
 
-        vllm_config = _vllm_config(config, settings)
+        vllm_config = _vllm_config(config, settings, model)
         self.config = config
         self.settings = settings
         try:
@@ -202,13 +209,15 @@ class VllmScheduler:
         return output.total_num_scheduled_tokens
 
 
-def _vllm_config(config: EngineConfig, settings: SchedulerSettings) -> Any:
-    """A ``VllmConfig`` for scheduling only: the bundled model config, CPU, the trace's limits."""
+def _vllm_config(config: EngineConfig, settings: SchedulerSettings, model: str) -> Any:
+    """A ``VllmConfig`` for scheduling only: the bundled model config (served under ``model``'s
+    name), CPU, the trace's limits."""
     from vllm.config import CacheConfig, DeviceConfig, ModelConfig, SchedulerConfig, VllmConfig
 
     max_model_len = settings.max_model_len or UNLIMITED_MODEL_LEN
     model_config = ModelConfig(model=str(ENGINE_MODEL_DIR), skip_tokenizer_init=True,
-                               max_model_len=max_model_len, dtype="float32")
+                               max_model_len=max_model_len, dtype="float32",
+                               served_model_name=model or "kvtrace-engine")
     scheduler_config = SchedulerConfig(
         max_num_batched_tokens=settings.max_num_batched_tokens,
         max_num_seqs=settings.max_num_seqs, max_model_len=max_model_len,
@@ -234,7 +243,8 @@ class Engine:
         self.on_done = on_done
         self.commands: queue.Queue[str] = queue.Queue()
         # Built before "ready": a config vLLM rejects fails the start, not the run.
-        self.scheduler = VllmScheduler(workload.config, workload.settings, options.variant)
+        self.scheduler = VllmScheduler(workload.config, workload.settings, options.variant,
+                                       workload.model)
         self.summary: dict[str, Any] | None = None
         self.input_ended = False  # heard during a run
 
@@ -301,11 +311,13 @@ class Engine:
         ``--autostart < /dev/null`` runs the workload and then exits."""
         while True:
             remaining = deadline - time.monotonic()
-            try:
-                command = (self.commands.get(timeout=remaining) if remaining > 0
-                           else self.commands.get_nowait())
+            try:  # a deadline may lie beyond what a wait takes (--speed 1e-300): wait in parts
+                command = (self.commands.get(timeout=min(remaining, threading.TIMEOUT_MAX))
+                           if remaining > 0 else self.commands.get_nowait())
             except queue.Empty:
-                return
+                if time.monotonic() >= deadline:
+                    return
+                continue
             if command == QUIT:
                 raise _Quit(command)
             if command == END_OF_INPUT:
@@ -313,16 +325,42 @@ class Engine:
             else:
                 say("already running")
 
-def read_commands(stream: Any, commands: queue.Queue[str],
+def read_commands(read: Callable[[int], bytes], commands: queue.Queue[str],
                   complain: Callable[[str], None]) -> None:
-    """The stdin-reader thread: one command per line; end of input means quit."""
-    for line in stream:
-        command = line.strip().lower()
-        if command in (START, QUIT):
-            commands.put(command)
-        elif command:
-            complain(f"unknown command {command!r} (send start or quit)")
+    """The stdin-reader thread: one command per line of what ``read(n)`` returns (at most n
+    bytes; b"" at the end); end of input means quit. Lines are cut from chunks here: a line
+    without end (``< /dev/zero``) is skipped with one complaint and costs no memory, and no
+    buffered reader's lock is left held by this thread when the engine exits."""
+    pending, skipping = b"", False
+    while True:
+        try:
+            chunk = read(COMMAND_LINE_BYTES)
+        except OSError:
+            chunk = b""  # no standard input at all: its end
+        if not chunk:
+            break
+        *lines, pending = (pending + chunk).split(b"\n")
+        for line in lines:
+            if skipping:  # the end of a line too long to read
+                skipping = False
+            else:
+                _command(line, commands, complain)
+        if len(pending) >= COMMAND_LINE_BYTES:
+            if not skipping:
+                complain(f"a line longer than {COMMAND_LINE_BYTES} bytes, skipped (send start "
+                         "or quit)")
+            pending, skipping = b"", True
+    if pending and not skipping:
+        _command(pending, commands, complain)
     commands.put(END_OF_INPUT)
+
+
+def _command(line: bytes, commands: queue.Queue[str], complain: Callable[[str], None]) -> None:
+    command = line.decode(errors="replace").strip().lower()
+    if command in (START, QUIT):
+        commands.put(command)
+    elif command:
+        complain(f"unknown command {command!r} (send start or quit)")
 
 
 def become_engine_core() -> None:
@@ -341,6 +379,8 @@ def say(message: str, file: Any = None) -> None:
 
 
 def _raise_shutdown(signum: int, _frame: Any) -> None:
+    for stop in (signal.SIGTERM, signal.SIGINT):  # a second one must not cut the exit short
+        signal.signal(stop, signal.SIG_IGN)
     raise Shutdown(signal.Signals(signum).name)
 
 
@@ -351,6 +391,7 @@ def run_engine(options: EngineOptions, autostart: bool = False,
     ``on_done(summary)`` runs when the workload has finished."""
     previous = {signum: signal.signal(signum, _raise_shutdown)
                 for signum in (signal.SIGTERM, signal.SIGINT)}
+    stopped = False
     try:
         workload = load_workload(options)
         become_engine_core()
@@ -358,14 +399,15 @@ def run_engine(options: EngineOptions, autostart: bool = False,
         if autostart:
             engine.commands.put(START)
         threading.Thread(target=read_commands, name="kvtrace-engine-stdin", daemon=True,
-                         args=(sys.stdin, engine.commands,
+                         args=(functools.partial(os.read, 0), engine.commands,  # standard input
                                lambda message: say(message, file=sys.stderr))).start()
         say(f"pid {os.getpid()} ready ({engine.describe()})")
         reason = engine.serve()
     except Shutdown as shutdown:
-        reason = str(shutdown)
+        reason, stopped = str(shutdown), True
     finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
+        if not stopped:  # once stopped, stop signals stay ignored: the exit goes on
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
     say(f"exiting ({reason})")
     return reason

@@ -30,9 +30,9 @@ def bundled_path(preset: str) -> Path:
 
 
 def geometry_for(model: str, tensor_parallel_size: int | None = None) -> Geometry:
-    """The geometry of ``model`` (a preset name or a config.json path) on one H200: a preset
-    at its usual tensor-parallel size comes from the shipped file; anything else is computed
-    by vLLM's code (slow the first time; cached)."""
+    """The geometry of ``model`` (a preset name or a config.json path): a preset at its usual
+    tensor-parallel size comes from the shipped file (one H200); anything else is computed by
+    vLLM's code for this host's GPU, else an H200 (slow the first time; cached)."""
     usual = PRESET_TENSOR_PARALLEL.get(model)
     if usual is not None and tensor_parallel_size in (None, usual):
         path = bundled_path(model)
@@ -44,9 +44,11 @@ def geometry_for(model: str, tensor_parallel_size: int | None = None) -> Geometr
 
 
 def compute_bundled(preset: str) -> Geometry:
-    from kvtrace.geometry.compute import compute_geometry
+    """A preset's shipped geometry: on an H200, whatever GPU this host has."""
+    from kvtrace.geometry.compute import H200_GIB, compute_geometry
 
-    return compute_geometry(preset, tensor_parallel_size=PRESET_TENSOR_PARALLEL[preset])
+    return compute_geometry(preset, tensor_parallel_size=PRESET_TENSOR_PARALLEL[preset],
+                            gpu_memory_gib=H200_GIB)
 
 
 def main() -> None:

@@ -13,11 +13,15 @@ weights (weights.py). vLLM is imported only inside functions.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import hashlib
 import json
+import logging
 import math
 import os
 import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,7 +36,10 @@ from kvtrace.geometry.result import GIB, Geometry, GeometryGroup, MemorySplit
 from kvtrace.geometry.rule import SM90_BACKENDS, SM90_KERNEL_BLOCK, hybrid_block_size
 from kvtrace.geometry.weights import model_weights
 
-H200_GIB = 141.0
+# What CUDA reports for an H200 (torch.cuda.get_device_properties().total_memory, 143,156 MiB;
+# vLLM logs it as "total_gpu_memory (139.8GiB)"), which vLLM multiplies by the utilization.
+# Not the 141 GB of the datasheet, nor NVML's 143,771 MiB total: the driver keeps part of it.
+H200_GIB = 143_156 / 1024
 # What vLLM's start-up profile sets aside besides weights and KV cache, per GPU: the peak
 # activation memory of a max_num_batched_tokens forward pass, CUDA graphs, and non-torch
 # memory (CUDA context, cuBLAS / NCCL workspaces). vLLM measures it on the GPU; kvtrace
@@ -40,8 +47,11 @@ H200_GIB = 141.0
 # "model weights take X GiB; non_torch memory ~1 GiB; PyTorch activation peak ~2-4 GiB",
 # plus ~1 GiB of CUDA graphs). --non-kv-memory-gib replaces it.
 DEFAULT_NON_KV_GIB = 6.0
+# The fp8 caches FA3 takes, and its largest head size on SM90 (beyond it vLLM moves to FA4).
+SM90_FA3_FP8_DTYPES = ("fp8", "fp8_e4m3")
+SM90_FA3_MAX_HEAD_SIZE = 256
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192  # vLLM 0.33 `vllm serve` default on H100/H200
-CACHE_VERSION = "1"
+CACHE_VERSION = "2"
 # vLLM imports the model class (Kimi, Qwen3-Next pull in compressed-tensors and loguru).
 MODEL_CLASS_HINT = ("vLLM could not import the model's class: install the vLLM dependencies it "
                     "needs (compressed-tensors==0.17.0, loguru; scripts/bootstrap installs them).")
@@ -59,13 +69,40 @@ class Deployment:
     non_kv_memory_gib: float | None = None  # None: DEFAULT_NON_KV_GIB
 
 
-def compute_geometry(model: str | Path | ModelSource, *, gpu_memory_gib: float = H200_GIB,
+def default_gpu_memory_gib() -> float:
+    """The GPU memory a geometry assumes unless told: that of the first GPU NVML sees on this
+    host (its total less what the driver reserves, as the figure CUDA hands vLLM), else an
+    H200's (``H200_GIB``)."""
+    try:
+        import pynvml
+    except ImportError:
+        return H200_GIB
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError:  # no driver, no GPU
+        return H200_GIB
+    try:
+        handle = pynvml.nvmlDeviceGetHandleByIndex(0)
+        try:
+            info = pynvml.nvmlDeviceGetMemoryInfo(handle, version=pynvml.nvmlMemory_v2)
+            total = info.total - info.reserved
+        except pynvml.NVMLError:  # a driver without the v2 figures
+            total = pynvml.nvmlDeviceGetMemoryInfo(handle).total
+    except pynvml.NVMLError:
+        return H200_GIB
+    finally:
+        pynvml.nvmlShutdown()
+    return total / GIB
+
+
+def compute_geometry(model: str | Path | ModelSource, *, gpu_memory_gib: float | None = None,
                      gpu_memory_utilization: float = 0.9, tensor_parallel_size: int = 1,
                      kv_cache_dtype: str = "auto", max_num_batched_tokens: int | None = None,
                      non_kv_memory_gib: float | None = None,
                      cache_dir: Path | None = None) -> Geometry:
     """The geometry vLLM 0.33 builds for ``model`` (a preset name, a config.json path, or a
-    ``ModelSource``) on GPUs of ``gpu_memory_gib`` in ``align`` mode.
+    ``ModelSource``) on GPUs of ``gpu_memory_gib`` (default: ``default_gpu_memory_gib``) in
+    ``align`` mode.
 
     Results are cached on disk by their inputs (``cache_dir``; default
     ``$XDG_CACHE_HOME/kvtrace/geometry``, ``KVTRACE_GEOMETRY_CACHE=0`` disables): importing
@@ -73,7 +110,8 @@ def compute_geometry(model: str | Path | ModelSource, *, gpu_memory_gib: float =
     """
     source = model if isinstance(model, ModelSource) else resolve_model(model)
     deployment = Deployment(
-        gpu_memory_gib, gpu_memory_utilization, tensor_parallel_size, kv_cache_dtype,
+        default_gpu_memory_gib() if gpu_memory_gib is None else gpu_memory_gib,
+        gpu_memory_utilization, tensor_parallel_size, kv_cache_dtype,
         max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS, non_kv_memory_gib)
     _check_deployment(deployment)
     cache_file = _cache_file(source, deployment, cache_dir)
@@ -135,6 +173,10 @@ def _compute(source: ModelSource, deployment: Deployment) -> Geometry:
 
     with tempfile.TemporaryDirectory(prefix="kvtrace-geometry-") as folder:
         vllm_config = _vllm_config(source, deployment, Path(folder))
+    # The fields a config.json leaves out are the HF config class's defaults, as vLLM reads
+    # the model (Nemotron-H without n_groups, Qwen3-Next without linear_num_value_heads).
+    source = dataclasses.replace(source, config=_with_defaults(
+        source.config, vllm_config.model_config.hf_config.to_dict()))
     family = family_of(source.architecture)  # after vLLM has said whether it is hybrid
     model_config, cache_config = vllm_config.model_config, vllm_config.cache_config
     text = source.text_config
@@ -152,8 +194,7 @@ def _compute(source: ModelSource, deployment: Deployment) -> Geometry:
     kv_dtype = _kv_dtype(cache_config.cache_dtype, model_config.dtype)
     quant_mode = get_kv_quant_mode(cache_config.cache_dtype)
     head_size = model_config.get_head_size()
-    if not backend.supports_kv_cache_dtype(cache_config.cache_dtype) or not (
-            backend.supports_head_size(head_size)):
+    if not _takes_on_sm90(backend_name, backend, cache_config.cache_dtype, head_size):
         raise ConfigError(
             f"{backend_name}, the attention backend vLLM 0.33 prefers on an H200, does not take "
             f"kv_cache_dtype {cache_config.cache_dtype!r} with head size {head_size}; vLLM would "
@@ -232,6 +273,18 @@ def _compute(source: ModelSource, deployment: Deployment) -> Geometry:
         memory=memory)
 
 
+def _takes_on_sm90(backend_name: str, backend: Any, cache_dtype: str, head_size: int) -> bool:
+    """Whether the backend takes this KV-cache dtype and head size on an H200. FLASH_ATTN runs
+    FA3 there for head sizes up to 256, and FA3 takes an fp8 (e4m3) cache
+    (``fa_utils.flash_attn_supports_kv_cache_dtype``); vLLM's own check asks the installed
+    flash-attn for its version, and a CPU build has none, so here it refuses fp8 for all."""
+    if not backend.supports_head_size(head_size):
+        return False
+    if backend_name == "FLASH_ATTN" and cache_dtype in SM90_FA3_FP8_DTYPES:
+        return head_size <= SM90_FA3_MAX_HEAD_SIZE
+    return backend.supports_kv_cache_dtype(cache_dtype)
+
+
 def _attention_page(vllm_config: Any, backend: Any, kv_dtype: Any, quant_mode: Any) -> int:
     """One token of one attention layer, as ``_align_hybrid_block_size`` computes it."""
     from vllm.config import set_current_vllm_config
@@ -286,9 +339,12 @@ def _vllm_config(source: ModelSource, deployment: Deployment, folder: Path) -> A
     from vllm.config import (CacheConfig, DeviceConfig, ModelConfig, ParallelConfig,
                              SchedulerConfig, VllmConfig)
 
+    from huggingface_hub.errors import StrictDataclassError
+
     (folder / "config.json").write_text(json.dumps(source.config))
     try:
-        model_config = ModelConfig(model=str(folder), skip_tokenizer_init=True)
+        with _quiet_config_retries():
+            model_config = ModelConfig(model=str(folder), skip_tokenizer_init=True)
         if not model_config.is_hybrid:
             raise _not_hybrid(source, "vLLM does not treat it as a hybrid model")
         vllm_config = VllmConfig(
@@ -300,10 +356,12 @@ def _vllm_config(source: ModelSource, deployment: Deployment, folder: Path) -> A
                 max_model_len=model_config.max_model_len, is_encoder_decoder=False,
                 enable_chunked_prefill=True,
                 max_num_batched_tokens=deployment.max_num_batched_tokens))
-    except (ValueError, TypeError, AssertionError) as error:  # pydantic / vLLM validation
+    except (ValueError, TypeError, AssertionError, StrictDataclassError) as error:
+        # pydantic's, vLLM's and the HF config class's validation (a field of the wrong type)
         details = getattr(error, "errors", None)  # a pydantic ValidationError lists them
         reason = ("; ".join(e["msg"] for e in details()) if callable(details)
-                  else str(error).splitlines()[0] if str(error) else type(error).__name__)
+                  else " ".join(line.strip() for line in str(error).splitlines()[:2])
+                  if str(error) else type(error).__name__)
         hint = (MODEL_CLASS_HINT if "failed to be inspected" in reason
                 else "Check the config.json and the flags against vLLM's message.")
         raise ConfigError(f"vLLM 0.33 rejects {source.name}: {reason}", hint) from error
@@ -317,6 +375,28 @@ def _vllm_config(source: ModelSource, deployment: Deployment, folder: Path) -> A
             "kvtrace's geometry is align mode's (prefix caching of Mamba state); vLLM leaves it "
             "when prefix caching is off for the model (e.g. non-causal or encoder-only).")
     return vllm_config
+
+
+def _with_defaults(given: dict[str, Any], defaults: dict[str, Any]) -> dict[str, Any]:
+    """``given`` with what it lacks taken from ``defaults``, nested configs alike."""
+    merged = {**defaults, **given}
+    for key, value in given.items():
+        if isinstance(value, dict) and isinstance(defaults.get(key), dict):
+            merged[key] = _with_defaults(value, defaults[key])
+    return merged
+
+
+@contextlib.contextmanager
+def _quiet_config_retries() -> Iterator[None]:
+    """vLLM logs each failed parse of a config.json as an error and parses it again after a
+    pause: a config that cannot load is reported once, as kvtrace's own error."""
+    logger = logging.getLogger("vllm.transformers_utils.repo_utils")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 def _not_hybrid(source: ModelSource, why: str) -> ConfigError:

@@ -1,4 +1,6 @@
-"""What vLLM 0.33 builds per layer for the hybrid architectures kvtrace knows, on an H200.
+"""The hybrid architectures kvtrace knows: each family reads its ``config.json`` into the one
+description of a model's decoder (``architecture.Architecture``), and says what vLLM 0.33 builds
+per layer on an H200.
 
 vLLM learns a layer's cache kind and its prefill-checkpoint settings by constructing the layer
 (``get_kv_cache_spec`` on the built module), which needs CUDA kernels; so this module reproduces
@@ -13,11 +15,21 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvtrace.errors import ConfigError
-
-# Layer kinds of a LayerPlan.
-ATTENTION = "attention"  # vLLM Attention -> FullAttentionSpec
-MLA = "mla"  # vLLM MLAAttention -> MLAAttentionSpec
-MAMBA = "mamba"  # a MambaBase layer -> MambaSpec
+from kvtrace.geometry.architecture import (
+    ATTENTION,
+    MAMBA,
+    MLA,
+    Architecture,
+    Attention,
+    Block,
+    DenseMlp,
+    GatedDeltaNet,
+    KimiDeltaAttention,
+    LatentAttention,
+    Mamba2,
+    MixtureOfExperts,
+)
+from kvtrace.geometry.presets import ModelSource
 
 # The prefill-checkpoint alignment of a GDN layer is the prefix-cache grid: vLLM's
 # ``get_mamba_prefill_checkpoint_grid`` = the Mamba block size when ``prefix_match_unit`` is
@@ -59,25 +71,85 @@ class Family:
     description: str
     mamba_type: str  # the layers' MambaAttentionBackendEnum name (their ``mamba_type``)
 
-    def layers(self, text: dict[str, Any]) -> list[LayerPlan]:
+    def blocks(self, text: dict[str, Any]) -> list[Block]:
+        """The decoder's blocks, in order, read from the config's language-model fields."""
         raise NotImplementedError
+
+    def state_dtype(self, text: dict[str, Any]) -> str:
+        """The recurrent state's dtype under ``--mamba-ssm-cache-dtype auto`` (vLLM's
+        ``get_mamba_state_dtype_from_config``)."""
+        raise NotImplementedError
+
+    def layers(self, text: dict[str, Any]) -> list[LayerPlan]:
+        """The blocks that keep something in the KV cache, with their vLLM module paths."""
+        return [LayerPlan(block.path, block.part.cache_kind) for block in self.blocks(text)
+                if block.part.cache_kind]
 
     def checkpointing(self, text: dict[str, Any], model_dtype: str,
                       ssm_state_dtype: str) -> MambaCheckpointing:
         raise NotImplementedError
 
 
+def _field(text: dict[str, Any], key: str, family: str):
+    """A config field the family's layout needs: a clear error when it is missing."""
+    if text.get(key) is None:
+        raise ConfigError(f"the config has no {key!r}, which the {family} layout needs",
+                          "Give the model's config.json as Hugging Face publishes it.")
+    return text[key]
+
+
+def _model_dtype(text: dict[str, Any]) -> str:
+    return str(text.get("dtype") or text.get("torch_dtype") or "bfloat16")
+
+
 class KimiFamily(Family):
     """Kimi-Linear and Kimi-K3 (``vllm/models/kimi_k3/nvidia/model.py``)."""
 
-    def layers(self, text: dict[str, Any]) -> list[LayerPlan]:
+    def blocks(self, text: dict[str, Any]) -> list[Block]:
         """``KimiDecoderLayer``: ``config.is_kda_layer(i)`` ((i + 1) in ``kda_layers``, 1-based)
-        holds a KDA layer, every other layer MultiHeadLatentAttention."""
+        holds a KDA layer, every other layer MultiHeadLatentAttention; then a MoE where
+        ``num_experts`` is set, from ``first_k_dense_replace`` on, every ``moe_layer_freq``-th
+        layer, else a dense MLP (``KimiMoE``, ``KimiMLP``)."""
+        name = "Kimi"
         linear = text.get("linear_attn_config") or {}
         kda = set(linear.get("kda_layers") or ())
-        return [LayerPlan(f"layers.{i}.self_attn", MAMBA) if i + 1 in kda
-                else LayerPlan(f"layers.{i}.self_attn.mla_attn", MLA)
-                for i in range(text["num_hidden_layers"])]
+        hidden = _field(text, "hidden_size", name)
+        experts = text.get("num_experts") or 0
+        blocks = []
+        for i in range(_field(text, "num_hidden_layers", name)):
+            if i + 1 in kda:
+                blocks.append(Block(i, KimiDeltaAttention(
+                    heads=_field(linear, "num_heads", name),
+                    head_dim=_field(linear, "head_dim", name),
+                    conv_kernel=linear.get("short_conv_kernel_size", 4),
+                    full_rank_gate=bool(linear.get("use_full_rank_gate"))),
+                    f"layers.{i}.self_attn"))
+            else:
+                blocks.append(Block(i, LatentAttention(
+                    heads=_field(text, "num_attention_heads", name),
+                    q_lora_rank=text.get("q_lora_rank"),
+                    kv_lora_rank=_field(text, "kv_lora_rank", name),
+                    qk_nope_head_dim=_field(text, "qk_nope_head_dim", name),
+                    qk_rope_head_dim=_field(text, "qk_rope_head_dim", name),
+                    v_head_dim=_field(text, "v_head_dim", name),
+                    output_gate=bool(text.get("mla_use_output_gate"))),
+                    f"layers.{i}.self_attn.mla_attn"))
+            moe = experts and i >= text.get("first_k_dense_replace", 0) and i % text.get(
+                "moe_layer_freq", 1) == 0
+            if moe:
+                moe_width = _field(text, "moe_intermediate_size", name)
+                blocks.append(Block(i, MixtureOfExperts(
+                    experts=experts, top_k=_field(text, "num_experts_per_token", name),
+                    intermediate=moe_width,
+                    shared_intermediate=(text.get("num_shared_experts") or 0) * moe_width,
+                    expert_hidden=text.get("routed_expert_hidden_size") or hidden)))
+            else:
+                blocks.append(Block(i, DenseMlp(_field(text, "intermediate_size", name))))
+        return blocks
+
+    def state_dtype(self, text: dict[str, Any]) -> str:
+        """``MambaStateDtypeCalculator.kda_state_dtype``: float32 under "auto"."""
+        return "float32"
 
     def checkpointing(self, text: dict[str, Any], model_dtype: str,
                       ssm_state_dtype: str) -> MambaCheckpointing:
@@ -100,16 +172,50 @@ class KimiFamily(Family):
 class Qwen3NextFamily(Family):
     """Qwen3-Next (``vllm/model_executor/models/qwen3_next.py``)."""
 
-    def layers(self, text: dict[str, Any]) -> list[LayerPlan]:
-        """``config.layer_types`` (transformers derives it from ``full_attention_interval``)."""
-        count = text["num_hidden_layers"]
+    def blocks(self, text: dict[str, Any]) -> list[Block]:
+        """``config.layer_types`` (transformers derives it from ``full_attention_interval``):
+        Gated DeltaNet or gated attention; then a sparse MoE block unless the layer is in
+        ``mlp_only_layers`` or off the ``decoder_sparse_step`` (``Qwen3NextSparseMoeBlock``:
+        routed experts, one shared expert and its scalar gate), else a dense MLP."""
+        name = "Qwen3-Next"
+        count = _field(text, "num_hidden_layers", name)
         interval = text.get("full_attention_interval", 4)
         types = text.get("layer_types") or [
             "full_attention" if (i + 1) % interval == 0 else "linear_attention"
             for i in range(count)]
-        return [LayerPlan(f"layers.{i}.linear_attn", MAMBA) if kind == "linear_attention"
-                else LayerPlan(f"layers.{i}.self_attn.attn", ATTENTION)
-                for i, kind in enumerate(types)]
+        hidden = _field(text, "hidden_size", name)
+        mlp_only = set(text.get("mlp_only_layers") or ())
+        experts = text.get("num_experts") or 0
+        blocks = []
+        for i, kind in enumerate(types):
+            if kind == "linear_attention":
+                blocks.append(Block(i, GatedDeltaNet(
+                    key_heads=_field(text, "linear_num_key_heads", name),
+                    value_heads=_field(text, "linear_num_value_heads", name),
+                    key_head_dim=_field(text, "linear_key_head_dim", name),
+                    value_head_dim=_field(text, "linear_value_head_dim", name),
+                    conv_kernel=text.get("linear_conv_kernel_dim", 4)),
+                    f"layers.{i}.linear_attn"))
+            else:
+                blocks.append(Block(i, Attention(
+                    heads=_field(text, "num_attention_heads", name),
+                    kv_heads=_field(text, "num_key_value_heads", name),
+                    head_dim=_field(text, "head_dim", name),
+                    output_gate=text.get("attn_output_gate", True)),
+                    f"layers.{i}.self_attn.attn"))
+            if i not in mlp_only and experts and (i + 1) % text.get("decoder_sparse_step", 1) == 0:
+                blocks.append(Block(i, MixtureOfExperts(
+                    experts=experts, top_k=_field(text, "num_experts_per_tok", name),
+                    intermediate=_field(text, "moe_intermediate_size", name),
+                    shared_intermediate=text.get("shared_expert_intermediate_size") or 0,
+                    expert_hidden=hidden, shared_gate=True)))
+            else:
+                blocks.append(Block(i, DenseMlp(_field(text, "intermediate_size", name))))
+        return blocks
+
+    def state_dtype(self, text: dict[str, Any]) -> str:
+        """``gated_delta_net_state_dtype``: the model's dtype under "auto"."""
+        return _model_dtype(text)
 
     def checkpointing(self, text: dict[str, Any], model_dtype: str,
                       ssm_state_dtype: str) -> MambaCheckpointing:
@@ -122,17 +228,45 @@ class Qwen3NextFamily(Family):
 class NemotronHFamily(Family):
     """Nemotron-H (``vllm/model_executor/models/nemotron_h.py``)."""
 
-    def layers(self, text: dict[str, Any]) -> list[LayerPlan]:
-        """``hybrid_override_pattern``: M = Mamba2 mixer, * = attention, - / E = MLP / MoE
-        (no cache)."""
-        pattern = text["hybrid_override_pattern"]
-        plans = []
-        for i, symbol in enumerate(pattern):
+    def blocks(self, text: dict[str, Any]) -> list[Block]:
+        """``hybrid_override_pattern``, one block per symbol: M = Mamba2 mixer, * = attention,
+        - = MLP (squared ReLU, no gate), E = MoE (``NemotronHMoE``: routed and shared experts,
+        squared ReLU)."""
+        name = "Nemotron-H"
+        blocks = []
+        for i, symbol in enumerate(_field(text, "hybrid_override_pattern", name)):
             if symbol == "M":
-                plans.append(LayerPlan(f"layers.{i}.mixer", MAMBA))
+                blocks.append(Block(i, Mamba2(
+                    heads=_field(text, "mamba_num_heads", name),
+                    head_dim=_field(text, "mamba_head_dim", name),
+                    n_groups=_field(text, "n_groups", name),
+                    state_size=_field(text, "ssm_state_size", name),
+                    conv_kernel=_field(text, "conv_kernel", name)), f"layers.{i}.mixer"))
             elif symbol == "*":
-                plans.append(LayerPlan(f"layers.{i}.mixer.attn", ATTENTION))
-        return plans
+                blocks.append(Block(i, Attention(
+                    heads=_field(text, "num_attention_heads", name),
+                    kv_heads=_field(text, "num_key_value_heads", name),
+                    head_dim=_field(text, "head_dim", name)), f"layers.{i}.mixer.attn"))
+            elif symbol == "-":
+                blocks.append(Block(i, DenseMlp(_field(text, "intermediate_size", name),
+                                                gated=False)))
+            elif symbol == "E":
+                blocks.append(Block(i, MixtureOfExperts(
+                    experts=_field(text, "n_routed_experts", name),
+                    top_k=_field(text, "num_experts_per_tok", name),
+                    intermediate=_field(text, "moe_intermediate_size", name),
+                    shared_intermediate=text.get("moe_shared_expert_intermediate_size") or 0,
+                    expert_hidden=_field(text, "hidden_size", name), gated=False)))
+            else:
+                raise ConfigError(f"hybrid_override_pattern has a block {symbol!r} that the "
+                                  "Nemotron-H layout does not know (M, *, - or E)",
+                                  "Give the model's config.json as Hugging Face publishes it.")
+        return blocks
+
+    def state_dtype(self, text: dict[str, Any]) -> str:
+        """``NemotronHForCausalLMConfig.update_mamba_ssm_cache_dtype``: the config's
+        ``mamba_ssm_cache_dtype``, else float32."""
+        return str(text.get("mamba_ssm_cache_dtype") or "float32")
 
     def checkpointing(self, text: dict[str, Any], model_dtype: str,
                       ssm_state_dtype: str) -> MambaCheckpointing:
@@ -159,3 +293,12 @@ def family_of(architecture: str) -> Family:
     raise ConfigError(
         f"kvtrace does not know the layer layout of {architecture or 'this model'!r}",
         f"The geometry command covers these hybrid architectures: {known}.")
+
+
+def architecture_of(source: ModelSource) -> Architecture:
+    """The decoder of a preset or a user's config.json (``presets.resolve_model``)."""
+    family = family_of(source.architecture)
+    text = source.text_config
+    return Architecture(name=source.name, description=family.description,
+                        hidden_size=_field(text, "hidden_size", family.description),
+                        blocks=tuple(family.blocks(text)), state_dtype=family.state_dtype(text))

@@ -184,6 +184,20 @@ class CacheProbes(object if native.built is None else native.built.ProbeState):
             self._records.append(HashInterned(hash_id, hash_bytes))
         return hash_id, _GROUP_OF_KEY(key, -4)[0]
 
+    def intern_keys(self, keys: list[bytes]) -> list[tuple[int, int]]:
+        """(hash id, group) of many keys at once (the start snapshot's thousands, which
+        announces its new hashes itself): with a plain ``HashInterner``, new ids are given in
+        bulk, in order of first appearance."""
+        groups = [_GROUP_OF_KEY(key, -4)[0] for key in keys]
+        hashes = [key[:-4] for key in keys]
+        ids = self._interned_ids
+        if ids is None:
+            return [(self.interner.intern(h)[0], g) for h, g in zip(hashes, groups)]
+        new = [h for h in dict.fromkeys(hashes) if h not in ids]
+        first = len(ids)
+        ids.update(zip(new, range(first, first + len(new))))
+        return list(zip(map(ids.__getitem__, hashes), groups))
+
     def _keys_on(self, pool: Any, block: Any) -> list[bytes]:
         keys = [] if block.block_hash is None else [block.block_hash]
         keys.extend(pool.cached_block_hashes_by_block.get(block.block_id, ()))
@@ -217,6 +231,18 @@ class CacheProbes(object if native.built is None else native.built.ProbeState):
         self._req = req
         self._request = request
         return req
+
+    def adopt_request(self, request: Any, hash_block_size: int) -> tuple[int, list[int]]:
+        """Take over a request already in flight when the capture armed (the start snapshot):
+        number it and intern every block hash it has; no ``RequestArrived`` is reported for
+        it. Returns its ``req`` and hash ids."""
+        request_id = request.request_id
+        req = self._req_number(request_id) if self._req_number else self._num_requests
+        self._num_requests += 1
+        hashes = request.block_hashes
+        hash_ids = self._hash_ids(hashes, 0, len(hashes), hash_block_size)
+        self._reqs[request_id] = (req, len(hashes))
+        return req, hash_ids
 
     def _hash_ids(self, hashes: list, start: int, stop: int, hash_block_size: int) -> list[int]:
         """Intern a request's hash units (a prompt has hundreds: comprehensions, not a loop; with

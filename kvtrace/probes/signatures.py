@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import sys
+import types
 from typing import Callable
 
 from kvtrace.errors import KvtraceError
@@ -149,6 +151,21 @@ def probe_targets() -> list[tuple[type, str, Callable]]:
             )
         targets.append((owner, method_name, function))
     return targets
+
+
+def replaced_methods() -> list[str]:
+    """The probed vLLM methods that are not vLLM's own right now (a probe, a trigger), by
+    qualified name: [] once every patch is undone. Imports nothing: a process that has not
+    imported vLLM's cache has nothing replaced."""
+    replaced = []
+    for qualname in EXPECTED_SIGNATURES:
+        module_name, class_name, method_name = qualname.rsplit(".", 2)
+        owner = getattr(sys.modules.get(module_name), class_name, None)
+        function = None if owner is None else owner.__dict__.get(method_name)
+        if function is not None and not (type(function) is types.FunctionType
+                                         and function.__module__ == owner.__module__):
+            replaced.append(qualname)
+    return replaced
 
 
 def block_pool_class() -> type:

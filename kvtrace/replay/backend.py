@@ -9,7 +9,9 @@ adding a line to ``BACKENDS``, without touching the driver.
 
 A replay that writes no trace wants only its ``ReplaySummary``: ``open_counting_backend`` gives
 it a backend that counts the summary's figures itself and makes no record, where the backend
-can (``COUNTING_BACKENDS``); any other backend feeds the summary its records.
+can (``COUNTING_BACKENDS``); any other backend feeds the summary its records. A replay that
+writes its trace and nothing else gets ``open_writing_backend``: the backend writes the records
+and counts the summary itself where it can (``WRITING_BACKENDS``).
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ from kvtrace.events import EngineConfig, FinishStatus, Record
 
 if TYPE_CHECKING:
     from kvtrace.replay.run import ReplaySummary
+    from kvtrace.replay.snapshot import StartSnapshot
+    from kvtrace.traceio import TraceWriter
 
 RecordSink = Callable[[Record], None]
 
@@ -76,6 +80,10 @@ class CacheBackend(Protocol):
     def release_blocks(self, block_ids: list[int]) -> None:
         """Free blocks by id, as the engine did outside the cache manager's calls."""
 
+    def restore(self, snapshot: StartSnapshot) -> None:
+        """Take a capture's start snapshot as the cache's state (a new backend only): its pool,
+        and its requests in flight with their blocks. ``open_backend`` calls it."""
+
     def close(self) -> None:
         """Release what the backend holds (the probes it armed)."""
 
@@ -113,19 +121,25 @@ def tokens_to_sync(req: int, num_tokens_held: int, num_tokens: int) -> int:
     return num_tokens - num_tokens_held
 
 
-BackendFactory = Callable[[EngineConfig, str, RecordSink], CacheBackend]
-CountingFactory = Callable[[EngineConfig, str, "ReplaySummary"], CacheBackend]
+BackendFactory = Callable[..., CacheBackend]
 
-# Backend name -> "module:class" that implements ``CacheBackend`` (imported on first use: the
-# vllm backend imports vLLM).
+# Backend name -> "module:factory" of (config, variant, sink, snapshot=None): a backend that
+# implements ``CacheBackend``, started from ``snapshot`` when one is given (imported on first
+# use: the vllm backend imports vLLM).
 BACKENDS: dict[str, str] = {
-    "vllm": "kvtrace.replay.vllm_backend:VllmBackend",
+    "vllm": "kvtrace.replay.vllm_backend:open_vllm_backend",
     "model": "kvtrace.replay.model:open_model_backend",
 }
 # Backends that can count a ``ReplaySummary``'s figures themselves, making no record: name ->
-# "module:factory" of (config, variant, summary), a backend that sets the figures on close.
+# "module:factory" of (config, variant, summary, snapshot=None), a backend that sets the
+# figures on close.
 COUNTING_BACKENDS: dict[str, str] = {
     "model": "kvtrace.replay.model:open_counting_model_backend",
+}
+# Backends that can write a replay's trace themselves (and count its summary from what they
+# write): name -> "module:factory" of (config, variant, writer, summary).
+WRITING_BACKENDS: dict[str, str] = {
+    "model": "kvtrace.replay.model:open_writing_model_backend",
 }
 
 
@@ -134,19 +148,46 @@ def _factory(location: str):
     return getattr(importlib.import_module(module_name), name)
 
 
-def open_backend(name: str, config: EngineConfig, variant: str,
-                 sink: RecordSink) -> CacheBackend:
-    """A new backend ``name`` on ``config`` under ``variant``, reporting to ``sink``."""
+def open_backend(name: str, config: EngineConfig, variant: str, sink: RecordSink,
+                 snapshot: StartSnapshot | None = None) -> CacheBackend:
+    """A new backend ``name`` on ``config`` under ``variant``, reporting to ``sink``, holding
+    ``snapshot``'s state when one is given."""
     factory: BackendFactory = _factory(BACKENDS[name])
-    return factory(config, variant, sink)
+    return factory(config, variant, sink, snapshot)
+
+
+def open_writing_backend(name: str, config: EngineConfig, variant: str, writer: TraceWriter,
+                         summary: ReplaySummary,
+                         snapshot: StartSnapshot | None = None) -> CacheBackend:
+    """A new backend ``name`` whose replay is written to ``writer`` and counted into
+    ``summary``: by the backend itself where it can, else record by record through both."""
+    if name in WRITING_BACKENDS:
+        return _factory(WRITING_BACKENDS[name])(config, variant, writer, summary, snapshot)
+
+    def sink(record: Record) -> None:
+        writer.write(record)
+        summary(record)
+    return open_backend(name, config, variant, sink, snapshot)
 
 
 def open_counting_backend(name: str, config: EngineConfig, variant: str,
-                          summary: ReplaySummary) -> CacheBackend:
+                          summary: ReplaySummary,
+                          snapshot: StartSnapshot | None = None) -> CacheBackend:
     """A new backend ``name`` whose replay only feeds ``summary``: counted by the backend
     itself where it can (the summary holds the figures once the backend is closed), else the
     summary is its record sink."""
     if name in COUNTING_BACKENDS:
-        factory: CountingFactory = _factory(COUNTING_BACKENDS[name])
-        return factory(config, variant, summary)
-    return open_backend(name, config, variant, summary)
+        factory: BackendFactory = _factory(COUNTING_BACKENDS[name])
+        return factory(config, variant, summary, snapshot)
+    return open_backend(name, config, variant, summary, snapshot)
+
+
+def started(backend: CacheBackend, snapshot: StartSnapshot | None) -> CacheBackend:
+    """``backend`` holding ``snapshot``'s state (closed again if that fails)."""
+    if snapshot is not None:
+        try:
+            backend.restore(snapshot)
+        except BaseException:
+            backend.close()
+            raise
+    return backend

@@ -42,6 +42,7 @@ from kvtrace.errors import ConfigError, KvtraceError
 from kvtrace.files import StagedOutput, cannot_write, file_digest, require_regular_file
 from kvtrace.events import (
     BlockRemoved,
+    BlockState,
     BlockStored,
     BlockTouched,
     CheckpointSuppressed,
@@ -53,17 +54,27 @@ from kvtrace.events import (
     ReplayInfo,
     RequestArrived,
     RequestPreempted,
+    RequestQueue,
+    RequestState,
     SlotsAllocated,
     StaleKeyLeft,
     StoreKind,
     TraceHeader,
     enum_label,
 )
-from kvtrace.replay.backend import BACKENDS, open_backend, open_counting_backend
+from kvtrace.geometry.cost import DEFAULT_GPU, CostModel, cost_model, gpu_throughput
+from kvtrace.replay.backend import (
+    BACKENDS,
+    open_backend,
+    open_counting_backend,
+    open_writing_backend,
+)
 from kvtrace.replay.execute import ExecuteOptions
+from kvtrace.replay.captured import CaptureEnds, StepCosts, StepFit
 from kvtrace.replay.release_worker import on_release, run_variant
+from kvtrace.replay.scheduler import Arrival, InFlight, Scheduler, arrivals_of
+from kvtrace.replay.snapshot import STATE_TYPES, StartSnapshot, snapshot_of
 from kvtrace.replay.variants import get_variant
-from kvtrace.replay.scheduler import Arrival, Scheduler, arrivals_of
 from kvtrace.traceio import TraceReader, TraceWriter
 from kvtrace.vllm_releases import running_vllm_version
 
@@ -86,6 +97,10 @@ class ReplayOptions:
     verify: bool = False
     write_traces: bool = True  # False: summaries only; outdir is not used
     execute: ExecuteOptions | None = None  # --execute: re-execute the recurrent state
+    model: str | None = None  # --model: what prices the lookups; None: the one the source names
+    # From a source's start snapshot (``Source.start``); never with a cache the snapshot cannot
+    # describe (another pool or retention), nor in lockstep without one.
+    warm_start: bool = True
 
 
 @dataclass(frozen=True)
@@ -100,6 +115,47 @@ class Source:
     num_dropped: int  # the closing record's count, else the sum of the drop markers
     num_captured_calls: int  # allocate_slots records: what lockstep re-issues
     digest: str
+    snapshot: StartSnapshot | None = None  # a capture that armed mid-flight starts with one
+    ends: CaptureEnds | None = None  # how far a capture's requests got (a capture only)
+    step_fit: StepFit | None = None  # how long the captured engine's steps took
+
+    def start(self, warm: bool) -> RunStart:
+        """What a run of this source starts from. A capture that armed mid-flight starts from
+        its snapshot: the cache as it was, and the requests in flight, each continuing as far
+        as the capture saw it (``CaptureEnds``: to its end, or cut where the window ended).
+        Not ``warm`` (a replay on another pool or retention, which the snapshot cannot
+        describe): from an empty cache, the requests in flight arriving at the snapshot."""
+        snapshot = self.snapshot
+        if snapshot is None:
+            return RunStart(self.arrivals)
+        unit = self.header.config.hash_block_size
+        ends = self.ends or CaptureEnds()
+        in_flight = []
+        for r in snapshot.requests:
+            num_prompt_units = r.prompt_len // unit
+            spec = Arrival(r.req, r.prompt_len, r.hash_ids[:num_prompt_units],
+                           ends.decode_length(r.req, r.prompt_len, r.num_tokens) or r.max_tokens,
+                           r.arrival_ns,
+                           [*r.hash_ids[num_prompt_units:], *snapshot.output_hash_ids.get(r.req, ())])
+            in_flight.append(InFlight(spec, r.queue == RequestQueue.RUNNING,
+                                      r.num_computed_tokens, r.num_tokens,
+                                      r.shared_prefix_boundary))
+        if not warm:
+            at_snapshot = [dataclasses.replace(held.spec, arrival_ns=snapshot.started.ts_ns)
+                           for held in in_flight]
+            return RunStart(sorted([*at_snapshot, *self.arrivals], key=lambda a: a.arrival_ns))
+        return RunStart(self.arrivals, snapshot, in_flight, snapshot.started.ts_ns)
+
+
+@dataclass(frozen=True)
+class RunStart:
+    """Where a run starts: the arrivals to come, and the engine's state then (a snapshot's
+    cache, and its requests in flight in their queues' order, at ``start_ns``)."""
+
+    arrivals: list[Arrival]
+    snapshot: StartSnapshot | None = None
+    in_flight: list[InFlight] = dataclasses.field(default_factory=list)
+    start_ns: int = 0
 
 
 def read_header(path: str) -> TraceHeader:
@@ -110,9 +166,14 @@ def read_header(path: str) -> TraceHeader:
 
 
 def read_source(path: str) -> Source:
+    """Read a source once: its arrivals, its start snapshot, and (a capture) how far each of
+    its requests got, each decoding as far as the capture saw it."""
     require_regular_file(path, "replay reads it more than once")
     reader = TraceReader(path)
     counts: Counter = Counter()
+    state: list[Record] = []
+    in_flight: set[int] = set()
+    ends, step_costs = CaptureEnds(), StepCosts()
 
     def counted(batches):
         for batch in batches:
@@ -121,17 +182,33 @@ def read_source(path: str) -> Source:
                     counts["calls"] += len(columns[0])
                 elif record_type is EventsDropped:
                     counts["dropped"] += sum(columns[0])
+                elif record_type is RequestState:
+                    in_flight.update(columns[0])
+            if any(record_type in STATE_TYPES for record_type in batch.types):
+                state.extend(r for r in batch.records() if r.family == "state")
+            ends.add_batch(batch)
+            step_costs.add_batch(batch)
             yield batch
 
-    arrivals = arrivals_of(counted(reader.batches()))
+    in_flight_outputs: dict[int, Any] = {}
+    arrivals = arrivals_of(counted(reader.batches()), in_flight, in_flight_outputs)
     config = reader.header.config  # without one, replay refuses the source anyway
     if config is not None:
         check_possible(config)
+    snapshot = snapshot_of(state)
+    if snapshot is not None and config is not None:
+        snapshot.check(config, path)
+        snapshot.output_hash_ids = in_flight_outputs
+    if counts["calls"]:  # a capture: each request decodes as far as it was seen to
+        arrivals = [dataclasses.replace(a, max_tokens=ends.decode_length(a.req, a.prompt_len)
+                                        or a.max_tokens) for a in arrivals]
     for arrival in arrivals if config else ():
         check_request(arrival.req, arrival.prompt_len, arrival.max_tokens,
                       len(arrival.hash_ids), config.hash_block_size)
     return Source(path, reader.header, arrivals, reader.truncated,
-                  reader.num_dropped or counts["dropped"], counts["calls"], file_digest(path))
+                  reader.num_dropped or counts["dropped"], counts["calls"], file_digest(path),
+                  snapshot, ends if counts["calls"] else None,
+                  step_costs.fit() if counts["calls"] else None)
 
 
 # --- summaries ----------------------------------------------------------------------------------
@@ -146,7 +223,12 @@ class ReplaySummary:
     stats do; hits after a preemption go to ``resumed_hit_tokens``). Per KV-cache group, a
     touched block is attributed to the group of the hash it carries (its last ``BlockStored``):
     ``hit_blocks`` are blocks taken by prefix hits, ``stored`` blocks keyed by kind, ``evicted``
-    LRU reuses of keyed blocks."""
+    LRU reuses of keyed blocks.
+
+    A trace that starts from a snapshot counts the requests whose first lookup falls inside
+    it: those that arrive, and those the snapshot shows waiting that were never admitted. A
+    request the snapshot shows running or preempted was admitted before: its lookups count as
+    resumed."""
 
     def __init__(self, config: EngineConfig | None) -> None:
         self.group_kinds = [g.kind for g in config.kv_cache_groups] if config else []
@@ -192,6 +274,14 @@ class ReplaySummary:
                     self.hit_tokens += hit
         elif kind is RequestArrived:
             self.prompt_tokens.setdefault(record.req, record.prompt_len)
+        elif kind is RequestState:
+            if record.status == "WAITING" and not record.num_preemptions:
+                self.prompt_tokens.setdefault(record.req, record.prompt_len)
+            else:
+                self._admitted.add(record.req)
+        elif kind is BlockState:
+            if record.hash_id >= 0:
+                self._block_group[record.block_id] = record.group
         elif kind is RequestPreempted:
             self.preemptions += 1
         elif kind is CheckpointSuppressed:
@@ -282,11 +372,11 @@ def replay(options: ReplayOptions,
     callback that gets the number of finished requests after each step. ``source``: the
     already read ``options.source``."""
     header = source.header if source else read_header(options.source)
-    if options.execute is not None and options.execute.model is None:
-        # The model the workload was written for (a capture or an older trace names none:
-        # execute mode's default then).
+    pricing, pricing_warning = _pricing(options, header)
+    if options.execute is not None:
         options = dataclasses.replace(options, execute=dataclasses.replace(
-            options.execute, model=header.params.get("model")))
+            options.execute, model=pricing.model.name if pricing else options.model,
+            tensor_parallel_size=pricing.tensor_parallel_size if pricing else None))
     if options.verify and options.overrides.changes_cache:
         raise ConfigError("--verify compares with the captured run, so the cache must be the "
                           "captured one", "Drop --num-gpu-blocks / --retention with --verify.")
@@ -298,13 +388,20 @@ def replay(options: ReplayOptions,
         raise ConfigError(f"unknown backend {options.backend!r}",
                           f"Known backends: {', '.join(BACKENDS)}.")
     source = source or read_source(options.source)
+    if source.step_fit is not None:  # a capture: its arrivals are on the engine's clock
+        settings = dataclasses.replace(settings, step_overhead_ns=source.step_fit.overhead_ns,
+                                       ns_per_token=source.step_fit.ns_per_token)
     if mode == "lockstep":
         _check_lockstep_source(options, source)
     records = _CapturedRecords(options.source)  # re-read by lockstep, never held
-    arrivals = source.arrivals
-    if not arrivals:
+    if not source.arrivals and source.snapshot is None:
         raise KvtraceError(f"{options.source} has no requests (no request_arrived records)",
                            "Replay a workload (kvtrace synth / import) or a captured trace.")
+    warm = options.warm_start and not options.overrides.changes_cache
+    if mode == "lockstep" and source.snapshot is not None and not warm:
+        raise ConfigError("lockstep re-issues calls made on the captured cache, which starts "
+                          "from the capture's snapshot", "Replay it without --lockstep.")
+    start = source.start(warm)
 
     outdir = Path(options.outdir)
     if options.write_traces:
@@ -315,7 +412,8 @@ def replay(options: ReplayOptions,
         except OSError as error:
             raise cannot_write(outdir, error) from None
     stem = Path(options.source).name.removesuffix(".kvtrace")
-    result = ReplayResult(mode, config, [], warnings=_source_warnings(source, mode))
+    result = ReplayResult(mode, config, [], warnings=_source_warnings(source, mode, warm)
+                          + ([pricing_warning] if pricing_warning else []))
     staged: list[StagedOutput] = []
     try:
         for variant in variants:
@@ -329,8 +427,11 @@ def replay(options: ReplayOptions,
                 replay=ReplayInfo(variant=variant, backend=options.backend, mode=mode,
                                   source_path=os.path.abspath(options.source),
                                   source_digest=source.digest),
-                params={**_params(settings, mode), **_execute_params(options.execute)})
-            on_step = progress(variant, len(arrivals)) if progress else None
+                params={**_params(settings, mode),
+                        **(pricing.header_params() if pricing else {}),
+                        **_execute_params(options.execute)})
+            on_step = (progress(variant, len(start.arrivals) + len(start.in_flight))
+                       if progress else None)
             keep = mode == "lockstep" and options.verify and variant == engine_variant
             release = on_release(get_variant(variant), header, mode, options.backend)
             if release != running_vllm_version():
@@ -342,7 +443,7 @@ def replay(options: ReplayOptions,
                 continue
             summary, replayed, steps, wall_s = _run_variant(
                 partial, replay_header, options.backend, config, variant, mode, records,
-                arrivals, settings, on_step, keep, options.execute)
+                start, settings, on_step, keep, options.execute)
             result.variants.append(VariantResult(variant, final, summary, wall_s, steps))
             if keep:
                 from kvtrace.replay.lockstep import verify
@@ -368,10 +469,15 @@ class _CapturedRecords:
         return iter(TraceReader(self.path))
 
 
-def _source_warnings(source: Source, mode: str) -> list[str]:
+def _source_warnings(source: Source, mode: str, warm: bool) -> list[str]:
     """What the operator must know about a source the replay reads only in part."""
     covered = "calls" if mode == "lockstep" else "requests"
     warnings = []
+    if source.snapshot is not None and not warm:
+        warnings.append(f"{source.path} starts from a snapshot of the captured cache, which "
+                        "this replay does not take (another pool or retention, or a sweep): it "
+                        f"starts from an empty cache, and the {len(source.snapshot.requests)} "
+                        "requests in flight at the snapshot arrive then")
     if source.truncated:
         warnings.append(f"{source.path} is truncated (its writer was cut off): the replay "
                         f"covers only the {covered} recorded before the cut")
@@ -382,7 +488,7 @@ def _source_warnings(source: Source, mode: str) -> list[str]:
 
 
 def _run_variant(path: str, header: TraceHeader, backend_name: str, config: EngineConfig,
-                 variant: str, mode: str, records: Iterable[Record], arrivals,
+                 variant: str, mode: str, records: Iterable[Record], start: RunStart,
                  settings: SchedulerSettings, on_step: Callable[[int], None] | None,
                  keep_records: bool, execute: ExecuteOptions | None
                  ) -> tuple[dict[str, Any], list[Record], int, float]:
@@ -411,9 +517,19 @@ def _run_variant(path: str, header: TraceHeader, backend_name: str, config: Engi
                     kept.append(record)
 
         steps = 0
-        # Nothing but the summary wants the records: a counting backend makes none.
-        opened = (open_counting_backend(backend_name, config, variant, summary)
-                  if sink is summary else open_backend(backend_name, config, variant, sink))
+        snapshot = start.snapshot
+        if snapshot is not None:  # a replay trace starts where its source did
+            for record in snapshot.records():
+                sink(record)
+        # Nothing but the summary wants the records: a counting backend makes none; nothing but
+        # the trace and the summary: a writing backend writes and counts them itself.
+        if sink is summary:
+            opened = open_counting_backend(backend_name, config, variant, summary, snapshot)
+        elif writer is not None and not keep_records and engine is None:
+            opened = open_writing_backend(backend_name, config, variant, writer, summary,
+                                          snapshot)
+        else:
+            opened = open_backend(backend_name, config, variant, sink, snapshot)
         with opened as backend, engine or contextlib.nullcontext():
             started = time.perf_counter()
             if mode == "lockstep":
@@ -421,7 +537,8 @@ def _run_variant(path: str, header: TraceHeader, backend_name: str, config: Engi
 
                 replay_lockstep(records, backend)
             else:
-                steps = Scheduler(backend, config, settings).run(arrivals, on_step).steps
+                steps = Scheduler(backend, config, settings).run(
+                    start.arrivals, on_step, start.in_flight, start.start_ns).steps
             executed = engine.finish() if engine is not None else None
             wall_s = time.perf_counter() - started
         if writer is not None:
@@ -476,13 +593,32 @@ def _params(settings: SchedulerSettings, mode: str) -> dict[str, str]:
     return {f"scheduler.{name}": str(value) for name, value in dataclasses.asdict(settings).items()}
 
 
+def _pricing(options: ReplayOptions, header: TraceHeader) -> tuple[CostModel | None, str]:
+    """The cost model that prices the replay's lookups (``--model``, else the model the source
+    was written for, at its tensor-parallel size), and a warning when the source names a model
+    that cannot be read (the replay then goes on unpriced). A capture names none."""
+    gpu = options.execute.gpu if options.execute else DEFAULT_GPU
+    if options.model:
+        return cost_model(options.model, None, gpu), ""
+    named = header.params.get("model")
+    if not named:
+        return None, ""
+    tensor_parallel = header.params.get("tensor_parallel_size", "")
+    try:
+        return cost_model(named, int(tensor_parallel) if tensor_parallel.isdigit() else None,
+                          gpu), ""
+    except ConfigError as error:
+        if options.execute is not None:
+            raise
+        return None, (f"the source names the model {named!r}, which cannot be read ({error}): "
+                      "its lookups are not priced; give --model")
+
+
 def _execute_params(execute: ExecuteOptions | None) -> dict[str, str]:
-    """With --execute, the cost figures the analysis side prices recomputed tokens with."""
+    """With --execute, the GPU its GPU-second estimate is priced on."""
     if execute is None:
         return {}
-    from kvtrace.replay.execute.cost import CostModel, gpu_throughput
-    from kvtrace.replay.execute.model import get_model
-
-    return CostModel(get_model(execute.model), gpu_throughput(execute.gpu)).header_params()
+    gpu = gpu_throughput(execute.gpu)
+    return {"execute.gpu": gpu.name, "execute.gpu_flops_per_s": repr(gpu.flops_per_s)}
 
 

@@ -46,7 +46,7 @@ from __future__ import annotations
 import dataclasses
 from array import array
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import msgspec
@@ -170,13 +170,28 @@ class Arrival:
     output_hash_ids: Sequence[int] | None = None
 
 
-def arrivals_of(source: Iterable[Record | RecordBatch]) -> list[Arrival]:
+@dataclass(frozen=True, slots=True)
+class InFlight:
+    """A request the scheduler already holds when the run starts (a capture's start snapshot):
+    running (holding blocks) or waiting, with its progress. ``spec.max_tokens`` is how many
+    outputs it has in all when it finishes."""
+
+    spec: Arrival
+    running: bool
+    num_computed_tokens: int
+    num_tokens: int
+    shared_prefix_boundary: int
+
+
+def arrivals_of(source: Iterable[Record | RecordBatch], in_flight: Collection[int] = (),
+                in_flight_outputs: dict[int, array] | None = None) -> list[Arrival]:
     """The requests of a workload or captured trace, in arrival order.
 
     A ``HashesExtended`` names the output units decode will complete (a later turn's prompt
     can share them); a captured trace may extend a request many times: the extensions add up.
-    Batches (``TraceReader.batches()``) are read from their columns, never as records: what
-    stays in memory is the arrivals alone."""
+    Those of the requests in ``in_flight`` (a start snapshot's, which never arrive) go to
+    ``in_flight_outputs``. Batches (``TraceReader.batches()``) are read from their columns,
+    never as records: what stays in memory is the arrivals alone."""
     arrivals: dict[int, Arrival] = {}
     outputs: dict[int, array] = {}
     for kind, req, *fields in _arrival_rows(source):
@@ -187,6 +202,8 @@ def arrivals_of(source: Iterable[Record | RecordBatch]) -> list[Arrival]:
             arrivals[req] = Arrival(req, prompt_len, array("q", hash_ids), max_tokens, arrival_ns)
         elif req in arrivals:
             outputs.setdefault(req, array("q")).extend(array("q", fields[0]))
+        elif in_flight_outputs is not None and req in in_flight:
+            in_flight_outputs.setdefault(req, array("q")).extend(array("q", fields[0]))
     requests = [dataclasses.replace(a, output_hash_ids=outputs[a.req]) if a.req in outputs
                 else a for a in arrivals.values()]
     requests.sort(key=lambda r: r.arrival_ns)  # stable: file order breaks ties
@@ -245,13 +262,22 @@ class Scheduler:
         self.running: list[_Request] = []
         self.clock_ns = 0
 
-    def run(self, requests: list[Arrival],
-            on_step: Callable[[int], None] | None = None) -> SchedulerStats:
+    def run(self, requests: list[Arrival], on_step: Callable[[int], None] | None = None,
+            in_flight: Sequence[InFlight] = (), start_ns: int = 0) -> SchedulerStats:
         """Schedule every request until all have finished; ``on_step(num_finished)`` after each
-        step (progress reporting)."""
+        step (progress reporting). ``in_flight``: requests already running or waiting at
+        ``start_ns`` (the backend holds them: ``CacheBackend.restore``), in their queues' order."""
         pending = deque(sorted(requests, key=lambda r: r.arrival_ns))
         for request in pending:
             check_fits_model_len(self.settings, request.req, request.prompt_len)
+        for held in in_flight:
+            request = _Request(held.spec)
+            request.num_computed_tokens = held.num_computed_tokens
+            request.num_tokens = held.num_tokens
+            request.num_output_tokens = held.num_tokens - held.spec.prompt_len
+            request.shared_prefix_boundary = held.shared_prefix_boundary
+            (self.running if held.running else self.waiting).append(request)
+        self.clock_ns = max(self.clock_ns, start_ns)
         while pending or self.waiting or self.running:
             if not self.waiting and not self.running:
                 self.clock_ns = max(self.clock_ns, pending[0].arrival_ns)

@@ -19,12 +19,15 @@ grid order. A worker reads the source once and keeps it for the tasks that follo
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
+import signal
 import socket
 import tempfile
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from math import ceil
 from typing import Any
@@ -241,10 +244,11 @@ def run_configuration(path: str, digest: str, backend: str, task: SweepTask,
                       data: bytes | None = None) -> dict[str, Any]:
     """Replay one configuration of a sweep into its row (no trace is written)."""
     source = _source_for(path, digest, data)
+    # Every point of a curve starts alike: a snapshot's cache fits one pool and retention only.
     options = ReplayOptions(
         source=path, outdir="", variants=(task.variant,), backend=backend, write_traces=False,
         overrides=Overrides(num_gpu_blocks=task.num_gpu_blocks,
-                            retention_interval=task.retention_interval))
+                            retention_interval=task.retention_interval), warm_start=False)
     try:
         variant = replay(options, source=source).variants[0]
     except KvtraceError as error:
@@ -295,26 +299,88 @@ def _run_in_processes(plan: SweepPlan, jobs: int,
                       finished: Callable[[SweepTask, dict[str, Any]], None]) -> str:
     """``jobs`` worker processes, forked once this one has read the source and built a backend
     (importing vLLM takes seconds), so that workers start with both; spawned where there is
-    no fork (they then read and import once each)."""
+    no fork (they then read and import once each). The workers live only as long as the
+    sweep: stopped when it fails or is stopped, killed with it if it is killed."""
     import multiprocessing
-    from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 
     method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
     if method == "fork":
         _warm_up(plan)
-    with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context(method)) as pool:
-        pending = {pool.submit(run_configuration, plan.source, plan.digest, plan.backend, task):
-                   task for task in plan.tasks}
-        try:
-            while pending:
-                done, _ = wait(pending, return_when=FIRST_COMPLETED)
-                for future in done:
-                    finished(pending.pop(future), future.result())
-        except BaseException:
-            for future in pending:
-                future.cancel()
-            raise
+    pool = None
+    try:
+        with _stop_signals_deferred():
+            pool = multiprocessing.get_context(method).Pool(
+                jobs, initializer=_become_worker, initargs=(os.getpid(),))
+        for index, row in pool.imap_unordered(
+                _run_task, [(plan.source, plan.digest, plan.backend, task) for task in plan.tasks]):
+            finished(plan.tasks[index], row)
+    except BaseException:
+        if pool is not None:
+            pool.terminate()
+        raise
+    finally:
+        if pool is not None:
+            pool.close()
+            pool.join()
     return f"{jobs} local processes"
+
+
+def _run_task(arguments: tuple[str, str, str, SweepTask]) -> tuple[int, dict[str, Any]]:
+    """A worker's task: one configuration, and its place in the grid."""
+    task = arguments[-1]
+    return task.index, run_configuration(*arguments)
+
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
+_deferred_signals: list[int] = []  # stop signals heard while workers were being forked
+
+
+def _defer(signum: int, _frame: Any) -> None:
+    _deferred_signals.append(signum)
+
+
+@contextlib.contextmanager
+def _stop_signals_deferred() -> Iterator[None]:
+    """Hold the stop signals while the workers are forked, and deliver them after. Raised
+    there, the exception of a stop lands in fork's at-fork handlers, which swallow it: the
+    sweep went on and exited 0, and a second SIGTERM was ignored."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {signum: signal.signal(signum, _defer) for signum in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        heard, _deferred_signals[:] = list(_deferred_signals), []
+        for signum in heard:
+            signal.raise_signal(signum)  # to the handler it was meant for, in plain code
+
+
+def _become_worker(parent: int) -> None:
+    """A worker's start: it dies with its parent (even a SIGKILLed one), takes SIGTERM's
+    default action (the pool stops it so; SIGHUP's too, unless ignored), and leaves Ctrl-C to
+    its parent."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    if signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN:
+        signal.signal(signal.SIGHUP, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _die_with_parent()
+    if _deferred_signals or os.getppid() != parent:  # stopped, or orphaned, while forked
+        os._exit(1)
+
+
+def _die_with_parent() -> None:
+    """Linux's PR_SET_PDEATHSIG: SIGKILL this process when its parent exits."""
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(pr_set_pdeathsig, int(signal.SIGKILL), 0, 0, 0)
+    except (OSError, AttributeError):
+        pass  # not Linux: the pool still stops its workers when the sweep ends or fails
 
 
 def _warm_up(plan: SweepPlan) -> None:
@@ -328,9 +394,10 @@ def _warm_up(plan: SweepPlan) -> None:
 
 
 def _check_listening(address: str) -> None:
-    """Ray retries a ``HOST:PORT`` where nothing listens for minutes: try it first, briefly."""
-    host, _, port = address.rpartition(":")
-    if not host or not port.isdigit() or "://" in address:
+    """Ray retries a ``HOST:PORT`` (or ``ray://HOST:PORT``, its client) where nothing listens
+    for a minute or more: try it first, briefly."""
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    if not host or not port.isdigit() or "://" in host:
         return  # auto, or a form Ray itself refuses at once
     try:
         socket.create_connection((host, int(port)), timeout=5).close()
@@ -349,18 +416,9 @@ def _run_on_ray(plan: SweepPlan, address: str, jobs: int,
                            "pip install 'kvtrace[ray]', or drop --ray to use local processes."
                            ) from None
     started_here = not ray.is_initialized()
-    if started_here:
-        try:
-            if address == "local":
-                ray.init(num_cpus=jobs, include_dashboard=False, log_to_driver=False)
-            else:
-                _check_listening(address)
-                ray.init(address=address, log_to_driver=False)
-        except (ConnectionError, RuntimeError, ValueError) as error:
-            raise KvtraceError(f"cannot connect to Ray at {address}: {error}",
-                               "Start a cluster (ray start --head), give its address, or use "
-                               "--ray local.") from None
     try:
+        if started_here:
+            _connect_to_ray(ray, address, jobs)
         with open(plan.source, "rb") as file:
             data = ray.put(file.read())
         remote = ray.remote(num_cpus=1)(run_configuration)
@@ -385,6 +443,70 @@ def _run_on_ray(plan: SweepPlan, address: str, jobs: int,
             return "the connected Ray cluster"
         return "a local Ray instance" if address == "local" else f"Ray at {address}"
     finally:
-        if started_here:
-            ray.shutdown()
+        if started_here:  # an instance started here, even half-way, is shut down
+            _shut_down_ray(ray)
 
+
+def _connect_to_ray(ray: Any, address: str, jobs: int) -> None:
+    """``ray.init`` for ``address``, leaving this process's stop handlers as they were: Ray's
+    driver takes SIGTERM for itself (``sys.exit(15)``, its instance left running a minute)."""
+    handlers = {signum: signal.getsignal(signum) for signum in STOP_SIGNALS}
+    main_thread = threading.current_thread() is threading.main_thread()
+    try:
+        if address == "local":
+            ray.init(num_cpus=jobs, include_dashboard=False, log_to_driver=False)
+        else:
+            _check_listening(address)
+            ray.init(address=address, log_to_driver=False)
+    except (ConnectionError, RuntimeError, ValueError) as error:
+        raise KvtraceError(f"cannot connect to Ray at {address}: {error}",
+                           "Start a cluster (ray start --head), give its address, or use "
+                           "--ray local.") from None
+    except SystemExit as stop:  # a SIGTERM that Ray's handler heard while starting
+        if stop.code != signal.SIGTERM or not main_thread:
+            raise
+        _restore(handlers)
+        signal.raise_signal(signal.SIGTERM)  # to the handler it was meant for
+        raise
+    finally:
+        if main_thread:
+            _restore(handlers)
+
+
+def _restore(handlers: dict[int, Any]) -> None:
+    for signum, handler in handlers.items():
+        if handler is not None:
+            signal.signal(signum, handler)
+
+
+def _shut_down_ray(ray: Any) -> None:
+    """``ray.shutdown()``, then SIGKILL for what it left of the processes this one started:
+    an instance stopped while it started (SIGTERM inside ``ray.init``) left its dashboard and
+    runtime-env agents running, orphaned, for minutes. The processes are held by pidfd from
+    before the shutdown, so that no pid reused meanwhile is hit."""
+    handles = []
+    for pid in _descendants(os.getpid()):
+        with contextlib.suppress(OSError):  # gone already
+            handles.append(os.pidfd_open(pid))
+    try:
+        ray.shutdown()
+    finally:
+        for handle in handles:
+            with contextlib.suppress(OSError):  # gone as it should be
+                signal.pidfd_send_signal(handle, signal.SIGKILL)
+            os.close(handle)
+
+
+def _descendants(pid: int) -> list[int]:
+    """The processes below ``pid``, from /proc."""
+    parent_of = {}
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError, IndexError, ValueError):
+                with open(os.path.join(entry.path, "stat")) as stat:
+                    parent_of[int(entry.name)] = int(stat.read().rsplit(")", 1)[1].split()[1])
+    found, frontier = [], {pid}
+    while frontier:
+        frontier = {child for child, parent in parent_of.items() if parent in frontier}
+        found += frontier
+    return found

@@ -211,6 +211,8 @@ VARIANTS.update({
         f"vllm {version}, installed beside the project's vLLM (kvtrace vllm install)",
         False, None, _STRIP, vllm_decides=True, release=version)
     for version in SUPPORTED_VLLM_VERSIONS})
+# The variants both backends have: the modelled policies (a release's code is the vllm backend's).
+MODELLED_VARIANTS = tuple(name for name, variant in VARIANTS.items() if variant.release is None)
 
 
 def get_variant(name: str) -> Variant:

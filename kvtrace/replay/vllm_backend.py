@@ -12,14 +12,17 @@ Token ids are placeholders (0) and never leave this module.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvtrace.engine_config import check_added_request, validate
 from kvtrace.errors import ConfigError, KvtraceError
 from kvtrace.events import EngineConfig, FinishStatus, HashInterner
 from kvtrace.probes import CacheProbes
-from kvtrace.replay.backend import RecordSink, take_pending_hit, tokens_to_sync
+from kvtrace.replay.backend import RecordSink, started, take_pending_hit, tokens_to_sync
 from kvtrace.replay.variants import get_variant
+
+if TYPE_CHECKING:
+    from kvtrace.replay.snapshot import StartSnapshot
 
 _HASH_ID_BYTES = 8
 UNLIMITED_MODEL_LEN = 1 << 24  # what a max_model_len of 0 (unlimited) becomes
@@ -186,6 +189,38 @@ class VllmBackend:
     def num_free_blocks(self) -> int:
         return self.manager.block_pool.get_num_free_blocks()
 
+    def restore(self, snapshot: StartSnapshot) -> None:
+        """Start from a capture's start snapshot (``probes.snapshot.restore`` writes it into the
+        real cache): its requests in flight become vLLM ``Request``s with their progress, and
+        the probes learn them as the capture's did, so none is reported as arriving."""
+        from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
+        from vllm.v1.request import RequestStatus
+
+        from kvtrace.probes import snapshot as live_snapshot
+
+        unit = self.config.hash_block_size
+        for state in snapshot.requests:
+            known_ids = [*state.hash_ids, *snapshot.output_hash_ids.get(state.req, ())]
+            request = new_request(state.req, state.prompt_len, state.max_tokens, known_ids, unit,
+                                  self.made_up_hash_id)
+            if state.num_tokens > state.prompt_len:
+                request.append_output_token_ids([0] * (state.num_tokens - state.prompt_len))
+            request.num_computed_tokens = state.num_computed_tokens
+            request.status = RequestStatus[state.status]
+            request.num_preemptions = state.num_preemptions
+            request.shared_prefix_boundary = state.shared_prefix_boundary
+            self._requests[state.req] = request
+            if self.probes is not None:
+                self.probes.adopt_request(request, unit)
+        if self.probes is not None:
+            for key in snapshot.keys:
+                if key.num_tokens > 0:
+                    self.probes._depth.setdefault(key.hash_id, key.num_tokens)
+        live_snapshot.restore(
+            self.manager, snapshot,
+            lambda hash_id, group: make_block_hash_with_group_id(hash_bytes_of(hash_id), group),
+            self._requests.__getitem__)
+
     # --- beyond the protocol: lockstep and inspection -------------------------------------------
 
     def sync_request(self, req: int, num_computed_tokens: int, num_tokens: int) -> None:
@@ -229,6 +264,13 @@ class VllmBackend:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def open_vllm_backend(config: EngineConfig, variant: str, sink: RecordSink,
+                      snapshot: StartSnapshot | None = None) -> VllmBackend:
+    """The registered factory (``backend.BACKENDS``): a ``VllmBackend``, started from
+    ``snapshot`` when one is given."""
+    return started(VllmBackend(config, variant, sink), snapshot)
 
 
 class _ByteInterner:

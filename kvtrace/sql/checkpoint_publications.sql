@@ -9,7 +9,7 @@
 --   published: BlockStored records of kind CHECKPOINT
 --   suppressed: CheckpointSuppressed records (kept request-local by the #56794 gate)
 --   stripped_hashes: sum of num_stripped over the suppressions
---   hits_on_published: hits on the published entries (entry_hits view)
+--   hits_on_published: hits on the published entries (cache_entries.hits)
 --   published_evicted_by_lru: published entries later removed with reason LRU_REUSE
 -- A published or suppressed checkpoint takes the class of the request's latest
 -- CheckpointRecorded at the same group and position before it.
@@ -18,10 +18,9 @@ WITH facts AS (
            false AS evicted
     FROM checkpoint_recorded
     UNION ALL
-    SELECT e.run, e.group_id, e.position_class, 'published', 0, coalesce(h.hits, 0),
+    SELECT e.run, e.group_id, e.position_class, 'published', 0, e.hits,
            coalesce(e.removed_reason = 'LRU_REUSE', false)
     FROM cache_entries e
-    LEFT JOIN entry_hits h ON h.run = e.run AND h.stored_seq = e.stored_seq
     WHERE e.kind = 'CHECKPOINT'
     UNION ALL
     SELECT s.run, s.group_id, c.position_class, 'suppressed', s.num_stripped, 0, false

@@ -4,7 +4,7 @@
 --   run: the run
 --   variant: its variant (or trace source)
 --   req: the request
---   lookup: its admitted lookups in order: 1 = first admission, 2... = resumptions after preemption
+--   lookup: its admitted lookups in order: 1 = first admission, 2... = resumptions after preemption (a request in flight when a capture began counts on from the admissions it had)
 --   step: scheduler step of the lookup (get_computed_blocks)
 --   query_tokens: the request's num_tokens at the lookup (its prompt on the first admission)
 --   ideal_tokens: the hit an unbounded cache under the same schedule would have given
@@ -21,6 +21,7 @@
 --   removed_step: step the key's last copy was removed at (NULL: it was never stored)
 --   removed_by_req: the request whose allocation evicted it (NULL: not evicted in an allocation)
 --   transient_behind: transient checkpoints cached in the free queue when it was evicted
+--   in_flight: the request was in flight when a capture began (in its start snapshot)
 -- Definitions (docs/miss-attribution.md). Per lookup: hit_tokens + sum(tokens) = query_tokens, and
 -- the in_shortfall rows sum to ideal_tokens - hit_tokens. The ideal is the longest prefix of the
 -- request's hash units that successful allocations of any request had scheduled before the
@@ -32,6 +33,6 @@
 -- only gets tokens the causes before it left. No row for a cause that cost nothing.
 SELECT run, variant, req, lookup, step, query_tokens, ideal_tokens, hit_tokens,
        attention_hit_tokens, mamba_hit_tokens, cause, in_shortfall, tokens, from_tokens, to_tokens,
-       key_group, key_depth_tokens, removed_step, removed_by_req, transient_behind
+       key_group, key_depth_tokens, removed_step, removed_by_req, transient_behind, in_flight
 FROM miss_attribution
 ORDER BY run, seq, from_tokens

@@ -10,7 +10,7 @@
 --   depth_tokens: tokens the prefix covers (num_tokens of its BlockStored; the largest if several)
 --   kind: how it was stored the last time (FULL, PARTIAL or CHECKPOINT)
 --   times_stored: BlockStored records of the prefix (a prefix evicted and recomputed is stored again)
---   hits: BlockTouched on its block while it was cached (see the entry_hits view)
+--   hits: BlockTouched on its block while it was cached (cache_entries.hits)
 --   lru_evictions: its BlockRemoved records with reason LRU_REUSE
 --   first_stored_step: step of its first BlockStored
 --   last_hit_step: step of its last hit (NULL: never hit)
@@ -18,11 +18,10 @@
 WITH per_prefix AS (
     SELECT e.run, any_value(e.variant) AS variant, e.hash_id, e.group_id,
            max(e.num_tokens) AS depth_tokens, arg_max(e.kind, e.stored_seq) AS kind,
-           count(*) AS times_stored, coalesce(sum(h.hits), 0) AS hits,
+           count(*) AS times_stored, sum(e.hits) AS hits,
            count(*) FILTER (WHERE e.removed_reason = 'LRU_REUSE') AS lru_evictions,
-           min(e.stored_step) AS first_stored_step, max(h.last_hit_step) AS last_hit_step
+           min(e.stored_step) AS first_stored_step, max(e.last_hit_step) AS last_hit_step
     FROM cache_entries e
-    LEFT JOIN entry_hits h ON h.run = e.run AND h.stored_seq = e.stored_seq
     GROUP BY e.run, e.hash_id, e.group_id)
 SELECT run, variant, hash_id, group_id, depth_tokens, kind, times_stored, hits, lru_evictions,
        first_stored_step, last_hit_step

@@ -27,6 +27,10 @@ from kvtrace.errors import KvtraceError
 from kvtrace.workloads.workload import Workload, WorkloadRequest
 
 MOONCAKE_BLOCK_SIZE = 512
+# The longest line read: a request of the most tokens kvtrace replays (2**26) takes about 3 MB
+# at Mooncake's 512-token blocks and 40 MB at Bailian's 16. A longer line (or one without end:
+# /dev/zero) is refused once this much of it is read, not held whole.
+MAX_LINE_BYTES = 64 << 20
 
 
 class MooncakeRow(msgspec.Struct):
@@ -74,7 +78,13 @@ def read_request_log(path: str | os.PathLike,
     parent_of: dict[int, tuple[int | None, int]] = {}  # block id -> (parent id, first line)
     try:
         with open(path, "rb") as log:
-            for line_number, line in enumerate(log, start=1):
+            for line_number, line in enumerate(iter(lambda: log.readline(MAX_LINE_BYTES + 1),
+                                                    b""), start=1):
+                if len(line) > MAX_LINE_BYTES:
+                    raise RequestLogError(
+                        f"{path}, line {line_number}: longer than {MAX_LINE_BYTES >> 20} MiB, "
+                        "more than any request kvtrace replays takes",
+                        "Check that it is a request log, one JSON object per line.")
                 digest.update(line)
                 if not line.strip():
                     continue

@@ -26,6 +26,7 @@ stores are not in position order: a checkpoint at 1008 follows the block at 1024
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections import OrderedDict
@@ -51,13 +52,13 @@ from kvtrace.events import (
     SlotsAllocated,
     StaleKeyLeft,
 )
+from kvtrace.geometry.cost import cost_model
 from kvtrace.replay.execute import TORCH_DEVICES, ExecuteOptions
-from kvtrace.replay.execute.cost import CostModel, gpu_throughput
 from kvtrace.replay.execute.inputs import TAIL_DOMAIN, UnitInputs
 from kvtrace.replay.execute.kda import TorchKernel, fla_kernel
-from kvtrace.replay.execute.model import CPU_STATE_SCALE, StateShape, get_model, state_shape
+from kvtrace.replay.execute.model import CPU_STATE_SCALE, StateShape, state_shape
 
-DEFAULT_CHUNK = 64  # chunk size when the Mamba groups declare no checkpoint alignment
+DEFAULT_CHUNK = 64  # chunk size when the Mamba groups declare no coarser checkpoint grid
 # Inputs derived at once, per batch of units: CPU caches, GPU launches.
 MAX_INPUT_ELEMENTS = {"cpu": 1 << 22, "cuda": 1 << 25}
 FLA_DIM_MULTIPLE = 16  # fla's Triton kernels tile head dims by 16
@@ -225,8 +226,12 @@ class ExecuteEngine:
 
     def __init__(self, config: EngineConfig, options: ExecuteOptions) -> None:
         self.device = resolve_device(options.device)
-        model = get_model(options.model)
-        self.cost = CostModel(model, gpu_throughput(options.gpu))
+        if options.model is None:
+            raise ConfigError("execute mode re-executes the state of the model the source was "
+                              "written for, and this source names none (a capture)",
+                              "Name it: kvtrace replay --execute --model NAME|CONFIG.json.")
+        self.cost = cost_model(options.model, options.tensor_parallel_size, options.gpu)
+        model = self.cost.model
         mamba = [i for i, g in enumerate(config.kv_cache_groups) if g.kind == "mamba"]
         if not mamba:
             raise ConfigError("--execute re-executes Mamba/KDA state, and this engine has no "
@@ -234,7 +239,12 @@ class ExecuteEngine:
         self.group_index = {group: i for i, group in enumerate(mamba)}
         self.unit = config.hash_block_size
         spec = config.kv_cache_groups[mamba[0]]
-        self.chunk_size = math.gcd(self.unit, spec.prefill_checkpoint_alignment or DEFAULT_CHUNK)
+        # Chunks on the groups' checkpoint grid (FlashKDA's 16 tokens); on a one-token grid
+        # (Mamba2) or none, DEFAULT_CHUNK: the chunking orders the arithmetic, it does not
+        # change the state at a hash-unit boundary, where execute mode reads states.
+        alignment = spec.prefill_checkpoint_alignment
+        self.chunk_size = math.gcd(self.unit, alignment if alignment and alignment > 1
+                                   else DEFAULT_CHUNK)
         self.shape = self._shape(model, len(mamba), options.state_scale, config.num_gpu_blocks)
         on_cuda = self.device.type == "cuda"
         check_pool_memory(
@@ -612,6 +622,10 @@ def execute_trace(path: str, options: ExecuteOptions) -> dict[str, Any]:
     if reader.header.config is None:
         raise KvtraceError(f"{path} has no engine config in its header",
                            "Execute a replay trace (kvtrace replay -o DIR writes them).")
+    params = reader.header.params
+    if options.model is None and "cost.model" in params:  # the model the replay priced
+        options = dataclasses.replace(options, model=params["cost.model"],
+                                      tensor_parallel_size=int(params["cost.tensor_parallel_size"]))
     with ExecuteEngine(reader.header.config, options) as engine:
         for record in reader:
             engine(record)

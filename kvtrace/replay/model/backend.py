@@ -18,6 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import msgspec
+
 from kvtrace.engine_config import check_added_request, validate
 from kvtrace.errors import ConfigError, KvtraceError
 from kvtrace.events import (
@@ -40,6 +42,7 @@ from kvtrace.replay.vllm_backend import UNLIMITED_MODEL_LEN, MadeUpHashIds
 
 if TYPE_CHECKING:
     from kvtrace.replay.run import ReplaySummary
+    from kvtrace.replay.snapshot import StartSnapshot
 
 Hits = tuple[list[int], ...]  # per KV-cache group: the hit blocks (null blocks included)
 SpecGroups = list[tuple[tuple[bool, int], list[int]]]  # ((is Mamba, block size), group ids)
@@ -249,6 +252,34 @@ class ModelBackend:
         check_release(block_ids, self.num_gpu_blocks, self.pool.ref.__getitem__)
         self.pool.free_blocks(block_ids, released=True)
         self.flush()
+
+    def restore(self, snapshot: StartSnapshot) -> None:
+        """Start from a capture's start snapshot: its pool, and its requests in flight with
+        their blocks and per-request state in every group (their decode completes the output
+        units the snapshot names, then made-up ones)."""
+        unit = self.hash_block_size
+        depth = self.depth
+        for state in snapshot.requests:
+            known_ids = [*state.hash_ids, *snapshot.output_hash_ids.get(state.req, ())]
+            if known_ids:
+                self.made_up_hash_id.skip_past(max(known_ids))
+            request = Request(state.req, state.prompt_len, max(1, state.max_tokens), known_ids,
+                              unit)
+            request.num_tokens = state.num_tokens
+            request.num_hashes = request.num_reported = len(state.hash_ids)
+            request.num_computed_tokens = state.num_computed_tokens
+            request.shared_prefix_boundary = state.shared_prefix_boundary
+            self.requests[state.req] = request
+            depth.update(zip(state.hash_ids, range(unit, (len(state.hash_ids) + 1) * unit, unit)))
+        for key in snapshot.keys:
+            if key.num_tokens > 0:
+                depth.setdefault(key.hash_id, key.num_tokens)
+        self.pool.restore(snapshot)
+        for state in snapshot.request_blocks:
+            self.managers[state.group].restore_request(state.req, state.block_ids, state.fields)
+        if self.summary is not None:  # counting: the summary's figures start from it too
+            for record in snapshot.records():
+                self.records.report(type(record), *msgspec.structs.astuple(record))
 
     def close(self) -> None:
         self.flush()

@@ -21,6 +21,7 @@ from kvtrace.events import (
 from kvtrace.replay.model.pool import CHECKPOINT, NULL_BLOCK, PARTIAL, STALE_CHECKPOINT, BlockPool
 from kvtrace.replay.model.reports import Records, Tally
 from kvtrace.replay.scheduler import MambaAlignedSplit, mamba_checkpoint_position
+from kvtrace.replay.snapshot import SnapshotError
 from kvtrace.replay.variants import CheckpointAction, CheckpointFacts, Variant
 
 _STRIP, _KEEP_LOCAL = CheckpointAction.STRIP, CheckpointAction.KEEP_LOCAL
@@ -184,6 +185,26 @@ class FullAttentionManager:
             return
         self.pool.cache_partial_block(request.hash_ids, request.num_hashes, table[index],
                                       boundary, self.group, False, PARTIAL, request.req)
+
+    # --- a start snapshot ----------------------------------------------------------------------
+
+    def restore_request(self, req: int, block_ids: list[int], fields: dict[str, list[int]]) -> None:
+        """A request in flight at a start snapshot: its blocks and the per-request state vLLM's
+        manager keeps, given by vLLM's attribute names (``probes.snapshot.REQUEST_FIELDS``)."""
+        self.tables[req] = list(block_ids)
+        for name, values in fields.items():
+            if not self.restore_field(req, name, values):
+                raise SnapshotError(f"the start snapshot gives request {req} {name} in "
+                                    f"KV-cache group {self.group}, which keeps no such state")
+
+    def restore_field(self, req: int, name: str, values: list[int]) -> bool:
+        if name == "num_cached_block":
+            self.num_cached[req] = values[0]
+        elif name == "_partial_hit_reqs":
+            self.partial_hits[req] = (values[0], values[1])
+        else:
+            return False
+        return True
 
     # --- release -------------------------------------------------------------------------------
 
@@ -485,6 +506,21 @@ class MambaManager(FullAttentionManager):
             if key_num_tokens != position:
                 self.records.report(StaleKeyLeft, request.req, self.group, slot, hash_id,
                                     key_num_tokens, position)
+
+    def restore_field(self, req: int, name: str, values: list[int]) -> bool:
+        if name == "last_state_block_idx":
+            self.last_state[req] = values[0]
+        elif name == "_num_retired_blocks":
+            self.num_retired[req] = values[0]
+        elif name == "_allocated_block_reqs":
+            self.allocated.add(req)
+        elif name == "_checkpoints":
+            self.checkpoints[req] = (values[0], values[1])
+        elif name == "_producer_partial_tail_reqs":
+            self.producer_tails[req] = (values[0], values[1])
+        else:
+            return super().restore_field(req, name, values)
+        return True
 
     # --- release -------------------------------------------------------------------------------
 

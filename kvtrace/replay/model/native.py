@@ -5,7 +5,8 @@ optional: no C compiler) or turned off with ``KVTRACE_NATIVE=0``. ``NativeModelB
 and derives everything in Python, as the pure-Python ``ModelBackend`` does (the same functions),
 and leaves the cache itself to the C core; the checkpoint decision stays the shared Python
 table (the core calls ``Variant.checkpoint_action``). Counting a summary, the core makes no
-record and keeps the counters in C (``_counts()``, in the shape of ``reports.Counts``).
+record and keeps the counters in C (``_counts()``, in the shape of ``reports.Counts``); given a
+trace writer as well, it writes the records' column batches itself (``TraceWriter.write_batch``).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from kvtrace.replay.model.backend import (
 from kvtrace.replay.model.reports import Counts
 from kvtrace.replay.variants import get_variant
 from kvtrace.replay.vllm_backend import UNLIMITED_MODEL_LEN
+from kvtrace.traceio import TraceWriter
 
 if TYPE_CHECKING:
     from kvtrace.replay.run import ReplaySummary
@@ -80,8 +82,11 @@ if built is not None:
         backend_name = "model"
 
         def __init__(self, config: EngineConfig, variant: str, sink: RecordSink | None = None,
-                     summary: ReplaySummary | None = None) -> None:
-            """As ``ModelBackend``: records to ``sink``, or counted into ``summary``."""
+                     summary: ReplaySummary | None = None,
+                     writer: TraceWriter | None = None) -> None:
+            """As ``ModelBackend``: records to ``sink``, or counted into ``summary``; with
+            ``writer`` too, the core also writes the records to it as column batches, in C
+            (the summary then counts the very reports the batches hold)."""
             if (sink is None) == (summary is None):
                 raise TypeError("a model backend reports to a sink or counts into a summary")
             validate(config)
@@ -101,7 +106,7 @@ if built is not None:
                              config.max_model_len or UNLIMITED_MODEL_LEN,
                              config.retention_interval, config.enable_caching, plan.hybrid,
                              plan.partial_hits, plan.alignment, plan.simple_hybrid, groups,
-                             specs)
+                             specs, *((writer.write_batch, writer.batch_size) if writer else ()))
 
         def add_request(self, req: int, prompt_len: int, hash_ids: list[int], max_tokens: int,
                         output_hash_ids: list[int] | None = None) -> None:

@@ -246,6 +246,31 @@ class BlockPool:
             if block != NULL_BLOCK:
                 out.report(BlockFreed, block, ref[block], key_hash[block] is not None)
 
+    def restore(self, snapshot) -> None:
+        """Take a start snapshot's pool (``replay.snapshot.StartSnapshot``): reference counts,
+        primary keys, every key's holders in lookup order, the free queue's order."""
+        ref, key_hash, key_group, key_tokens = self.ref, self.key_hash, self.key_group, self.key_tokens
+        for state in snapshot.blocks:
+            ref[state.block_id] = state.ref_cnt
+            if state.hash_id >= 0:
+                key_hash[state.block_id] = state.hash_id
+                key_group[state.block_id] = state.group
+                key_tokens[state.block_id] = state.num_tokens
+        for key in snapshot.keys:
+            table = self.cached[key.group]
+            for block in key.block_ids:
+                if (key_hash[block], key_group[block]) != (key.hash_id, key.group):
+                    self.extra_keys.setdefault(block, []).append((key.hash_id, key.group))
+            holders = list(key.block_ids)
+            table[key.hash_id] = holders[0] if len(holders) == 1 else holders
+        next_free, prev_free = self.next_free, self.prev_free
+        next_free[:] = prev_free[:] = [-1] * len(next_free)
+        order = [self.head, *snapshot.free_queue, self.tail]
+        for before, after in zip(order, order[1:]):
+            next_free[before] = after
+            prev_free[after] = before
+        self.num_free = len(snapshot.free_queue)
+
     def free_queue(self) -> list[int]:
         """The free queue from head (reused first) to tail (for tests and inspection)."""
         blocks, block = [], self.next_free[self.head]

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 from kvtrace.events import (
     BlockRemoved,
+    BlockState,
     BlockStored,
     BlockTouched,
     CheckpointSuppressed,
@@ -24,6 +25,7 @@ from kvtrace.events import (
     RemoveReason,
     RequestArrived,
     RequestPreempted,
+    RequestState,
     SlotsAllocated,
     StaleKeyLeft,
     StoreKind,
@@ -105,7 +107,8 @@ class Tally(Counts):
             BlockTouched: self.block_touched, ComputedBlocksFound: self.computed_blocks_found,
             SlotsAllocated: self.slots_allocated, RequestArrived: self.request_arrived,
             RequestPreempted: self.request_preempted,
-            CheckpointSuppressed: self.checkpoint_suppressed, StaleKeyLeft: self.stale_key_left}
+            CheckpointSuppressed: self.checkpoint_suppressed, StaleKeyLeft: self.stale_key_left,
+            RequestState: self.request_state, BlockState: self.block_state}
 
     def mark(self) -> int:
         return 0
@@ -151,6 +154,21 @@ class Tally(Counts):
 
     def request_arrived(self, req: int, prompt_len: int, *fields: object) -> None:
         self.prompt_tokens.setdefault(req, prompt_len)
+
+    def request_state(self, req: int, queue: int, status: str, prompt_len: int,
+                      *fields: object) -> None:
+        """A request in flight at a start snapshot: never admitted yet, it counts as an
+        arrival; else its first admission was before (``ReplaySummary`` alike)."""
+        num_preemptions = fields[4]
+        if status == "WAITING" and not num_preemptions:
+            self.prompt_tokens.setdefault(req, prompt_len)
+        else:
+            self.admitted.add(req)
+
+    def block_state(self, block: int, ref_cnt: int, hash_id: int, group: int,
+                    num_tokens: int) -> None:
+        if hash_id >= 0:
+            self.block_group[block] = group
 
     def request_preempted(self, req: int) -> None:
         self.preemptions += 1

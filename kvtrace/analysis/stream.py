@@ -1,0 +1,305 @@
+"""The streaming pass over one trace that `kvtrace load` and `kvtrace why` make: the miss
+attribution and the cache entries, from the trace's record batches, in one pass.
+
+``new_pass`` gives the C core (``csrc/forensics_core.c``, ``kvtrace._forensics_core``) where it
+is built and on, else its twins: the attribution's Python reference (``MissAttributor``), the
+SQL of ``database.CACHE_ENTRIES_SQL`` for the cache entries (the loader runs it once every run's
+records are in) and the loader's own table sink (``load._RunSink``). Either hands over:
+
+* ``take_tables(chunk)``: every whole chunk of rows made so far (0: all), per table, as int64
+  columns (``NONE`` for NULL): the ``miss_attribution`` rows (``ATTRIBUTION_COLUMNS``) and, by
+  the C core, the ``cache_entry_figures`` rows (``ENTRY_COLUMNS``) and the rows of the record
+  tables of ``shaped_types`` (``TABLES``);
+* ``lookups`` once the trace ended (``keep_lookups``): the attributed lookups as
+  ``LookupAttribution`` objects, for ``why``.
+
+tests/test_attribution.py holds the C core to its twins, row for row.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+
+import numpy as np
+
+from kvtrace.analysis.attribution import (
+    CAUSES,
+    LookupAttribution,
+    LostKey,
+    MissAttributor,
+    Removal,
+    Segment,
+    iter_rows,
+    new_attributor,
+)
+from kvtrace.analysis.database import (
+    child_table,
+    element_column,
+    is_enum_field,
+    is_list_field,
+    record_fields,
+    stored_column,
+)
+from kvtrace.errors import TraceFormatError
+from kvtrace.events import (
+    RECORD_TYPES,
+    BlockAllocated,
+    BlockFreed,
+    BlockRemoved,
+    BlockState,
+    BlockStored,
+    BlockTouched,
+    CheckpointClass,
+    CheckpointRecorded,
+    CheckpointSuppressed,
+    ComputedBlocksFound,
+    EventsDropped,
+    HashesExtended,
+    KeyCached,
+    RemoveReason,
+    RequestArrived,
+    RequestFinished,
+    RequestPreempted,
+    RequestQueue,
+    RequestState,
+    SlotsAllocated,
+    StepStarted,
+    StoreKind,
+    TraceHeader,
+    tag_of,
+)
+from kvtrace.traceio import RecordBatch
+
+try:
+    from kvtrace import _forensics_core as built
+except ImportError:
+    built = None
+
+core = built if os.environ.get("KVTRACE_NATIVE") != "0" else None
+
+NONE = np.iinfo(np.int64).min  # NULL in a column the pass hands over
+
+# The fields the C core reads of each kind, in the order of its K_* codes (a list field is two
+# columns there: lengths, values).
+FIELDS = {
+    StepStarted: (),
+    RequestArrived: ("req", "hash_ids", "request_id"),
+    HashesExtended: ("req", "hash_ids"),
+    ComputedBlocksFound: ("req", "num_hit_tokens", "shared_prefix_boundary"),
+    SlotsAllocated: ("req", "num_new_tokens", "num_computed_tokens", "num_new_computed_tokens",
+                     "num_external_computed_tokens", "num_tokens", "success"),
+    RequestFinished: ("req",),
+    RequestPreempted: ("req",),
+    BlockAllocated: ("block_id",),
+    BlockTouched: ("block_id",),
+    BlockFreed: ("block_id", "ref_cnt"),
+    BlockStored: ("block_id", "hash_id", "group", "num_tokens", "kind", "req"),
+    BlockRemoved: ("block_id", "hash_id", "group", "reason"),
+    CheckpointRecorded: ("req", "group", "position", "position_class"),
+    CheckpointSuppressed: ("req", "group", "position"),
+    EventsDropped: ("count",),
+    BlockState: ("block_id", "ref_cnt"),
+    KeyCached: ("hash_id", "group", "num_tokens", "block_ids"),
+    RequestState: ("req", "queue", "hash_ids", "num_computed_tokens", "num_preemptions",
+                   "request_id"),
+}
+_CODES = {record_type: code for code, record_type in enumerate(FIELDS)}
+_SKIP = 255
+
+
+def _field_kind(field_type: object) -> str:
+    if is_list_field(field_type):
+        return "l"
+    if field_type in (int, bool) or is_enum_field(field_type):
+        return "i"
+    return "o"
+
+
+def _spec(record_type: type) -> tuple:
+    """How the C core reads a record kind (csrc/forensics_core.c, RecordSpec)."""
+    fields = record_fields(record_type)
+    kinds = "".join(_field_kind(field_type) for _, field_type in fields)
+    names = [name for name, _ in fields]
+    return (_CODES.get(record_type, -1), tuple(map(names.index, FIELDS.get(record_type, ()))),
+            "o" not in kinds, kinds, names.index("req") if "req" in names else -1)
+
+
+_SPECS = tuple(map(_spec, RECORD_TYPES))
+_INDEX = {record_type: index for index, record_type in enumerate(RECORD_TYPES)}
+# The kinds whose rows the C core makes (every field an int or an int list), and its tables in
+# its order: each such kind's table, then a child table per list field.
+SHAPED_TYPES = frozenset(t for t, spec in zip(RECORD_TYPES, _SPECS) if spec[2])
+TABLES: list[tuple[str, tuple[str, ...]]] = []
+for _record_type in RECORD_TYPES:
+    if _record_type in SHAPED_TYPES:
+        _tag, _fields = tag_of(_record_type), record_fields(_record_type)
+        TABLES.append((_tag, ("seq", "step", *(
+            f"num_{name}" if is_list_field(field_type) else stored_column(name, field_type)
+            for name, field_type in _fields))))
+        TABLES += [(child_table(_tag, name), ("seq", "req", "pos", element_column(name)))
+                   for name, field_type in _fields if is_list_field(field_type)]
+
+# The miss_attribution columns the pass hands over, in the C core's order.
+ATTRIBUTION_COLUMNS = (
+    "req", "lookup", "seq", "step", "query_tokens", "ideal_tokens", "hit_tokens",
+    "attention_hit_tokens", "mamba_hit_tokens", "cause", "tokens", "from_tokens", "to_tokens",
+    "key_group", "key_depth_tokens", "key_hash_id", "removed_block_id", "removed_seq",
+    "removed_step", "removed_by_req", "transient_behind", "in_flight",
+)
+# The cache_entry_figures columns (but run), in the C core's order.
+ENTRY_COLUMNS = ("stored_seq", "block_id", "removed_seq", "removed_step", "removed_reason_code",
+                 "position_class_code", "hits", "last_hit_seq", "last_hit_step",
+                 "transient_cached")
+
+ATTRIBUTION_TABLE = "miss_attribution"
+_CORE_TABLES = [*TABLES, (ATTRIBUTION_TABLE, ATTRIBUTION_COLUMNS),
+                ("cache_entry_figures", ENTRY_COLUMNS)]
+Columns = dict[str, np.ndarray]
+
+
+def new_pass(header: TraceHeader, path: str, *, request: int | str | None = None,
+             explain: bool = False, keep_lookups: bool = False, make_rows: bool = True,
+             native: bool | None = None) -> NativePass | PythonPass | None:
+    """The pass over the trace ``header`` heads (``path`` names it in messages): the C core
+    where it is built and on (``native`` None), else the Python twin. ``request`` limits the
+    attribution to one request (its number, or the engine's request id). A trace without an
+    engine config is not attributed: the C core then makes only the record tables, and without
+    it there is nothing to pass (None)."""
+    attributor = (new_attributor(header, path, request=request, explain=explain)
+                  if header.config is not None or keep_lookups else None)
+    use_core = core is not None if native is None else native
+    if use_core:
+        return NativePass(attributor, path, keep_lookups=keep_lookups, make_rows=make_rows)
+    if attributor is None:
+        return None
+    return PythonPass(attributor, path, keep_lookups=keep_lookups, make_rows=make_rows)
+
+
+class PythonPass:
+    """The twins: the attribution's Python reference (the record tables and the cache entries
+    are left to the loader's sink and to SQL)."""
+
+    shaped_types: frozenset = frozenset()
+
+    def __init__(self, attributor: MissAttributor, path: str, *, keep_lookups: bool,
+                 make_rows: bool) -> None:
+        self.attributor, self.path = attributor, path
+        self.keep_lookups = keep_lookups
+        self.lookups: list[LookupAttribution] = []
+        self._taken = 0  # lookups already handed over as rows
+
+    def feed(self, batch: RecordBatch) -> None:
+        try:
+            self.attributor.feed(batch)
+        except ValueError as error:  # a record the header contradicts
+            raise TraceFormatError(f"{self.path}: {error}", hint=_CONTRADICTION_HINT) from None
+
+    def finish(self) -> None:
+        self.lookups = self.attributor.lookups if self.keep_lookups else []
+
+    @property
+    def dropped_events(self) -> int:
+        return self.attributor.dropped_events
+
+    def take_tables(self, chunk: int = 0) -> list[tuple[str, Columns]]:
+        lookups = self.attributor.lookups
+        if len(lookups) - self._taken < max(chunk, 1):
+            return []
+        new = lookups[self._taken:]
+        self._taken = len(lookups)
+        if not self.keep_lookups:  # the rows are all that is kept
+            del lookups[:]
+            self._taken = 0
+        return [(ATTRIBUTION_TABLE, lookup_columns(new))]
+
+
+class NativePass:
+    """The C core (see module docstring); it also makes the rows of ``SHAPED_TYPES``' tables
+    (``take_tables``)."""
+
+    shaped_types = SHAPED_TYPES
+
+    def __init__(self, attributor: MissAttributor | None, path: str, *, keep_lookups: bool,
+                 make_rows: bool) -> None:
+        self.path = path
+        self.keep_lookups = keep_lookups
+        self.lookups: list[LookupAttribution] = []
+        geometry = None
+        if attributor is not None:
+            shape = attributor.geometry
+            geometry = (shape.unit, tuple(map(int, attributor.is_mamba)),
+                        shape.attention_groups, shape.mamba_groups, shape.attention_block,
+                        shape.mamba_block, shape.alignment, attributor.num_blocks)
+        enums = (StoreKind.CHECKPOINT, CheckpointClass.TRANSIENT, RemoveReason.LRU_REUSE,
+                 RemoveReason.STALE_CHECKPOINT, RemoveReason.REKEY, RequestQueue.RUNNING)
+        try:
+            self.core = core.ForensicsCore(
+                _SPECS, geometry, tuple(map(int, enums)),
+                attributor.only_request if attributor else None,
+                attributor.request_id if attributor else None,
+                bool(attributor and attributor.explain), keep_lookups, make_rows,
+                not keep_lookups, not keep_lookups)
+        except ValueError as error:  # a header the C core cannot follow (a pool past 2^31)
+            raise TraceFormatError(f"{path}: the engine config in its header cannot be analysed: {error}",
+                                   hint=_CONTRADICTION_HINT) from None
+        self._records: dict[tuple, bytes] = {}
+
+    def feed(self, batch: RecordBatch) -> None:
+        key = tuple(batch.types)
+        records = self._records.get(key)
+        if records is None:
+            records = self._records[key] = bytes(_INDEX.get(t, _SKIP) for t in batch.types)
+        try:
+            self.core.feed(batch.kinds, batch.first_seq, records, batch.columns)
+        except ValueError as error:
+            raise TraceFormatError(f"{self.path}: {error}", hint=_CONTRADICTION_HINT) from None
+
+    def finish(self) -> None:
+        self.core.finish()
+        if self.keep_lookups:
+            self.lookups = [_lookup(row) for row in self.core.take_lookups()]
+
+    @property
+    def dropped_events(self) -> int:
+        return self.core.dropped_events
+
+    def take_tables(self, chunk: int = 0) -> list[tuple[str, Columns]]:
+        """Every whole chunk of ``chunk`` rows made so far of every table (0: all of them): the
+        record tables, the attribution's rows, the cache entries' figures."""
+        return [(_CORE_TABLES[index][0], _as_columns(_CORE_TABLES[index][1], data))
+                for index, data in self.core.take_tables(chunk)]
+
+
+_CONTRADICTION_HINT = ("The trace's records contradict its header (edited, or written by a "
+                       "broken writer); it cannot be attributed.")
+
+
+def _as_columns(names: tuple[str, ...], data: tuple[bytes, ...]) -> Columns:
+    return {name: np.frombuffer(column, dtype=np.int64) for name, column in zip(names, data)}
+
+
+def _lookup(row: tuple) -> LookupAttribution:
+    """A lookup the C core kept, as the Python twin makes it."""
+    (req, admission, seq, step, query, ideal, hit, boundary, attention_hit, mamba_hit,
+     in_flight, segments) = row
+    lookup = LookupAttribution(req, admission, seq, step, query, ideal, hit, boundary,
+                               attention_hit, mamba_hit, in_flight=in_flight)
+    for cause, start, end, keys in segments:
+        lookup.segments.append(Segment(CAUSES[cause], start, end, tuple(
+            LostKey(group, depth, hash_id, None if removal is None else Removal(*removal))
+            for group, depth, hash_id, removal in keys)))
+    return lookup
+
+
+_CAUSE_INDEX = {cause: index for index, cause in enumerate(CAUSES)}
+
+
+def lookup_columns(lookups: Iterable[LookupAttribution]) -> Columns:
+    """The Python twin's lookups as the C core's row columns (``iter_rows``' rows without the
+    run's labels and the columns SQL derives; the cause by its index, NULL as ``NONE``)."""
+    rows = [(*row[3:5], *row[6:13], _CAUSE_INDEX[row[13]], *row[15:])
+            for row in iter_rows(0, "", "", lookups)]
+    data = np.array([[NONE if value is None else int(value) for value in row] for row in rows],
+                    dtype=np.int64).reshape(len(rows), len(ATTRIBUTION_COLUMNS))
+    return {name: data[:, index].copy() for index, name in enumerate(ATTRIBUTION_COLUMNS)}

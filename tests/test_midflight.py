@@ -1,0 +1,237 @@
+"""Production is mid-flight: `kvtrace capture --pid` arms on a `kvtrace engine` that is already
+serving (vLLM 0.33's own scheduler and cache) and stops while it still is.
+
+* The capture starts with a snapshot of the live cache; lockstep replay rebuilds vLLM's
+  `KVCacheManager` in that state and every effect record matches; a rescheduled replay under
+  the engine's own variant, started from the snapshot, finds the capture's own first-lookup hit
+  rate (issue #20's figures), on each bundled model's geometry.
+* A capture never outlives its controller: killed with SIGKILL, SIGHUP or SIGTERM, while
+  arming or while capturing, `kvtrace capture` leaves the engine disarmed within the lease,
+  with every vLLM method its own again (the engine's ping lists what kvtrace replaced).
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from test_capture_live import kvtrace, lockstep_verify, wait_for_stderr_line
+
+from kvtrace.capture import control
+from kvtrace.capture.messages import PingRequest, StatusRequest
+from kvtrace.engine.process import EngineProcess
+from kvtrace.geometry.presets import preset_names
+from kvtrace.replay.run import ReplaySummary
+from kvtrace.traceio import TraceReader
+from kvtrace.workloads.synth import synthesize
+from kvtrace.workloads.workload import EngineShape, write_workload
+
+pytestmark = pytest.mark.slow
+SPEED = "30"  # virtual seconds per wall second: the engine is busy for longer than the window
+
+
+def documents_workload(path: Path, model: str, num_requests: int = 400) -> Path:
+    """The #56794 seed scenario on ``model``'s cache as vLLM 0.33 builds it: 400 requests arrive
+    over 13 s of wall time at --speed 30, so the engine still serves when a capture from 4 s to
+    10 s stops (120 arrive within 4 s and a slow host drained them inside the window)."""
+    shape = EngineShape(model=model)
+    write_workload(path, synthesize("documents", num_requests, 0, shape.hash_block_size), shape)
+    return path
+
+
+def serving_engine(workload: Path) -> EngineProcess:
+    """A `kvtrace engine` (plugin on) that has started serving its workload."""
+    engine = EngineProcess([str(workload), "--variant", "unfixed", "--speed", SPEED],
+                           {"KVTRACE_PLUGIN": "1", **_environment()})
+    engine.wait_ready()
+    engine.send("start")
+    engine.expect("kvtrace engine: running")
+    return engine
+
+
+def _environment() -> dict[str, str]:
+    import os
+
+    return {k: v for k, v in os.environ.items() if k != "VLLM_PLUGINS"}
+
+
+def first_lookup_hit_rate(trace: Path) -> dict:
+    summary = ReplaySummary(TraceReader(str(trace)).header.config)
+    for record in TraceReader(str(trace)):
+        summary(record)
+    return summary.to_dict()
+
+
+@pytest.mark.parametrize("model", preset_names())
+def test_a_capture_armed_mid_flight_replays_from_its_snapshot(tmp_path, model):
+    """Issue #20, must show: captured from 4 s to 10 s after `start` at --speed 30."""
+    workload = documents_workload(tmp_path / "w.kvtrace", model)
+    trace = tmp_path / "cap.kvtrace"
+    engine = serving_engine(workload)
+    try:
+        time.sleep(4)
+        capture = kvtrace("capture", "--pid", str(engine.pid), "--duration", "6s", "-o",
+                          str(trace))
+        out, err = capture.communicate(timeout=120)
+        assert capture.returncode == 0, err
+        assert "the start snapshot held its scheduler" in out
+        assert engine.process.poll() is None, "the engine must survive the capture"
+        assert not control.request(engine.pid, StatusRequest()).armed
+    finally:
+        engine.stop()
+    reader = TraceReader(str(trace))
+    kinds = {}
+    for batch in reader.batches():
+        for tag, count in zip(batch.tags, map(batch.kinds.count, range(len(batch.tags)))):
+            kinds[tag] = kinds.get(tag, 0) + count
+    # Mid-flight: requests were running when it armed, and it stopped before they all ended.
+    assert kinds["snapshot_started"] == 1 and kinds.get("request_state", 0) > 0, kinds
+    assert kinds.get("request_arrived", 0) > kinds.get("request_finished", 0) - kinds["request_state"]
+    fidelity = lockstep_verify(trace, tmp_path / "fidelity")
+    assert fidelity["matched"] == fidelity["total"] > 1000, fidelity
+    captured = first_lookup_hit_rate(trace)
+    summary_path = tmp_path / "reschedule.json"
+    result = subprocess.run(
+        [*_kvtrace(), "replay", str(trace), "--variant", "unfixed", "-o", str(tmp_path / "runs"),
+         "--summary-json", str(summary_path)], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr
+    rescheduled = json.loads(summary_path.read_text())["variants"]["unfixed"]
+    assert rescheduled["requests"] == captured["requests"] > 0
+    assert abs(rescheduled["hit_rate"] - captured["hit_rate"]) <= 0.02, (rescheduled, captured)
+
+
+def _kvtrace() -> list[str]:
+    import sys
+
+    return [sys.executable, "-m", "kvtrace"]
+
+
+# --- a capture never outlives its controller ------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def small_workload(tmp_path_factory) -> Path:
+    return documents_workload(tmp_path_factory.mktemp("lease") / "w.kvtrace", "nemotron-h-8b")
+
+
+def controller(*args: str) -> subprocess.Popen:
+    """`kvtrace capture ...` with Python's fault handler on: a run that hangs is made to show
+    where (``finish``)."""
+    import os
+
+    return kvtrace(*args, env={**os.environ, "PYTHONFAULTHANDLER": "1"})
+
+
+def finish(process: subprocess.Popen, timeout_s: float = 60) -> tuple[str, str]:
+    """``process``'s output once it exits; if it does not within ``timeout_s``, it is aborted
+    and the test fails with every thread's stack (the fault handler's)."""
+    try:
+        return process.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        process.send_signal(signal.SIGABRT)
+        out, err = process.communicate(timeout=30)
+        raise AssertionError(f"{process.args} still ran {timeout_s} s later:\n{err}") from None
+
+
+def wait_until_vllm_runs_alone(pid: int, timeout_s: float = 10) -> float:
+    """Seconds until engine ``pid`` no longer captures and every probed vLLM method is vLLM's
+    own again; fails after ``timeout_s``."""
+    started = time.monotonic()
+    while time.monotonic() - started < timeout_s:
+        pong = control.request(pid, PingRequest())
+        if not pong.capturing and not pong.patched:
+            return time.monotonic() - started
+        time.sleep(0.05)
+    raise AssertionError(f"pid {pid} still captures or is patched after {timeout_s} s: {pong}")
+
+
+@pytest.mark.parametrize("signum", [signal.SIGKILL, signal.SIGHUP, signal.SIGTERM],
+                         ids=["SIGKILL", "SIGHUP", "SIGTERM"])
+def test_a_capture_ends_with_its_controller(small_workload, tmp_path, signum):
+    """Killed while capturing: the engine disarms at once, whatever the signal, and restores
+    every patched method. SIGHUP and SIGTERM stop `kvtrace capture` as Ctrl-C does (the trace
+    closed, the summary printed), then it exits 128 + the signal."""
+    engine = serving_engine(small_workload)
+    trace = tmp_path / "cap.kvtrace"
+    try:
+        capture = controller("capture", "--pid", str(engine.pid), "-o", str(trace))
+        wait_for_stderr_line(capture, "kvtrace: capturing pid")
+        deadline = time.monotonic() + 30
+        while not control.request(engine.pid, PingRequest()).patched:  # the next step armed
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        capture.send_signal(signum)
+        out, err = finish(capture)
+        assert wait_until_vllm_runs_alone(engine.pid) < 5
+        assert engine.process.poll() is None, "the engine must survive its controller"
+    finally:
+        capture.kill()
+        engine.stop()
+    assert capture.returncode == (-signum if signum == signal.SIGKILL else 128 + signum), err
+    if signum != signal.SIGKILL:
+        assert f"stopped by {signal.Signals(signum).name}" in err and "records written" in out
+    reader = TraceReader(str(trace))
+    assert sum(len(batch) for batch in reader.batches()) > 0 and not reader.truncated
+
+
+@pytest.mark.parametrize("signum", [signal.SIGKILL, signal.SIGHUP, signal.SIGTERM],
+                         ids=["SIGKILL", "SIGHUP", "SIGTERM"])
+def test_a_controller_killed_while_arming_leaves_nothing_armed(small_workload, tmp_path, signum):
+    """The signal lands anywhere from the first ping to just after the arm: every time, the
+    engine ends disarmed with every method vLLM's own, and it can be captured again."""
+    engine = serving_engine(small_workload)
+    try:
+        for index, delay_s in enumerate((0.0, 0.05, 0.1, 0.2, 0.35, 0.5, 0.8)):
+            capture = controller("capture", "--pid", str(engine.pid), "-o",
+                                 str(tmp_path / f"cap{index}.kvtrace"))
+            time.sleep(delay_s)
+            capture.send_signal(signum)
+            finish(capture)
+            assert wait_until_vllm_runs_alone(engine.pid) < 5
+        again = kvtrace("capture", "--pid", str(engine.pid), "--duration", "1s", "-o",
+                        str(tmp_path / "again.kvtrace"))
+        _, err = again.communicate(timeout=60)
+        assert again.returncode == 0, err
+        assert engine.process.poll() is None
+    finally:
+        engine.stop()
+
+
+def test_a_controller_gone_before_the_arm_reply_leaves_nothing_armed(small_workload, tmp_path):
+    """The arm request is sent and the controller dies before reading the reply (the engine
+    may or may not have written it yet): the engine disarms."""
+    engine = serving_engine(small_workload)
+    try:
+        script = (
+            "import os, signal, sys\n"
+            "from kvtrace.capture import control\n"
+            "from kvtrace.capture.messages import ArmRequest, CaptureOptions, encode\n"
+            f"client = control._connect({engine.pid}, None, 10)\n"
+            f"client.sendall(encode(ArmRequest(CaptureOptions(path={str(tmp_path / 'x')!r}))))\n"
+            "os.kill(os.getpid(), signal.SIGKILL)\n")
+        subprocess.run([*_kvtrace()[:1], "-c", script], timeout=60)
+        assert wait_until_vllm_runs_alone(engine.pid) < 5
+    finally:
+        engine.stop()
+
+
+def test_output_in_the_runtime_directory_is_refused(small_workload):
+    """`-o` onto the engine's control socket (or anything beside it) is refused before the
+    engine is touched; the engine keeps its socket and can be stopped."""
+    engine = serving_engine(small_workload)
+    try:
+        socket_path = control.socket_path(engine.pid)
+        for output in (socket_path, socket_path.parent / "trace.kvtrace"):
+            capture = kvtrace("capture", "--pid", str(engine.pid), "-o", str(output))
+            _, err = capture.communicate(timeout=60)
+            assert capture.returncode == 1 and "runtime directory" in err, err
+            assert "Traceback" not in err
+        assert socket_path.is_socket()
+        pong = control.request(engine.pid, PingRequest())
+        assert not pong.capturing and not pong.patched
+    finally:
+        engine.stop()
