@@ -19,7 +19,8 @@ from pathlib import Path
 import msgspec
 import pytest
 from click.testing import CliRunner
-from test_capture_live import capture_and_verify, start_engine
+from test_capture_live import lockstep_verify
+from test_midflight import capture_mid_flight, documents_workload, serving_engine
 from vllm_support import (  # noqa: F401 (vllm_backend_class is a fixture)
     run_mixed_workload, seed_config, vllm_backend_class)
 
@@ -31,8 +32,6 @@ from kvtrace.probes import CacheProbes, ProbeSignatureError, probe_targets, sign
 from kvtrace.replay.release_worker import on_release
 from kvtrace.replay.variants import get_variant
 from kvtrace.traceio import TraceReader
-from kvtrace.workloads.synth import synthesize
-from kvtrace.workloads.workload import EngineShape, write_workload
 
 PROJECT_VLLM = "0.33.0"
 OLDER_RELEASES = ["0.30.0", "0.31.0", "0.32.0"]
@@ -281,28 +280,30 @@ def test_vllm_0_33_0_is_upstream_record_for_record(seed_scenario, tmp_path):
 # --- the releases themselves (installed by scripts/bootstrap) -----------------------------------
 
 
-@pytest.fixture(scope="module")
-def workload(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("release-capture") / "shared.kvtrace"
-    shape = EngineShape()
-    write_workload(path, synthesize("shared-prompt", 40, seed=0,
-                                    hash_unit=shape.hash_block_size), shape)
-    return path
+# One bundled model per release (its geometry as vLLM 0.33 builds it); 0.33.0's mid-flight
+# capture, on every bundled model, is test_midflight's.
+MID_FLIGHT_MODELS = {"0.30.0": "nemotron-h-8b", "0.31.0": "qwen3-next-80b-a3b",
+                     "0.32.0": "kimi-linear-48b-a3b"}
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("version", [pytest.param(v, marks=needs_release(v))
-                                     for v in signatures.SUPPORTED_VLLM_VERSIONS])
-def test_a_live_engine_on_each_release_replays_in_lockstep_on_that_release(workload, tmp_path,
-                                                                          version):
-    """`kvtrace engine --vllm X` (vLLM X's own scheduler and cache, the release's own variant),
-    captured by pid: the trace says X, and lockstep from the project's environment re-issues
-    it against X's code (a worker), every effect record equal."""
-    engine = start_engine(workload, "--variant", "upstream", "--vllm", version)
-    capture_and_verify(workload, engine, engine.pid, "plugin", tmp_path, expect_via="plugin",
-                       variant="upstream")
-    assert TraceReader(str(tmp_path / "live.kvtrace")).header.vllm_version == version
-    replayed = TraceReader(str(tmp_path / "runs" / "live.upstream.kvtrace")).header
+                                     for v in OLDER_RELEASES])
+def test_a_live_engine_on_each_release_captured_mid_flight_replays_in_lockstep(tmp_path,
+                                                                               version):
+    """`kvtrace engine --vllm X` (vLLM X's own scheduler and cache, the release's own variant)
+    serving at --speed 30, captured by pid from 4 s to 10 s after `start`: the start snapshot
+    is read off X's objects, the trace says X, and lockstep from the project's environment
+    rebuilds X's ``KVCacheManager`` in the snapshot's state (a worker on X) and re-issues the
+    calls, every effect record equal."""
+    workload = documents_workload(tmp_path / "w.kvtrace", MID_FLIGHT_MODELS[version])
+    trace = tmp_path / "cap.kvtrace"
+    capture_mid_flight(serving_engine(workload, "--variant", "upstream", "--vllm", version),
+                       trace)
+    assert TraceReader(str(trace)).header.vllm_version == version
+    fidelity = lockstep_verify(trace, tmp_path / "runs")
+    assert fidelity["matched"] == fidelity["total"] > 1000, fidelity
+    replayed = TraceReader(str(tmp_path / "runs" / "cap.upstream.kvtrace")).header
     assert replayed.vllm_version == version and replayed.replay.mode == "lockstep"
 
 
