@@ -142,27 +142,39 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def arguments(doc: str) -> argparse.ArgumentParser:
+    """The options every findings table takes (benchmarks/releases.py's too)."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=200)
     parser.add_argument("--models", nargs="+", default=MODELS)
-    parser.add_argument("--workloads", nargs="+", default=WORKLOADS)
     parser.add_argument("--json", metavar="FILE", help="also write the rows as JSON")
-    args = parser.parse_args()
+    return parser
+
+
+def tabulate(cases: list[tuple], measure, markdown, json_path: str | None) -> None:
+    """``measure(*case, directory)`` for each case, one progress line each on stderr; then the
+    markdown table on stdout, and the rows as JSON to ``json_path``."""
     import json
 
     rows = []
     with tempfile.TemporaryDirectory(prefix="kvtrace-findings-") as directory:
-        for model in args.models:
-            for workload in args.workloads:
-                row = measure(model, workload, args.requests, Path(directory))
-                rows.append(row)
-                print(f"{model:<20} {workload:<10} " + "  ".join(
-                    f"{x} {row['variants'][x]['hit_rate']:.2%}" for x in VARIANTS)
-                    + f"  ({row['wall_s']:.0f} s)", file=sys.stderr, flush=True)
+        for case in cases:
+            row = measure(*case, Path(directory))
+            rows.append(row)
+            print(" ".join(f"{part:<20}" for part in case[:-1]) + "  ".join(
+                f"{x} {figures['hit_rate']:.2%}" for x, figures in row["variants"].items())
+                + f"  ({row['wall_s']:.0f} s)", file=sys.stderr, flush=True)
     print(markdown(rows))
-    if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=2))
+    if json_path:
+        Path(json_path).write_text(json.dumps(rows, indent=2))
+
+
+def main() -> int:
+    parser = arguments(__doc__)
+    parser.add_argument("--workloads", nargs="+", default=WORKLOADS)
+    args = parser.parse_args()
+    tabulate([(model, workload, args.requests) for model in args.models
+              for workload in args.workloads], measure, markdown, args.json)
     return 0
 
 

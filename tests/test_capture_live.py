@@ -1,6 +1,7 @@
 """`kvtrace capture --pid` against live processes: the real `kvtrace engine` (real vLLM 0.33
-cache code) attached through the plugin and through gdb, replayed in lockstep to 100%; and each
-diagnosis (no such pid, not an engine, another user, no ptrace permission, kvtrace missing in
+cache code) attached through the plugin, gdb and lldb (or, where this host's debugger cannot
+make calls, refused with the engine unharmed), replayed in lockstep to 100%; auto past a broken
+gdb to lldb; and each diagnosis (no such pid, not an engine, another user, no ptrace permission, kvtrace missing in
 the target, unsupported vLLM, already attached, target killed)."""
 
 from __future__ import annotations
@@ -18,6 +19,16 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
+from debugger_support import (
+    SYSTEM_PYTHON,
+    can_call,
+    needs_gdb,
+    needs_lldb,
+    path_with,
+    pids_in,
+    stand_in,
+)
+
 from kvtrace.cli import cli
 from kvtrace.engine.process import EngineProcess
 from kvtrace.workloads.workload import EngineShape, write_workload
@@ -25,9 +36,7 @@ from kvtrace.workloads.synth import synthesize
 from kvtrace.traceio import TraceReader
 
 pytestmark = pytest.mark.slow
-SYSTEM_PYTHON = os.path.realpath(sys.executable)  # the interpreter behind the venv: no kvtrace
 NOBODY = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
-needs_gdb = pytest.mark.skipif(shutil.which("gdb") is None, reason="gdb is not installed")
 # Processes start in an empty directory: `python -m` / `-c` put their cwd on sys.path.
 EMPTY_DIR = tempfile.mkdtemp(prefix="kvtrace-test-cwd-")
 os.chmod(EMPTY_DIR, 0o755)
@@ -78,20 +87,84 @@ def lockstep_verify(trace: Path, outdir: Path) -> dict:
     return json.loads(summary.read_text())["fidelity"]
 
 
-@pytest.mark.parametrize("method", ["plugin", pytest.param("gdb", marks=needs_gdb)])
+@pytest.mark.parametrize("method", ["plugin", pytest.param("gdb", marks=needs_gdb),
+                                    pytest.param("lldb", marks=needs_lldb)])
 def test_captured_engine_replays_in_lockstep_to_100_percent(workload, tmp_path, method):
-    # The gdb run starts the engine under a parent process and passes the parent's pid, as an
-    # operator passes the API server's: kvtrace must find the engine-core child itself.
-    engine = start_engine(workload, plugin=method == "plugin", parent=method == "gdb")
+    """Where the debugger cannot make calls on this host (issue 21's check: gdb 13 on an AMX
+    CPU), the capture must instead be refused with the engine untouched and able to serve."""
+    # The debugger runs start the engine under a parent process and pass the parent's pid, as
+    # an operator passes the API server's: kvtrace must find the engine-core child itself.
+    debugger = method != "plugin"
+    engine = start_engine(workload, plugin=not debugger, parent=debugger)
+    target_pid = engine.process.pid if debugger else engine.pid
+    if debugger and not can_call(method):
+        assert_refused_and_engine_unharmed(engine, target_pid, method, tmp_path)
+        return
+    capture_and_verify(workload, engine, target_pid, method, tmp_path, expect_via=method,
+                       second_capture_refused=method == "plugin")
+
+
+def test_auto_without_the_plugin_and_with_a_broken_gdb_captures_via_lldb(workload, tmp_path):
+    """The stand-in gdb kills whatever it attaches to: auto tries it on a canary, which dies,
+    and goes on with lldb, which passes its canary (where this host lets lldb make calls)."""
+    gdb_log = stand_in(tmp_path / "bin", "gdb", "kills")
+    engine = start_engine(workload, plugin=False)
+    env = path_with(tmp_path / "bin")
+    if shutil.which("lldb") is None or not can_call("lldb"):
+        assert_refused_and_engine_unharmed(engine, engine.pid, "auto", tmp_path, env=env)
+    else:
+        lines = capture_and_verify(workload, engine, engine.pid, "auto", tmp_path,
+                                   expect_via="lldb", env=env)
+        assert (f"no kvtrace plugin answered in pid {engine.pid}; Python "
+                f"{sys.version.split()[0]} has no sys.remote_exec; gdb 0.1 failed its canary: "
+                "it died (killed by SIGKILL)") in lines[-1]
+        assert "; lldb " in lines[-1] and " passed its canary" in lines[-1]
+    assert pids_in(gdb_log) and engine.pid not in pids_in(gdb_log)
+
+
+def test_a_gdb_that_would_kill_the_engine_is_refused_and_the_engine_serves_on(workload, tmp_path):
+    """Issue 21's host on any host: gdb kills what it attaches to (a stand-in first on PATH;
+    test_canary.py does the same with lldb). `capture --method gdb` exits 1 naming it, and the
+    engine then serves its workload."""
+    log = stand_in(tmp_path / "bin", "gdb", "kills")
+    engine = start_engine(workload, plugin=False)
+    assert_refused_and_engine_unharmed(engine, engine.pid, "gdb", tmp_path,
+                                       env=path_with(tmp_path / "bin"))
+    assert pids_in(log) and engine.pid not in pids_in(log)
+
+
+def assert_refused_and_engine_unharmed(engine: EngineProcess, target_pid: int, method: str,
+                                       tmp_path: Path, env: dict | None = None) -> None:
+    """kvtrace refuses (exit 1, one line naming the debugger and its canary), and the engine,
+    untouched, then serves its whole workload and exits cleanly."""
+    try:
+        code, err = run_cli("capture", "--pid", str(target_pid), "--method", method, "-o",
+                            str(tmp_path / "never.kvtrace"), env=env)
+        assert code == 1 and "failed its canary" in err, err
+        assert f"kvtrace did not touch pid {engine.pid}" in err
+        engine.send("start")
+        engine.expect("kvtrace engine: done (", timeout=120)
+        engine.send("quit")
+        assert engine.process.wait(timeout=60) == 0, "the engine must survive the refusal"
+    finally:
+        engine.stop()
+    assert not (tmp_path / "never.kvtrace").exists()
+
+
+def capture_and_verify(workload: Path, engine: EngineProcess, target_pid: int, method: str,
+                       tmp_path: Path, expect_via: str, env: dict | None = None,
+                       second_capture_refused: bool = False,
+                       variant: str = "unfixed") -> list[str]:
+    """Capture the engine's whole ``workload`` through ``method``, check the trace and replay it in
+    lockstep to 100%; the capture's stderr lines up to "capturing pid"."""
     trace = tmp_path / "live.kvtrace"
-    target_pid = engine.process.pid if method == "gdb" else engine.pid
     capture = kvtrace("-v", "capture", "--pid", str(target_pid), "--method", method, "-o",
-                      str(trace), "--duration", "300s")
+                      str(trace), "--duration", "300s", env=env)
     try:
         lines = wait_for_stderr_line(capture, "kvtrace: capturing pid")
         assert f"capturing pid {engine.pid} (VLLM::EngineCore)" in lines[-1]
-        assert f"via {method}" in lines[-1]
-        if method == "plugin":
+        assert f"via {expect_via} (" in lines[-1]
+        if second_capture_refused:
             second = kvtrace("capture", "--pid", str(engine.pid), "-o", str(tmp_path / "two.kvtrace"))
             _, err = second.communicate(timeout=60)
             assert second.returncode == 1 and "already capturing" in err, err
@@ -111,7 +184,7 @@ def test_captured_engine_replays_in_lockstep_to_100_percent(workload, tmp_path, 
         engine.stop()
     reader = TraceReader(str(trace))
     assert reader.header.source == "capture" and reader.header.process_title == "VLLM::EngineCore"
-    assert reader.header.params["variant"] == "unfixed"
+    assert reader.header.params["variant"] == variant
     # The scheduler's limits are read off vLLM's own scheduler: the workload's, which it ran.
     ran = TraceReader(str(workload)).header.config
     assert ran.max_num_seqs and ran.max_num_batched_tokens  # the workload sets them
@@ -119,6 +192,7 @@ def test_captured_engine_replays_in_lockstep_to_100_percent(workload, tmp_path, 
     assert sum(len(batch) for batch in reader.batches()) > 1000 and not reader.truncated
     fidelity = lockstep_verify(trace, tmp_path / "runs")
     assert fidelity["matched"] == fidelity["total"] > 1000, fidelity
+    return lines
 
 
 def test_target_killed_mid_capture_leaves_a_readable_trace(workload, tmp_path):
@@ -140,8 +214,8 @@ def test_target_killed_mid_capture_leaves_a_readable_trace(workload, tmp_path):
     assert sum(len(batch) for batch in reader.batches()) > 0 and reader.truncated
 
 
-def run_cli(*args: str, prefix: list[str] | None = None) -> tuple[int, str]:
-    process = kvtrace(*args, prefix=prefix)
+def run_cli(*args: str, prefix: list[str] | None = None, **kwargs) -> tuple[int, str]:
+    process = kvtrace(*args, prefix=prefix, **kwargs)
     _, err = process.communicate(timeout=120)
     errors = [line for line in err.splitlines() if line.startswith("kvtrace: error:")]
     assert len(errors) <= 1 and "Traceback" not in err, err
@@ -201,16 +275,21 @@ def test_no_ptrace_permission(tmp_path):
     assert code == 1 and f"kvtrace: error: no ptrace permission for pid {process.pid}" in err
 
 
-@needs_gdb
-def test_kvtrace_not_importable_in_the_target(tmp_path):
+@pytest.mark.parametrize("method", [pytest.param("gdb", marks=needs_gdb),
+                                    pytest.param("lldb", marks=needs_lldb)])
+def test_kvtrace_not_importable_in_the_target(tmp_path, method):
+    """Where the debugger cannot make calls on this host, its canary refuses first instead."""
     process = sleeper("VLLM::EngineCore", python=SYSTEM_PYTHON)
     try:
-        code, err = run_cli("capture", "--pid", str(process.pid), "--method", "gdb", "-o",
+        code, err = run_cli("capture", "--pid", str(process.pid), "--method", method, "-o",
                             str(tmp_path / "x.kvtrace"))
         alive = process.poll() is None
     finally:
         process.kill()
-    assert code == 1 and "kvtrace is not importable in pid" in err and SYSTEM_PYTHON in err
+    if can_call(method):
+        assert code == 1 and "kvtrace is not importable in pid" in err and SYSTEM_PYTHON in err
+    else:
+        assert code == 1 and f"{method} " in err and "failed its canary" in err
     assert alive, "a failed injection must leave the target running"
 
 

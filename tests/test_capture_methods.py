@@ -59,7 +59,7 @@ def test_remote_exec_bootstrap_starts_the_control_server(remote_exec_target, mon
 
     monkeypatch.setattr(sys, "remote_exec", remote_exec, raising=False)
     target = attach.describe(remote_exec_target.pid)
-    assert attach.ensure_hook(target, "remote-exec", lambda message: None) == "remote-exec"
+    assert attach.ensure_hook(target, "remote-exec", lambda message: None).method == "remote-exec"
     assert calls == [(target.pid, str(control.runtime_dir() / f"inject-{target.pid}.py"))]
     reply = control.request(target.pid, PingRequest())
     assert reply.pid == target.pid and reply.capturing is False
@@ -71,7 +71,7 @@ def test_remote_exec_bootstrap_starts_the_control_server(remote_exec_target, mon
                            "serve no runnable 3.14 (reference/environment-notes.md section 3b)")
 def test_remote_exec_for_real(remote_exec_target):
     target = attach.describe(remote_exec_target.pid)
-    assert attach.ensure_hook(target, "remote-exec", lambda message: None) == "remote-exec"
+    assert attach.ensure_hook(target, "remote-exec", lambda message: None).method == "remote-exec"
 
 
 class FakeNvml(types.ModuleType):

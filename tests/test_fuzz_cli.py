@@ -258,7 +258,7 @@ ENGINE_SHAPE = {
 }
 TRACE_IN = files(["workload", "replayed", "truncated", "newer-values"], BROKEN_TRACES)
 CAPTURE_OPTIONS = {
-    "--method": choice(["auto", "gdb", "plugin"]),
+    "--method": choice(["auto", "gdb", "lldb", "plugin"]),
     "--duration": choice(["10m", "90", "1h"], ["0", "0s", "1x", "-3", "", "1e9h"]),
     "--no-hash-bytes": FLAG, "--buffer": ints(1024, 4096), "--gpu-interval-ms": ints(0, 100),
     "--topic": choice(["kv", ""]), "--bind": FLAG,
@@ -346,7 +346,9 @@ COMMANDS: dict[str, tuple[st.SearchStrategy, int]] = {
     "engine": (arguments([files(BROKEN_TRACES, BROKEN_TRACES)], {
         "--variant": VARIANT, "--num-gpu-blocks": POOL_BLOCKS, "--retention": RETENTION,
         "--speed": floats("0", "1", "10"), "--autostart": FLAG,
-        "--summary-json": output(".json")}), 20),
+        "--summary-json": output(".json"),
+        # never another installed release: the command would exec it in place of the test
+        "--vllm": choice(["0.33.0"], ["0.29.0", "0.34.0", "x", ""])}), 20),
     "geometry": (arguments([], {
         "--model": Opt(st.one_of(st.just("no-such-model"), st.builds(In, st.sampled_from(
             ["bad model config", "a directory", "missing", "log", "empty", "garbage"]))),
@@ -355,6 +357,11 @@ COMMANDS: dict[str, tuple[st.SearchStrategy, int]] = {
         "--tensor-parallel-size": ints(1, 8), "--kv-cache-dtype": choice(["auto"], ["x"]),
         "--max-num-batched-tokens": ints(1, 8192), "--non-kv-memory-gib": floats("0", "6"),
         "--json": FLAG}), 20),
+    # install only with --dry-run: nothing is ever downloaded
+    "vllm install": (arguments([Opt(st.just("install")), choice(
+        ["0.30.0", "0.31.0", "0.32.0", "0.33.0"], ["0.29.0", "0.34.0", "latest", "", "-1"])], {
+        "--dry-run": Opt(None, required=True), "--all": FLAG}), 10),
+    "vllm list": (arguments([Opt(st.just("list"))], {}), 2),
     "demo": (arguments([], {"--workdir": Opt(st.builds(Out, st.sampled_from(
         ["proc", "under a file"])), required=True), "--quick": FLAG}), 4),
 }

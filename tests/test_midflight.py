@@ -43,9 +43,10 @@ def documents_workload(path: Path, model: str, num_requests: int = 400) -> Path:
     return path
 
 
-def serving_engine(workload: Path) -> EngineProcess:
-    """A `kvtrace engine` (plugin on) that has started serving its workload."""
-    engine = EngineProcess([str(workload), "--variant", "unfixed", "--speed", SPEED],
+def serving_engine(workload: Path, *extra: str) -> EngineProcess:
+    """A `kvtrace engine` (plugin on) that has started serving its workload (``extra``: more of
+    its options, e.g. ``--variant upstream --vllm 0.30.0``; else the variant is unfixed)."""
+    engine = EngineProcess([str(workload), "--variant", "unfixed", "--speed", SPEED, *extra],
                            {"KVTRACE_PLUGIN": "1", **_environment()})
     engine.wait_ready()
     engine.send("start")
@@ -66,12 +67,10 @@ def first_lookup_hit_rate(trace: Path) -> dict:
     return summary.to_dict()
 
 
-@pytest.mark.parametrize("model", preset_names())
-def test_a_capture_armed_mid_flight_replays_from_its_snapshot(tmp_path, model):
-    """Issue #20, must show: captured from 4 s to 10 s after `start` at --speed 30."""
-    workload = documents_workload(tmp_path / "w.kvtrace", model)
-    trace = tmp_path / "cap.kvtrace"
-    engine = serving_engine(workload)
+def capture_mid_flight(engine: EngineProcess, trace: Path) -> None:
+    """Capture ``engine`` (a ``serving_engine``) from 4 s to 10 s after `start`, and check the
+    trace is a mid-flight one: it starts with a snapshot of requests that were running, and it
+    stopped before they all ended. The engine is stopped afterwards."""
     try:
         time.sleep(4)
         capture = kvtrace("capture", "--pid", str(engine.pid), "--duration", "6s", "-o",
@@ -87,6 +86,14 @@ def test_a_capture_armed_mid_flight_replays_from_its_snapshot(tmp_path, model):
     # Mid-flight: requests were running when it armed, and it stopped before they all ended.
     assert kinds["snapshot_started"] == 1 and kinds["request_state"] > 0, kinds
     assert kinds["request_arrived"] > kinds["request_finished"] - kinds["request_state"], kinds
+
+
+@pytest.mark.parametrize("model", preset_names())
+def test_a_capture_armed_mid_flight_replays_from_its_snapshot(tmp_path, model):
+    """Issue #20, must show: captured from 4 s to 10 s after `start` at --speed 30."""
+    workload = documents_workload(tmp_path / "w.kvtrace", model)
+    trace = tmp_path / "cap.kvtrace"
+    capture_mid_flight(serving_engine(workload), trace)
     fidelity = lockstep_verify(trace, tmp_path / "fidelity")
     assert fidelity["matched"] == fidelity["total"] > 1000, fidelity
     captured = first_lookup_hit_rate(trace)

@@ -45,7 +45,8 @@ from kvtrace.replay.model.pool import BlockPool
 from kvtrace.replay.model.reports import Records
 from kvtrace.replay.run import ReplaySummary
 from kvtrace.replay.scheduler import Arrival, Scheduler
-from kvtrace.replay.variants import VARIANTS, CheckpointAction, CheckpointFacts
+from kvtrace.replay.variants import (
+    MODELLED_VARIANTS, VARIANTS, CheckpointAction, CheckpointFacts)
 from kvtrace.workloads.synth import synthesize
 from vllm_support import (  # noqa: F401 (vllm_backend_class is a fixture)
     SEED_HASH_IDS, prefill_chunks, run_mixed_workload, seed_config, seed_hash_id,
@@ -75,7 +76,7 @@ def schedule_case(seed: int) -> tuple[EngineConfig, str, list[Arrival]]:
     """A small seeded schedule: preset, engine and variant all drawn from ``seed``."""
     rng = random.Random(seed)
     preset = list(PRESET_OVERRIDES)[seed % 3]
-    variant = list(VARIANTS)[seed // 3 % len(VARIANTS)]
+    variant = MODELLED_VARIANTS[seed // 3 % len(MODELLED_VARIANTS)]
     unit, attention, mamba = GEOMETRIES[seed % len(GEOMETRIES)]
     num_mamba = 0 if mamba is None else rng.choice([1, 1, 1, 2, 3])
     alignment = rng.choice([16, unit, None])
@@ -183,7 +184,7 @@ def seed_scenario(backend, with_junction: bool) -> None:
     backend.free(0)
 
 
-DIRECT_CASES = [(variant, retention, scenario) for variant in VARIANTS
+DIRECT_CASES = [(variant, retention, scenario) for variant in MODELLED_VARIANTS
                 for retention in (None, 0) for scenario in ("seed", "junction", "mixed")]
 
 
@@ -307,7 +308,7 @@ def test_the_cases_exercise_what_the_caches_must_agree_on(vllm_backend_class):
                        else "0" if config.retention_interval == 0 else "N")
         group_counts.add(len(config.kv_cache_groups))
         seen.update(map(record_name, vllm_stream(seed)))
-    assert variants == set(VARIANTS) and retentions == {"dense", "0", "N"}
+    assert variants == set(MODELLED_VARIANTS) and retentions == {"dense", "0", "N"}
     assert {1, 2, 3, 4} <= group_counts
     assert seen["error"] < NUM_CASES // 20  # a pool too small to admit a request is rare
     for case in DIRECT_CASES:

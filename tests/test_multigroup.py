@@ -15,7 +15,7 @@ from kvtrace.engine_config import SchedulerSettings
 from kvtrace.events import CheckpointRecorded, CheckpointSuppressed, BlockStored, StoreKind
 from kvtrace.replay.run import ReplayOptions, replay
 from kvtrace.replay.scheduler import arrivals_of
-from kvtrace.replay.variants import VARIANTS
+from kvtrace.replay.variants import MODELLED_VARIANTS
 from kvtrace.traceio import read_records, write_trace
 from kvtrace.workloads.synth import synthesize
 from kvtrace.workloads.workload import EngineShape, write_workload
@@ -54,7 +54,7 @@ def per_group(records, kind, key=lambda r: r.group) -> Counter:
 def test_every_variant_applies_in_every_mamba_group(tmp_path, num_groups):
     source = workload_with_groups(tmp_path, num_groups, num_gpu_blocks=4000)
     result = replay(ReplayOptions(source=source, outdir=str(tmp_path / "runs"),
-                                  variants=tuple(VARIANTS)))
+                                  variants=MODELLED_VARIANTS))
     mamba_groups = set(range(1, num_groups))
     summaries = {v.variant: v.summary for v in result.variants}
     for variant in result.variants:

@@ -22,8 +22,9 @@ from pathlib import Path
 
 import msgspec
 import pytest
+from debugger_support import can_call, needs_gdb
 from test_capture_live import (  # noqa: F401 (workload is a fixture)
-    needs_gdb, run_cli, sleeper, start_engine, workload)
+    run_cli, sleeper, start_engine, workload)
 from vllm_support import vllm_backend_class  # noqa: F401 (a fixture)
 
 from kvtrace.capture import attach, control, hook
@@ -82,31 +83,37 @@ def assert_untouched(victim: Path, text: str) -> None:
 
 # --- S1: root follows the engine user's links in that user's runtime directory ---------------
 
-@needs_gdb
 @needs_plain_python
 def test_s1_links_in_the_targets_runtime_dir_are_never_followed(shared):
     """The engine's user plants links where root writes the bootstrap and reads its report;
     root replaces the links (in that user's own directory) and the files they aim at keep
-    their content and owner. The capture goes on and reports what the target said."""
+    their content and owner. The capture goes on and reports what the target said. Through
+    a debugger that can make calls on this host; where none can, kvtrace refuses before it
+    writes anything, and the links stay as they were."""
     secret, report_secret = "root's secret\n", '{"kind": "X", "error": "root json"}\n'
     victim = root_file(shared / "victim", secret)
     report_victim = root_file(shared / "victim.json", report_secret)
     target = sleeper("VLLM::EngineCore", user=ATTACKER, python=PLAIN_PYTHON)
     private = shared / f"kvtrace-{ATTACKER_UID}"
+    usable = [name for name in ("gdb", "lldb") if shutil.which(name) and can_call(name)]
     try:
         as_attacker("mkdir", "-m", "0700", str(private))
         as_attacker("ln", "-s", str(victim), str(private / f"inject-{target.pid}.py"))
         as_attacker("ln", "-s", str(report_victim), str(private / f"inject-{target.pid}.err"))
-        code, err = run_cli("capture", "--pid", str(target.pid), "--method", "gdb", "-o",
-                            str(shared / "x.kvtrace"))
+        code, err = run_cli("capture", "--pid", str(target.pid), "--method",
+                            usable[0] if usable else "auto", "-o", str(shared / "x.kvtrace"))
         alive = target.poll() is None
     finally:
         target.kill()
     assert_untouched(victim, secret)
     assert_untouched(report_victim, report_secret)
     script = (private / f"inject-{target.pid}.py").lstat()
-    assert stat.S_ISREG(script.st_mode) and script.st_uid == ATTACKER_UID
-    assert code == 1 and "kvtrace is not importable in pid" in err and alive
+    if usable:
+        assert stat.S_ISREG(script.st_mode) and script.st_uid == ATTACKER_UID
+        assert code == 1 and "kvtrace is not importable in pid" in err and alive
+    else:
+        assert stat.S_ISLNK(script.st_mode)
+        assert code == 1 and "no debugger can safely inject here" in err and alive
 
 
 @needs_gdb

@@ -6,40 +6,42 @@ Ways in, best first (``--method auto`` tries them in this order):
   point already started a dormant control server in each engine core. No ptrace needed.
 * ``remote-exec`` - PEP 768 ``sys.remote_exec`` runs a bootstrap in the target when both sides
   run Python >= 3.14.
-* ``gdb`` - for older Pythons. gdb never runs our code while the target is stopped somewhere
-  arbitrary (that deadlocked a busy vLLM target inside ``malloc``, reference/environment-notes.md
-  section 3a): it writes the bootstrap's file name into a fresh ``mmap``'d page and schedules
-  ``PyRun_SimpleString`` on it with ``Py_AddPendingCall``, which CPython runs at its next safe
-  point in the main thread. An idle engine core never reaches one (its main thread waits in
-  ``input_queue.get()``), so if nothing ran after a grace period and the main thread is parked
-  in a blocking syscall outside the allocator, the bootstrap is run directly under
-  ``PyGILState_Ensure``. The bootstrap is idempotent, so running twice is harmless.
+* ``gdb`` or ``lldb`` - for older Pythons, whichever passes its canary first (``canary.py``:
+  the same injection on a throw-away process of the engine's interpreter, which on some hosts
+  gdb kills). The debugger schedules the bootstrap as a pending call, or runs it directly in a
+  parked main thread outside the allocator (``inject.py``, ``debuggers.py``). The bootstrap is
+  idempotent, so running twice is harmless.
 
 Every way in ends the same: the bootstrap starts the control server (``kvtrace.capture.control``)
 and the CLI arms the capture over its socket. The bootstrap reports its own failure (e.g. kvtrace
 not importable in the target's Python) through a side-channel file next to the socket.
 
 The bootstrap and its report live in the target user's private runtime directory, which is
-checked first (``safe_paths``): one another user made or opened is refused, never written to,
-and never a reason to fall back from the plugin to gdb. Both files are reached only through
-that directory's descriptor, without following links; as root, the bootstrap is handed to the
-target's user on its descriptor.
+checked first (``safe_paths``), before a canary or a debugger runs: one another user made or
+opened is refused, never written to, and never a reason to fall back from the plugin to a
+debugger. Both files are reached only through that directory's descriptor, without following
+links; as root, the bootstrap is handed to the target's user on its descriptor.
 """
 
 from __future__ import annotations
 
-import json
 import os
-import shlex
-import shutil
-import subprocess
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from kvtrace.capture import control
+from kvtrace.capture import canary, control
+from kvtrace.capture.debuggers import DEBUGGERS
+from kvtrace.capture.inject import (  # noqa: F401 (is_alive and Bootstrap: the CLI's, the tests')
+    BOOTSTRAP_WAIT_S,
+    AttachError,
+    Bootstrap,
+    InjectionError,
+    is_alive,
+    run_in_main_thread,
+)
 from kvtrace.capture.messages import (
     ArmRequest,
     CaptureOptions,
@@ -49,27 +51,21 @@ from kvtrace.capture.messages import (
     StatusRequest,
     options_from,
 )
-from kvtrace.capture.safe_paths import (
-    check_not_in_runtime_dir,
-    open_private_dir,
-    read_owned_file,
-    remove_if_there,
-    replace_file,
-)
-from kvtrace.errors import KvtraceError
+from kvtrace.capture.safe_paths import check_not_in_runtime_dir
 
 ENGINE_CORE_TITLE = "::EngineCore"
-PENDING_CALL_GRACE_S = 3.0
-BOOTSTRAP_WAIT_S = 10.0
-GDB_TIMEOUT_S = 120.0
-# Syscalls an idle main thread waits in (x86-64 numbers): read, poll, select, nanosleep,
-# recvfrom, futex, epoll_wait, clock_nanosleep, pselect6, ppoll, epoll_pwait, epoll_pwait2.
-BLOCKING_SYSCALLS = {0, 7, 23, 35, 45, 202, 232, 230, 270, 271, 281, 441}
-MAX_BOOTSTRAP_REPORT_BYTES = 1 << 16
+METHODS = ("auto", "plugin", "remote-exec", "gdb", "lldb")
 
 
-class AttachError(KvtraceError):
-    """Attaching to a process failed; the message says why and the hint what to do."""
+@dataclass(frozen=True)
+class WayIn:
+    """How kvtrace's hook got into an engine (``method``), and why that way."""
+
+    method: str
+    why: str
+
+    def __str__(self) -> str:
+        return f"{self.method} ({self.why})"
 
 
 @dataclass(frozen=True)
@@ -160,54 +156,6 @@ def _control_up(target: Target) -> bool:
     return True
 
 
-class Bootstrap:
-    """The script the target runs to start kvtrace, and the file it reports a failure in, in
-    the target user's private runtime directory (made, or checked, on creation)."""
-
-    def __init__(self, target: Target) -> None:
-        self.target = target
-        directory = control.runtime_dir(target.uid)
-        self.script = directory / f"inject-{target.pid}.py"
-        self.report = directory / f"inject-{target.pid}.err"
-        self._dir_fd = open_private_dir(directory, target.uid, create=True)
-
-    def write(self) -> None:
-        """Write the script afresh (whatever had its name is removed, not followed)."""
-        remove_if_there(self.report.name, self._dir_fd)
-        with os.fdopen(replace_file(self.script.name, self._dir_fd), "w") as script:
-            if os.geteuid() == 0 and self.target.uid != 0:
-                os.fchown(script.fileno(), self.target.uid, -1)
-            script.write(BOOTSTRAP.format(error_file=str(self.report)))
-
-    def failure(self) -> dict | None:
-        """What the bootstrap reported, if it failed and finished writing the report."""
-        data = read_owned_file(self.report.name, self._dir_fd, self.report, self.target.uid,
-                               MAX_BOOTSTRAP_REPORT_BYTES)
-        try:
-            return None if data is None else json.loads(data)
-        except ValueError:
-            return None
-
-    def close(self) -> None:
-        os.close(self._dir_fd)
-
-
-BOOTSTRAP = '''\
-def _kvtrace_bootstrap():
-    import json, os, sys, traceback
-    try:
-        from kvtrace.capture.control import start_control_server
-        start_control_server()
-    except BaseException as error:
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
-        with os.fdopen(os.open({error_file!r}, flags, 0o600), "w") as report:
-            json.dump({{"kind": type(error).__name__, "error": str(error),
-                       "executable": sys.executable, "traceback": traceback.format_exc()}}, report)
-_kvtrace_bootstrap()
-del _kvtrace_bootstrap
-'''
-
-
 def _wait_for_bootstrap(target: Target, bootstrap: Bootstrap, timeout_s: float) -> bool:
     """True once the control server answers; raise what the bootstrap reported if it failed."""
     deadline = time.monotonic() + timeout_s
@@ -217,11 +165,9 @@ def _wait_for_bootstrap(target: Target, bootstrap: Bootstrap, timeout_s: float) 
             _raise_bootstrap_error(target, report)
         if _control_up(target):
             return True
-        try:
-            os.kill(target.pid, 0)
-        except ProcessLookupError:
-            raise AttachError(f"pid {target.pid} exited while kvtrace was attaching",
-                              "Check the engine's log.") from None
+        if not is_alive(target.pid):
+            raise InjectionError(f"pid {target.pid} exited while kvtrace was attaching",
+                                 "Check the engine's log.")
         time.sleep(0.1)
     return False
 
@@ -248,145 +194,92 @@ def _kvtrace_source() -> str:
     return str(Path(kvtrace.__file__).resolve().parent.parent)
 
 
-def _inject_remote_exec(target: Target, script: Path) -> None:
+def _inject_remote_exec(target: Target, bootstrap: Bootstrap) -> None:
     remote_exec = getattr(sys, "remote_exec", None)
     if remote_exec is None:
         raise AttachError(
             f"--method remote-exec needs Python 3.14 or newer; kvtrace runs on "
             f"{sys.version.split()[0]}",
-            "Use --method gdb, or the plugin (install kvtrace in vLLM's environment).")
+            "Use --method lldb or --method gdb, or the plugin (install kvtrace in vLLM's "
+            "environment).")
     try:
-        remote_exec(target.pid, str(script))
+        remote_exec(target.pid, str(bootstrap.script))
     except (OSError, RuntimeError) as error:
         raise AttachError(f"sys.remote_exec into pid {target.pid} failed: {error}",
                           "The target must run Python >= 3.14 and allow ptrace.") from None
+    if not _wait_for_bootstrap(target, bootstrap, BOOTSTRAP_WAIT_S):
+        raise AttachError(f"pid {target.pid} did not run the injected bootstrap",
+                          "sys.remote_exec runs only when the target's main thread runs Python; "
+                          "retry while the engine is serving, or use the plugin.")
 
 
-def _gdb_base(target: Target) -> list[str]:
-    gdb = shutil.which("gdb")
-    if gdb is None:
-        raise AttachError("gdb is not installed",
-                          "Install gdb (apt-get install gdb), or use --method plugin.")
-    return [gdb, "-p", str(target.pid), "-batch", "-nx", "-q", "-iex", "set auto-solib-add off",
-            "-ex", "sharedlibrary libpython3", "-ex", "sharedlibrary libc.so"]
-
-
-def _run_gdb(command: list[str], target: Target, log: Callable[[str], None]) -> str:
-    log("$ " + shlex.join(command))
-    result = subprocess.run(command, capture_output=True, text=True, timeout=GDB_TIMEOUT_S,
-                            stdin=subprocess.DEVNULL, check=False)
-    output = result.stdout + result.stderr
-    log(output)
-    if "ptrace: Operation not permitted" in output or "Could not attach to process" in output:
-        raise AttachError(
-            f"no ptrace permission for pid {target.pid}",
-            "Run as root or with CAP_SYS_PTRACE (check /proc/sys/kernel/yama/ptrace_scope), "
-            "or use --method plugin.")
-    if 'No symbol "Py_AddPendingCall"' in output or 'No symbol "PyRun_SimpleString"' in output:
-        raise AttachError(f"gdb found no CPython symbols in pid {target.pid}",
-                          "The target's Python must export its C API; use --method plugin.")
-    return output
-
-
-def _run_string(script: Path) -> str:
-    return f"exec(open({str(script)!r}).read(), {{'__name__': 'kvtrace_bootstrap'}})"
-
-
-def _inject_pending_call(target: Target, script: Path, log: Callable[[str], None]) -> None:
-    code = _run_string(script).encode()
-    command = _gdb_base(target) + [
-        "-ex", "set $buf = (char*)(long)mmap(0, 65536, 3, 0x22, -1, 0)",
-        "-ex", f"python gdb.selected_inferior().write_memory(int(gdb.parse_and_eval('$buf')), "
-               f"{code!r} + b'\\0')",
-        "-ex", "call (int)Py_AddPendingCall((int(*)(void*))PyRun_SimpleString, (void*)$buf)",
-    ]
-    _run_gdb(command, target, log)
-
-
-def main_thread_parked(pid: int) -> bool:
-    """Whether the main thread sleeps in a blocking syscall (GIL released, not mid-bytecode)."""
-    try:
-        state = Path(f"/proc/{pid}/task/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        syscall = Path(f"/proc/{pid}/task/{pid}/syscall").read_text().split()[0]
-    except (OSError, IndexError):
-        return False
-    return state == "S" and syscall.isdigit() and int(syscall) in BLOCKING_SYSCALLS
-
-
-# Refuses (prints the marker and detaches) when the main thread sits inside the allocator:
-# running Python there is what deadlocked a target for good.
-_ALLOCATOR_CHECK = """\
-frame, names = gdb.selected_frame(), []
-while frame is not None:
-    names.append(frame.name() or "")
-    frame = frame.older()
-if any(n.startswith(("malloc", "_int_", "free", "__libc_malloc", "__libc_free", "arena_"))
-       for n in names):
-    print("KVTRACE_IN_ALLOCATOR")
-    gdb.execute("detach")
-    gdb.execute("quit")
-"""
-
-
-def _inject_direct(target: Target, script: Path, log: Callable[[str], None]) -> None:
-    code = _run_string(script).replace("\\", "\\\\").replace('"', '\\"')
-    command = _gdb_base(target) + [
-        "-ex", "thread 1", "-ex", f"python exec({_ALLOCATOR_CHECK!r})",
-        "-ex", "call (int)PyGILState_Ensure()",
-        "-ex", f'call (int)PyRun_SimpleString("{code}")',
-        "-ex", "call (void)PyGILState_Release($1)",
-    ]
-    output = _run_gdb(command, target, log)
-    if "KVTRACE_IN_ALLOCATOR" in output:
-        raise AttachError(f"pid {target.pid}'s main thread is inside the memory allocator",
-                          "Try again in a moment; kvtrace will not inject there.")
-
-
-def ensure_hook(target: Target, method: str, log: Callable[[str], None]) -> str:
-    """Make sure kvtrace's control server runs in ``target``; return the way it got there.
+def ensure_hook(target: Target, method: str, log: Callable[[str], None]) -> WayIn:
+    """Make sure kvtrace's control server runs in ``target``; the way it got there, and why.
     A runtime directory or socket that fails its checks is an error here, not a reason to try
-    the next way in."""
+    the next way in; so is a debugger that failed its canary, unless ``method`` is auto."""
     if _control_up(target):
-        return "plugin" if method in ("auto", "plugin") else "already present"
+        if method in ("auto", "plugin"):
+            return WayIn("plugin", f"kvtrace's plugin answered in pid {target.pid}")
+        return WayIn("already present", "kvtrace's control server already answered; nothing "
+                                        "was injected")
     if method == "plugin":
         raise AttachError(
             f"no kvtrace plugin is listening in pid {target.pid}",
             "Install kvtrace into vLLM's environment and restart vLLM (the plugin loads at "
-            "start-up), or attach with --method gdb.")
-    if method == "auto":
-        method = "remote-exec" if hasattr(sys, "remote_exec") else "gdb"
-    bootstrap = Bootstrap(target)
+            "start-up), or attach with --method lldb or --method gdb.")
+    bootstrap = Bootstrap(target)  # its directory is checked before anything runs
     try:
+        if method == "remote-exec" or (method == "auto" and hasattr(sys, "remote_exec")):
+            bootstrap.write()
+            _inject_remote_exec(target, bootstrap)
+            return WayIn("remote-exec", "--method remote-exec" if method == "remote-exec" else
+                         f"no kvtrace plugin answered in pid {target.pid}; Python "
+                         f"{sys.version.split()[0]} has sys.remote_exec")
+        debugger, why = _proven_debugger(target, method, log)
         bootstrap.write()
-        return _inject(target, method, bootstrap, log)
+        how = run_in_main_thread(debugger, target.pid, bootstrap.run_string,
+                                 lambda seconds: _wait_for_bootstrap(target, bootstrap, seconds),
+                                 log)
+        return WayIn(debugger.name, f"{why}; the bootstrap ran by a {how}")
     finally:
         bootstrap.close()
 
 
-def _inject(target: Target, method: str, bootstrap: Bootstrap,
-            log: Callable[[str], None]) -> str:
-    script = bootstrap.script
-    if method == "remote-exec":
-        _inject_remote_exec(target, script)
-        if _wait_for_bootstrap(target, bootstrap, BOOTSTRAP_WAIT_S):
-            return method
-        raise AttachError(f"pid {target.pid} did not run the injected bootstrap",
-                          "sys.remote_exec runs only when the target's main thread runs Python; "
-                          "retry while the engine is serving, or use the plugin.")
-    _inject_pending_call(target, script, log)
-    if _wait_for_bootstrap(target, bootstrap, PENDING_CALL_GRACE_S):
-        return "gdb"
-    if not main_thread_parked(target.pid):
-        if _wait_for_bootstrap(target, bootstrap, BOOTSTRAP_WAIT_S):
-            return "gdb"
-        raise AttachError(f"pid {target.pid} did not reach a safe point to run kvtrace",
-                          "Its main thread is busy in native code; retry in a moment.")
-    log(f"pid {target.pid}'s main thread is idle in a syscall; running the bootstrap directly")
-    _inject_direct(target, script, log)
-    if _wait_for_bootstrap(target, bootstrap, BOOTSTRAP_WAIT_S):
-        return "gdb"
-    raise AttachError(f"pid {target.pid} did not start kvtrace after injection",
-                      "Run with -v to see gdb's output.")
+def _proven_debugger(target: Target, method: str, log: Callable[[str], None]):
+    """The debugger to inject with, once it passed its canary, and why it was chosen: the one
+    ``method`` names, or for auto the first of gdb and lldb that passes."""
+    if method in DEBUGGERS:
+        debugger = DEBUGGERS[method].find()
+        verdict = canary.prove(debugger, target, log)
+        if not verdict.passed:
+            raise AttachError(f"{verdict.describe(debugger)}; kvtrace did not touch pid "
+                              f"{target.pid}", OTHER_WAYS_IN[method])
+        return debugger, f"--method {method}; {verdict.describe(debugger)}"
+    reasons = []
+    for name, kind in DEBUGGERS.items():
+        try:
+            debugger = kind.find()
+            verdict = canary.prove(debugger, target, log)
+        except AttachError as error:
+            reasons.append(f"{name}: {error}")
+            continue
+        reasons.append(verdict.describe(debugger))
+        if verdict.passed:
+            return debugger, (f"no kvtrace plugin answered in pid {target.pid}; Python "
+                              f"{sys.version.split()[0]} has no sys.remote_exec; "
+                              + "; ".join(reasons))
+    raise AttachError(f"no debugger can safely inject here ({'; '.join(reasons)}); kvtrace did "
+                      f"not touch pid {target.pid}", OTHER_WAYS_IN["auto"])
+
+
+OTHER_WAYS_IN = {
+    "gdb": "Use --method lldb (apt-get install lldb), the plugin (install kvtrace into vLLM's "
+           "environment and restart vLLM), or a newer gdb.",
+    "lldb": "Use --method gdb, the plugin (install kvtrace into vLLM's environment and restart "
+            "vLLM), or a newer lldb.",
+    "auto": "Install kvtrace into vLLM's environment and restart vLLM (its plugin needs no "
+            "debugger), or install lldb (apt-get install lldb) or a newer gdb.",
+}
 
 
 def arm(target: Target, options: CaptureOptions | dict) -> control.Lease:
@@ -404,18 +297,3 @@ def status(target: Target) -> CaptureStatus:
 
 def disarm(target: Target) -> CaptureStatus:
     return control.request(target.pid, DisarmRequest(), uid=target.uid)
-
-
-def is_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    # A zombie (killed, not yet reaped) is dead for our purposes.
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"

@@ -53,6 +53,7 @@ from kvtrace.events import (
     Record,
     TraceHeader,
 )
+from kvtrace.probes.signatures import release_has
 from kvtrace.traceio import TraceWriter, encode_rows
 
 WRITER_POLL_S = 0.02
@@ -142,7 +143,8 @@ def engine_config_of(manager: Any, scheduler: Any = None) -> EngineConfig:
             prefill_checkpoint_alignment=getattr(spec, "prefill_checkpoint_alignment", None),
         ))
     coordinator = manager.coordinator
-    hash_block_size = config.hash_block_size or getattr(coordinator, "hash_block_size", 0)
+    hash_block_size = (release_has("KVCacheConfig.hash_block_size") and config.hash_block_size
+                       or getattr(coordinator, "hash_block_size", 0))
     return EngineConfig(
         kv_cache_groups=groups,
         hash_block_size=hash_block_size,

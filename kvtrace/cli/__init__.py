@@ -34,6 +34,7 @@ COMMAND_MODULES = {
     "sweep": "sweep",
     "engine": "engine",
     "geometry": "geometry",
+    "vllmcmd": "vllm",
     "demo": "demo",
 }
 

@@ -32,8 +32,10 @@ def parse_duration(text: str | None) -> float | None:
 
 @click.command("capture")
 @click.option("--pid", type=PID, help="vLLM engine-core pid, or the API-server pid above it.")
-@click.option("--method", type=click.Choice(["auto", "plugin", "remote-exec", "gdb"]), default="auto",
-              show_default=True, help="How to get kvtrace's hook into the engine.")
+@click.option("--method", type=click.Choice(["auto", "plugin", "remote-exec", "gdb", "lldb"]),
+              default="auto", show_default=True,
+              help="How to get kvtrace's hook into the engine: auto takes the plugin, then "
+                   "remote-exec (Python 3.14), then whichever debugger passes its canary.")
 @click.option("--duration", help="Stop after this long (30s, 10m, 1h); default: until Ctrl-C.")
 @click.option("-o", "--output", type=click.Path(dir_okay=False), help="Trace file to write.")
 @click.option("--no-hash-bytes", is_flag=True, help="Leave hash bytes out (ids only): a trace to share.")
@@ -58,6 +60,10 @@ def command(pid, method, duration, output, no_hash_bytes, buffer_capacity, gpu_i
     shows a live status line until Ctrl-C or --duration; then disarms, restoring every patched
     vLLM function, and prints a summary. With several engine cores, each writes TRACE with its
     rank in the name (prod.dp0.kvtrace, ...).
+
+    A debugger (gdb, lldb) touches an engine only after the same injection left a throw-away
+    canary of the engine's interpreter alive and answering; otherwise capture stops with the
+    engine untouched. The line "capturing pid ... via M (...)" says which way was used and why.
 
     \b
     Example:

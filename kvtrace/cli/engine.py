@@ -1,6 +1,10 @@
-"""``kvtrace engine``: a live CPU engine process (vLLM 0.33's real cache) to capture from."""
+"""``kvtrace engine``: a live CPU engine process (vLLM's real scheduler and cache) to capture
+from."""
 
 from __future__ import annotations
+
+import os
+import sys
 
 import click
 
@@ -22,8 +26,12 @@ import click
 @click.option("--summary-json", type=click.Path(dir_okay=False), default=None,
               help="Write the run's figures (requests, hit tokens, hit rate, steps, wall time) "
                    "as JSON to this file when the workload is done.")
+@click.option("--vllm", "release", default=None, metavar="VERSION",
+              help="Run on this vLLM release (0.30.0-0.33.0; installed beside the project's "
+                   "with kvtrace vllm install) instead of the project's own.")
 def command(workload: str, variant: str, num_gpu_blocks: int | None, retention: str | None,
-            speed: float, autostart: bool, summary_json: str | None) -> None:
+            speed: float, autostart: bool, summary_json: str | None,
+            release: str | None) -> None:
     """Run WORKLOAD through the real vLLM prefix cache as a live engine-core process.
 
     The process titles itself VLLM::EngineCore, loads vLLM's general plugins (an installed
@@ -34,9 +42,15 @@ def command(workload: str, variant: str, num_gpu_blocks: int | None, retention: 
     There is no model: a step is only scheduling and cache work.
 
     \b
+    With --vllm VERSION the process replaces itself (exec, same pid) with one that has that
+    release's directory first on sys.path, so that vLLM's scheduler and cache are that
+    release's own.
+
+    \b
     Examples:
         kvtrace engine agent.kvtrace --variant unfixed --speed 10
         kvtrace engine agent.kvtrace --autostart --speed 0 --summary-json run.json
+        kvtrace engine agent.kvtrace --vllm 0.30.0
     """
     import msgspec
 
@@ -48,6 +62,10 @@ def command(workload: str, variant: str, num_gpu_blocks: int | None, retention: 
     if summary_json:
         refuse_overwrite([("--summary-json", summary_json)], [workload])
         check_output_dir(summary_json, "--summary-json")
+    if release is not None:
+        _run_on(release, workload, variant=variant, num_gpu_blocks=num_gpu_blocks,
+                retention=retention, speed=speed, autostart=autostart,
+                summary_json=summary_json)
 
     options = EngineOptions(
         source=workload, variant=variant, speed=speed, overrides=Overrides(
@@ -59,3 +77,25 @@ def command(workload: str, variant: str, num_gpu_blocks: int | None, retention: 
                                                             indent=2) + b"\n")
 
     run_engine(options, autostart=autostart, on_done=write_summary if summary_json else None)
+
+
+def _run_on(release: str, workload: str, **options) -> None:
+    """Become ``kvtrace engine WORKLOAD ... --vllm RELEASE`` with the release first on
+    ``sys.path`` (exec: the same pid); return at once when this process already runs it."""
+    from kvtrace.cli import verbosity
+    from kvtrace.vllm_releases import environment, running_vllm_version
+
+    if release == running_vllm_version():
+        return
+    env = environment(release)  # refuses one that is not supported or not installed
+    argv = [sys.executable, "-m", "kvtrace", *["-v"] * verbosity(), "engine", workload,
+            "--vllm", release]
+    for name, value in options.items():
+        flag = "--" + name.replace("_", "-")
+        if value is True:
+            argv.append(flag)
+        elif value not in (None, False):
+            argv += [flag, str(value)]
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(sys.executable, argv, env)

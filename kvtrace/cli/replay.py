@@ -10,7 +10,8 @@ import click
 @click.command("replay")
 @click.argument("source", type=click.Path(dir_okay=False))
 @click.option("--variant", "variants", multiple=True, metavar="NAME",
-              help="Checkpoint variant: unfixed, fixed, naive, upstream. Repeat to compare "
+              help="Checkpoint variant: unfixed, fixed, naive, upstream, or a vLLM release's own "
+                   "code, vllm-0.30.0 ... vllm-0.33.0 (kvtrace vllm install). Repeat to compare "
                    "(default: unfixed and fixed; with --verify: the engine's own).")
 @click.option("--backend", default="vllm", show_default=True,
               help="Cache implementation: vllm (the installed vLLM's KVCacheManager, the "
@@ -72,6 +73,7 @@ def command(source: str, variants: tuple[str, ...], backend: str, num_gpu_blocks
         kvtrace replay prod.kvtrace --lockstep --verify -o runs/
         kvtrace replay prod.kvtrace --variant unfixed --variant fixed -o runs/ --db prod.duckdb
         kvtrace replay agent.kvtrace --variant naive --variant fixed --execute -o runs/
+        kvtrace replay agent.kvtrace --variant vllm-0.30.0 --variant vllm-0.33.0 -o runs/
     """
     import msgspec
 
@@ -192,7 +194,8 @@ def _print_table(result) -> None:
     executed = [v.summary.get("execute") for v in result.variants]
     click.echo(f"mode {result.mode}, {config.num_gpu_blocks} blocks, "
                f"retention {describe_retention(config.retention_interval)}")
-    header = (f"{'variant':<10} {'requests':>8} {'prompt tok':>11} {'hit tok':>10} {'hit rate':>8} "
+    width = max(10, *(len(v.variant) for v in result.variants))
+    header = (f"{'variant':<{width}} {'requests':>8} {'prompt tok':>11} {'hit tok':>10} {'hit rate':>8} "
               f"{'evicted':>8} {'ckpt pub':>8} {'ckpt sup':>8} {'stale':>6} {'preempt':>7} "
               f"{'wall s':>7}")
     if all(executed):
@@ -200,7 +203,7 @@ def _print_table(result) -> None:
     click.echo(f"{header}  output")
     for v, figures in zip(result.variants, executed):
         s = v.summary
-        row = (f"{v.variant:<10} {s['requests']:>8} {s['prompt_tokens']:>11} {s['hit_tokens']:>10} "
+        row = (f"{v.variant:<{width}} {s['requests']:>8} {s['prompt_tokens']:>11} {s['hit_tokens']:>10} "
                f"{s['hit_rate']:>8.2%} {s['evictions'].get('lru_reuse', 0):>8} "
                f"{s['checkpoints_published']:>8} {s['checkpoints_suppressed']:>8} "
                f"{s['stale_key_hazards']:>6} {s['preemptions']:>7} {v.wall_s:>7.1f}")

@@ -56,6 +56,7 @@ from kvtrace.replay.variants import get_variant
 from kvtrace.replay.vllm_backend import (UNLIMITED_MODEL_LEN, MadeUpHashIds, kv_cache_config_of,
                                           new_request)
 from kvtrace.traceio import TraceReader
+from kvtrace.vllm_releases import running_vllm_version
 
 # vLLM's name for the process (``run_engine_core``, without data parallelism).
 ENGINE_CORE_PROCESS_NAME = "EngineCore"
@@ -252,7 +253,8 @@ class Engine:
         retention = describe_retention(config.retention_interval)
         speed = "max" if not self.options.speed else f"{self.options.speed:g}x"
         return (f"variant {self.options.variant}, {len(self.workload.arrivals)} requests, "
-                f"{config.num_gpu_blocks} blocks, retention {retention}, speed {speed}")
+                f"{config.num_gpu_blocks} blocks, retention {retention}, speed {speed}, "
+                f"vLLM {running_vllm_version()}")
 
     def serve(self) -> str:
         """Serve commands until told to quit; returns why it stopped. Blocks in ``get()`` while

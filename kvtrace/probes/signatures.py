@@ -1,9 +1,16 @@
-"""The vLLM signature contract of the probes: which methods they wrap, with which parameters.
+"""The vLLM signature contract of the probes: which releases, which methods, which parameters.
 
-``probe_targets()`` resolves every method in ``EXPECTED_SIGNATURES`` on the real classes (by
-qualified name) and checks its parameters against vLLM ``SUPPORTED_VLLM_VERSION``, raising
-``ProbeSignatureError`` before anything is patched. The wrappers (``wrappers.py``) are written
-against exactly these parameter lists; ``parameter_names`` is how both sides spell them.
+kvtrace supports the releases with #56794's checkpoint path, 0.30.0 to 0.33.0
+(``SUPPORTED_VLLM_VERSIONS``, keyed by ``vllm.__version__``). ``EXPECTED_SIGNATURES`` are the
+newest's; ``SINCE`` is the one place that knows what an older release lacks, each entry naming
+the first release that has it: a trailing parameter of a wrapped method
+(``"Class.method(parameter)"``), or an attribute kvtrace's code reads. ``release_has`` asks it.
+
+``probe_targets()`` refuses a release outside the table, then resolves every wrapped method
+on the real classes (by qualified name) and checks its parameters against that release's
+(``expected_signatures``), raising ``ProbeSignatureError`` before anything is patched. The
+wrappers (``wrappers.py``) are written against the newest parameter lists and rebuilt for an
+older release's; ``parameter_names`` is how both sides spell them.
 """
 
 from __future__ import annotations
@@ -16,13 +23,15 @@ from typing import Callable
 
 from kvtrace.errors import KvtraceError
 
-SUPPORTED_VLLM_VERSION = "0.33.0"
+SUPPORTED_VLLM_VERSIONS = ("0.30.0", "0.31.0", "0.32.0", "0.33.0")  # oldest first
+NEWEST_VLLM_VERSION = SUPPORTED_VLLM_VERSIONS[-1]
 
 _BLOCK_POOL = "vllm.v1.core.block_pool.BlockPool"
 _MANAGER = "vllm.v1.core.kv_cache_manager.KVCacheManager"
 _MAMBA = "vllm.v1.core.single_type_kv_cache_manager.MambaManager"
 
 # Qualified name -> parameter names in vLLM 0.33.0 ("*x" marks a keyword-only parameter).
+# Older supported releases lack only the trailing parameters ``SINCE`` names.
 EXPECTED_SIGNATURES: dict[str, tuple[str, ...]] = {
     f"{_BLOCK_POOL}.get_new_blocks": ("self", "num_blocks"),
     f"{_BLOCK_POOL}.touch": ("self", "blocks"),
@@ -59,11 +68,59 @@ EXPECTED_SIGNATURES: dict[str, tuple[str, ...]] = {
 }
 
 
+# What a supported release may lack -> the first release that has it (from the 0.28-0.33 wheels).
+SINCE: dict[str, str] = {
+    "MambaManager.get_num_blocks_to_allocate(prefill_end)": "0.31.0",
+    "KVCacheManager.allocate_slots(skip_zeroing_group_ids)": "0.32.0",
+    "KVCacheManager.get_computed_blocks(max_cache_hit_length)": "0.33.0",
+    "KVCacheConfig.hash_block_size": "0.32.0",
+    "BlockPool.num_hash_lookahead_tokens": "0.33.0",
+}
+
+
 class ProbeSignatureError(KvtraceError):
     """A wrapped vLLM method does not have the signature the probes were written against."""
 
-    default_hint = (f"kvtrace's probes support vLLM {SUPPORTED_VLLM_VERSION}; install that "
-                    "version or a kvtrace release that supports yours.")
+    default_hint = (f"kvtrace's probes support vLLM {', '.join(SUPPORTED_VLLM_VERSIONS)}; "
+                    "install one of them or a kvtrace release that supports yours.")
+
+
+def installed_vllm_version() -> str:
+    """``vllm.__version__`` of the vLLM this process imports (a release beside the project's,
+    when its directory comes first on ``sys.path``)."""
+    from vllm import __version__
+
+    return __version__
+
+
+def check_supported(version: str) -> str:
+    """``version``, if kvtrace supports it; ``ProbeSignatureError`` naming the ones it does."""
+    if version not in SUPPORTED_VLLM_VERSIONS:
+        raise ProbeSignatureError(
+            f"vLLM {version} is not a release kvtrace supports (supported: "
+            f"{', '.join(SUPPORTED_VLLM_VERSIONS)})",
+            "kvtrace supports the releases with #56794's checkpoint path; run one of them, or "
+            "a kvtrace release that supports yours.")
+    return version
+
+
+def release_has(feature: str, version: str | None = None) -> bool:
+    """Whether release ``version`` (default: the one imported) has ``feature``, a key of
+    ``SINCE``."""
+    version = check_supported(version or installed_vllm_version())
+    return SUPPORTED_VLLM_VERSIONS.index(version) >= SUPPORTED_VLLM_VERSIONS.index(SINCE[feature])
+
+
+def expected_signatures(version: str) -> dict[str, tuple[str, ...]]:
+    """``EXPECTED_SIGNATURES`` as release ``version`` has them."""
+    signatures = {}
+    for qualname, names in EXPECTED_SIGNATURES.items():
+        method = ".".join(qualname.rsplit(".", 2)[-2:])
+        signatures[qualname] = tuple(
+            name for name in names
+            if f"{method}({name.lstrip('*')})" not in SINCE
+            or release_has(f"{method}({name.lstrip('*')})", version))
+    return signatures
 
 
 def parameter_names(function: Callable) -> tuple[str, ...]:
@@ -75,22 +132,22 @@ def parameter_names(function: Callable) -> tuple[str, ...]:
 
 
 def probe_targets() -> list[tuple[type, str, Callable]]:
-    """Resolve every wrapped method and check its signature; raise before anything is patched."""
+    """Check the imported vLLM is a supported release, resolve every wrapped method and check
+    its signature against that release's; raise before anything is patched."""
+    version = check_supported(installed_vllm_version())
     targets = []
-    for qualname, expected in EXPECTED_SIGNATURES.items():
+    for qualname, expected in expected_signatures(version).items():
         module_name, class_name, method_name = qualname.rsplit(".", 2)
         try:
             owner = getattr(importlib.import_module(module_name), class_name)
             function = owner.__dict__[method_name]
         except (ImportError, AttributeError, KeyError):
-            raise ProbeSignatureError(
-                f"vLLM has no {qualname} (kvtrace probes support vLLM {SUPPORTED_VLLM_VERSION})"
-            ) from None
+            raise ProbeSignatureError(f"vLLM {version} has no {qualname}") from None
         found = parameter_names(function)
         if found != expected:
             raise ProbeSignatureError(
-                f"{qualname} has parameters ({', '.join(found)}); vLLM {SUPPORTED_VLLM_VERSION} "
-                f"has ({', '.join(expected)})"
+                f"{qualname} has parameters ({', '.join(found)}); vLLM {version} has "
+                f"({', '.join(expected)})"
             )
         targets.append((owner, method_name, function))
     return targets

@@ -24,7 +24,9 @@ talks to it only through ``WrappedProbeState``, below.
 
 from __future__ import annotations
 
+import ast
 import inspect
+import textwrap
 import time
 from typing import Any, Callable, Protocol
 
@@ -152,6 +154,8 @@ def _python_wrapper(method_name: str, original: Callable) -> Callable:
     wrapper = _WRAPPER_FACTORIES[method_name](original)
     if wrapper.__code__.co_flags & inspect.CO_VARARGS == 0:
         if parameter_names(wrapper) != parameter_names(original):
+            wrapper = _factory_for(method_name, parameter_names(original))(original)
+        if parameter_names(wrapper) != parameter_names(original):
             raise ProbeSignatureError(f"kvtrace's wrapper of {method_name} has parameters "
                                       f"{parameter_names(wrapper)}, vLLM's "
                                       f"{parameter_names(original)}")
@@ -161,6 +165,50 @@ def _python_wrapper(method_name: str, original: Callable) -> Callable:
     wrapper.__qualname__ = f"kvtrace_probe.{method_name}"
     wrapper.__wrapped__ = original  # type: ignore[attr-defined]
     return wrapper
+
+
+_RELEASE_FACTORIES: dict[tuple[str, tuple[str, ...]], Callable[[Callable], Callable]] = {}
+
+
+def _factory_for(method_name: str, names: tuple[str, ...]) -> Callable[[Callable], Callable]:
+    """The wrapper factory of ``method_name`` rebuilt for a release whose method has only the
+    parameters ``names``. The wrappers below are written against the newest release, and an
+    older one lacks only trailing parameters (``signatures.SINCE``); those are taken out of the
+    wrapper's ``def`` and of its calls of ``original``, so that the wrapper is still one frame
+    with the method's own parameters. A wrapper that uses a missing parameter otherwise is
+    refused."""
+    key = (method_name, names)
+    if key not in _RELEASE_FACTORIES:
+        factory = _WRAPPER_FACTORIES[method_name]
+        module = ast.parse(textwrap.dedent(inspect.getsource(factory)))
+        (factory_def,) = module.body
+        factory_def.decorator_list = []  # registered already
+        wrapper_def = next(node for node in factory_def.body
+                           if isinstance(node, ast.FunctionDef))
+        arguments = wrapper_def.args
+        missing = {a.arg for a in arguments.args + arguments.kwonlyargs} - {
+            name.lstrip("*") for name in names}
+        arguments.args = [a for a in arguments.args if a.arg not in missing]
+        kept = [(a, d) for a, d in zip(arguments.kwonlyargs, arguments.kw_defaults)
+                if a.arg not in missing]
+        arguments.kwonlyargs, arguments.kw_defaults = [a for a, _ in kept], [d for _, d in kept]
+        for node in ast.walk(wrapper_def):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                    and node.func.id == "original"):
+                node.args = [a for a in node.args
+                             if not (isinstance(a, ast.Name) and a.id in missing)]
+                node.keywords = [k for k in node.keywords if k.arg not in missing]
+        used = {node.id for node in ast.walk(wrapper_def) if isinstance(node, ast.Name)}
+        if used & missing:
+            raise ProbeSignatureError(f"kvtrace's wrapper of {method_name} uses "
+                                      f"{', '.join(sorted(used & missing))}, which this vLLM's "
+                                      "method does not have")
+        ast.increment_lineno(module, inspect.getsourcelines(factory)[1] - 1)
+        namespace: dict[str, Any] = {}
+        exec(compile(module, inspect.getsourcefile(factory), "exec"), factory.__globals__,
+             namespace)
+        _RELEASE_FACTORIES[key] = namespace[factory_def.name]
+    return _RELEASE_FACTORIES[key]
 
 
 # KVCacheManager: the scheduler's calls. Each holds its records until it returns.

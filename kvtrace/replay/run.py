@@ -70,10 +70,13 @@ from kvtrace.replay.backend import (
     open_writing_backend,
 )
 from kvtrace.replay.execute import ExecuteOptions
-from kvtrace.replay.scheduler import Arrival, InFlight, Scheduler, arrivals_of
 from kvtrace.replay.captured import CaptureEnds, StepCosts, StepFit
+from kvtrace.replay.release_worker import on_release, run_variant
+from kvtrace.replay.scheduler import Arrival, InFlight, Scheduler, arrivals_of
 from kvtrace.replay.snapshot import STATE_TYPES, StartSnapshot, snapshot_of
+from kvtrace.replay.variants import get_variant
 from kvtrace.traceio import TraceReader, TraceWriter
+from kvtrace.vllm_releases import running_vllm_version
 
 if TYPE_CHECKING:
     from kvtrace.replay.lockstep import Fidelity
@@ -420,7 +423,7 @@ def replay(options: ReplayOptions,
             partial = staged[-1].path if final else ""
             replay_header = TraceHeader(
                 kvtrace_version=__version__, created_ns=time.time_ns(), source="replay",
-                config=config, vllm_version=_vllm_version(), includes_hash_bytes=False,
+                config=config, vllm_version=running_vllm_version(), includes_hash_bytes=False,
                 replay=ReplayInfo(variant=variant, backend=options.backend, mode=mode,
                                   source_path=os.path.abspath(options.source),
                                   source_digest=source.digest),
@@ -430,6 +433,14 @@ def replay(options: ReplayOptions,
             on_step = (progress(variant, len(start.arrivals) + len(start.in_flight))
                        if progress else None)
             keep = mode == "lockstep" and options.verify and variant == engine_variant
+            release = on_release(get_variant(variant), header, mode, options.backend)
+            if release != running_vllm_version():
+                ran = run_variant(release, options, variant,
+                                  os.path.dirname(partial) or options.outdir, keep)
+                result.variants.append(dataclasses.replace(ran.variants[0], output=final))
+                if keep:
+                    result.fidelity, result.fidelity_variant = ran.fidelity, variant
+                continue
             summary, replayed, steps, wall_s = _run_variant(
                 partial, replay_header, options.backend, config, variant, mode, records,
                 start, settings, on_step, keep, options.execute)
@@ -546,8 +557,6 @@ def _engine_variant(header: TraceHeader) -> str:
 
 
 def _variants_for(options: ReplayOptions, engine_variant: str) -> list[str]:
-    from kvtrace.replay.variants import get_variant
-
     names = list(dict.fromkeys(options.variants))
     if not names:
         names = [engine_variant] if options.verify else list(DEFAULT_VARIANTS)
@@ -613,10 +622,3 @@ def _execute_params(execute: ExecuteOptions | None) -> dict[str, str]:
     return {"execute.gpu": gpu.name, "execute.gpu_flops_per_s": repr(gpu.flops_per_s)}
 
 
-def _vllm_version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("vllm")
-    except PackageNotFoundError:
-        return ""

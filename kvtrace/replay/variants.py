@@ -48,6 +48,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from kvtrace.errors import ConfigError
+from kvtrace.probes.signatures import SUPPORTED_VLLM_VERSIONS, release_has
 
 
 class CheckpointAction(enum.Enum):
@@ -96,6 +97,7 @@ class Variant:
     is_transient: Callable[[CheckpointFacts], bool] | None  # None: no checkpoint is
     transient_action: CheckpointAction
     vllm_decides: bool = False  # the installed vLLM's code is this policy (nothing installed)
+    release: str | None = None  # runs this vLLM release's own code (``vllm-X``); None: any
 
     def checkpoint_action(self, facts: CheckpointFacts) -> CheckpointAction:
         """Decision 2 for one checkpoint."""
@@ -110,7 +112,9 @@ class Variant:
             return
         # Read by a live capture of kvtrace's own engine: the trace records the variant it ran.
         manager.kvtrace_variant = self.name
-        if self.reserve_every_chunk:
+        # Before 0.31 every chunk reserves a checkpoint anyway (no ``prefill_end``).
+        if self.reserve_every_chunk and release_has(
+                "MambaManager.get_num_blocks_to_allocate(prefill_end)"):
             manager.get_num_blocks_to_allocate = types.MethodType(
                 _reserve_on_every_chunk, manager)
         if self.vllm_decides:
@@ -146,9 +150,10 @@ def _vllm_checkpoint_facts(manager, request, num_tokens: int, retention_interval
 
     position = checkpoint[0]
     alignment = manager.cache_hit_alignment_tokens
+    lookahead = ({"num_hash_lookahead_tokens": manager.block_pool.num_hash_lookahead_tokens}
+                 if release_has("BlockPool.num_hash_lookahead_tokens") else {})
     prompt_position = get_mamba_prefill_checkpoint_position(
-        request.num_prompt_tokens, alignment, manager.drop_eagle_checkpoint_block,
-        num_hash_lookahead_tokens=manager.block_pool.num_hash_lookahead_tokens)
+        request.num_prompt_tokens, alignment, manager.drop_eagle_checkpoint_block, **lookahead)
     retained = False
     if position % manager.block_size == 0:
         block_idx = position // manager.block_size - 1
@@ -183,19 +188,31 @@ VARIANTS: dict[str, Variant] = {
     variant.name: variant
     for variant in (
         Variant("unfixed", "before #56794: every internal checkpoint is re-keyed and published",
-                "vLLM #56794's base (Sy0307/vllm@9272157d): the checkpoint branch without the "
-                "retention gate; no released vLLM ships it", True, None, _STRIP),
+                "vLLM main between 0.29.0 and 0.30.0, before #56794: the _checkpoints branch "
+                "of _cache_partial_tail_block re-keys every checkpoint (cache_partial_block, "
+                "replace_existing_hashes=True), no retention gate; no released vLLM ships it "
+                "(0.29.0 has no _checkpoints, 0.30.0 has the gate)", True, None, _STRIP),
         Variant("fixed", "#56794 as merged: transient checkpoints are stripped, not published",
                 "vLLM #56794 (merged 2026-09-14; Sy0307/vllm@918d6099), as in vLLM 0.30.0",
                 True, transient_56794, _STRIP),
         Variant("naive", "the #56794 gate without stripping stale keys (wrong-state hazard)",
                 "vLLM #56794 with the _maybe_evict_cached_block call removed (reference §6.2)",
                 True, transient_56794, _KEEP_LOCAL),
-        Variant("upstream", "the installed vLLM 0.33.0, untouched",
-                "vllm 0.33.0 MambaManager (prefill_end reservation, generalised gate)",
+        Variant("upstream", "the vLLM it runs on, untouched (the project's: 0.33.0)",
+                "that vLLM's MambaManager (0.33.0: prefill_end reservation, generalised gate)",
                 False, transient_033, _STRIP, vllm_decides=True),
     )
 }
+# Each supported release as it is, run in a process of its own (``release_worker``): its
+# decisions are its own code's, which only the vllm backend has (``is_transient`` None).
+VARIANTS.update({
+    f"vllm-{version}": Variant(
+        f"vllm-{version}", f"vLLM {version}'s own code, untouched",
+        f"vllm {version}, installed beside the project's vLLM (kvtrace vllm install)",
+        False, None, _STRIP, vllm_decides=True, release=version)
+    for version in SUPPORTED_VLLM_VERSIONS})
+# The variants both backends have: the modelled policies (a release's code is the vllm backend's).
+MODELLED_VARIANTS = tuple(name for name, variant in VARIANTS.items() if variant.release is None)
 
 
 def get_variant(name: str) -> Variant:

@@ -1,0 +1,112 @@
+"""Replaying a variant on another vLLM release than this process runs: in a worker process.
+
+Each variant runs on one release's code (``on_release``): a ``vllm-X`` variant on release X; in
+lockstep, every other variant on the release the trace was recorded on, so that a capture is
+re-issued against the same code that made it; otherwise on this process's vLLM. A variant
+whose release is not this process's runs in a worker, ``python -m kvtrace.replay.release_worker``,
+started with the release's directory first on ``PYTHONPATH`` (``kvtrace.vllm_releases``). The
+worker runs the same ``replay`` on that one variant, writing its trace where the parent staged
+it, and hands back the result (or the ``KvtraceError`` it raised) in a file: vLLM logs to
+stdout, which the parent keeps for a failure.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import pickle
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from kvtrace.engine_config import KEEP
+from kvtrace.errors import ConfigError, KvtraceError, error_class
+from kvtrace.events import TraceHeader
+from kvtrace.probes.signatures import SUPPORTED_VLLM_VERSIONS
+
+if TYPE_CHECKING:
+    from kvtrace.replay.run import ReplayOptions, ReplayResult
+
+_KEEP_MARK = "keep the source's"  # Overrides' KEEP, which does not survive a pickle
+
+
+def on_release(variant, header: TraceHeader, mode: str, backend: str) -> str:
+    """The vLLM release ``variant`` (a ``Variant``) runs on."""
+    from kvtrace.vllm_releases import WHEEL_MB, is_installed, running_vllm_version
+
+    if variant.release is not None:
+        if backend != "vllm":
+            raise ConfigError(f"variant {variant.name} runs vLLM {variant.release}'s own code, "
+                              f"which the {backend} backend does not have",
+                              "Use --backend vllm for the vllm-X variants.")
+        return variant.release
+    recorded = header.vllm_version
+    if mode != "lockstep" or backend != "vllm" or not recorded:
+        return running_vllm_version()
+    if recorded not in SUPPORTED_VLLM_VERSIONS:
+        raise ConfigError(
+            f"the trace was recorded on vLLM {recorded}, which kvtrace cannot run (it supports "
+            f"{', '.join(SUPPORTED_VLLM_VERSIONS)}), and lockstep re-issues its calls on the "
+            "same release's code", "Replay it without --lockstep (rescheduled), on any release.")
+    if not is_installed(recorded):
+        raise ConfigError(
+            f"the trace was recorded on vLLM {recorded}, and lockstep re-issues its calls on the "
+            f"same release's code, which is not installed beside this vLLM "
+            f"{running_vllm_version()}",
+            f"Install it: kvtrace vllm install {recorded} (downloads about "
+            f"{WHEEL_MB[recorded]} MB).")
+    return recorded
+
+
+def run_variant(release: str, options: ReplayOptions, variant: str, outdir: str,
+                verify: bool) -> ReplayResult:
+    """``replay`` of ``variant`` alone on ``release``, in a worker; its trace goes into
+    ``outdir``. ``verify``: compare it with the captured effects there."""
+    from kvtrace.vllm_releases import environment
+
+    env = environment(release)  # refuses a release that is not installed, before any work
+    job = dataclasses.replace(options, outdir=outdir, variants=(variant,), verify=verify,
+                              lockstep=options.lockstep or options.verify)
+    if job.overrides.retention_interval is KEEP:
+        job = dataclasses.replace(job, overrides=dataclasses.replace(
+            job.overrides, retention_interval=_KEEP_MARK))
+    with tempfile.TemporaryDirectory(prefix="kvtrace-release-worker-") as work:
+        job_path, result_path = Path(work, "job.pickle"), Path(work, "result.pickle")
+        job_path.write_bytes(pickle.dumps(job))
+        worker = subprocess.run(
+            [sys.executable, "-m", "kvtrace.replay.release_worker", str(job_path),
+             str(result_path)], env=env, stdin=subprocess.DEVNULL, capture_output=True,
+            text=True, check=False)
+        if not result_path.exists():
+            said = (worker.stderr.strip() or worker.stdout.strip()).splitlines()[-1:]
+            raise KvtraceError(f"the worker running vLLM {release} for variant {variant} "
+                               f"failed (exit status {worker.returncode})"
+                               + (f": {said[0]}" if said else ""),
+                               "Run the same replay with the release on PYTHONPATH to see it: "
+                               f"PYTHONPATH={env.get('PYTHONPATH', '')} kvtrace -vv replay ...")
+        outcome = pickle.loads(result_path.read_bytes())
+    if outcome[0] == "error":
+        _, name, message, hint = outcome
+        raise error_class(name)(message, hint=hint)
+    return outcome[1]
+
+
+def main(job_path: str, result_path: str) -> None:
+    from kvtrace.replay.run import replay
+
+    options = pickle.loads(Path(job_path).read_bytes())
+    if options.overrides.retention_interval == _KEEP_MARK:
+        options = dataclasses.replace(options, overrides=dataclasses.replace(
+            options.overrides, retention_interval=KEEP))
+    try:
+        outcome = ("ok", replay(options))
+    except KvtraceError as error:
+        outcome = ("error", type(error).__name__, str(error), error.hint)
+    with open(os.open(result_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb") as file:
+        pickle.dump(outcome, file)
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])

@@ -1,0 +1,143 @@
+"""vLLM releases installed beside the project's vLLM, and the environment of a process that runs
+one.
+
+kvtrace supports the releases with #56794's checkpoint path (``probes.signatures``). The
+project's environment has one of them; the others are installed on demand, each into its own
+directory under ``$KVTRACE_VLLM_RELEASES`` (default ``~/.cache/kvtrace/vllm``) with
+``pip install --no-deps --target``: the wheel is 315-327 MB and installs to about 800 MB. A
+process runs a release with that directory first on ``PYTHONPATH``, so the release's ``vllm``
+shadows the project's and everything else (torch, transformers, kvtrace) comes from the
+project's environment, which every supported release imports and runs with. Where a release
+declares a transformers range the project's is outside and a version inside it works with the
+project's other packages, that version is installed beside it (``PINS``).
+
+A release directory is code the operator runs: it is used only below directories no other
+user can write (``safe_paths.open_trusted_dir``), and only once its install completed (a
+marker written last, after an atomic rename into place).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from importlib.metadata import PackageNotFoundError, version as package_version
+from pathlib import Path
+from typing import Callable
+
+from kvtrace.errors import KvtraceError
+from kvtrace.probes.signatures import SUPPORTED_VLLM_VERSIONS, check_supported
+
+RELEASES_ENV = "KVTRACE_VLLM_RELEASES"
+WHEEL_MB = {"0.30.0": 315, "0.31.0": 321, "0.32.0": 327, "0.33.0": 336}
+INSTALLED_MB = 800
+# 0.32.0 declares transformers < 5.20; 0.31.0 declares < 5.18, whose versions need
+# huggingface-hub < 2 (and more) where the project has 2.x, so it runs with the project's.
+PINS = {"0.32.0": ("transformers==5.19.0",)}
+PIN_MB = {"transformers==5.19.0": 13}
+MARKER = ".kvtrace-release"
+
+
+class ReleaseError(KvtraceError):
+    """A vLLM release that is not supported, not installed, or could not be installed."""
+
+
+def running_vllm_version() -> str:
+    """The version of the vLLM this process imports ("" without one), read from its package
+    metadata without importing it: a release directory on ``PYTHONPATH`` comes first."""
+    try:
+        return package_version("vllm")
+    except PackageNotFoundError:
+        return ""
+
+
+def releases_home() -> Path:
+    return Path(os.environ.get(RELEASES_ENV) or Path.home() / ".cache" / "kvtrace" / "vllm")
+
+
+def release_dir(version: str) -> Path:
+    return releases_home() / version
+
+
+def is_installed(version: str) -> bool:
+    """Whether ``version`` is this process's vLLM or completely installed beside it."""
+    if version == running_vllm_version():
+        return True
+    marker = release_dir(version) / MARKER
+    return marker.is_file() and marker.read_text().strip() == version
+
+
+def require(version: str) -> Path | None:
+    """The directory that runs release ``version`` (None: this process's own vLLM is it);
+    ``ReleaseError`` when it is not supported or not installed, ``UnsafePathError`` when
+    another user could change it."""
+    from kvtrace.capture.safe_paths import open_trusted_dir
+
+    check_supported(version)
+    if version == running_vllm_version():
+        return None
+    if not is_installed(version):
+        raise ReleaseError(f"vLLM {version} is not installed beside the project's vLLM "
+                           f"{running_vllm_version() or '(none)'}",
+                           f"Install it: kvtrace vllm install {version} (downloads about "
+                           f"{WHEEL_MB[version]} MB).")
+    os.close(open_trusted_dir(release_dir(version), os.geteuid()))
+    return release_dir(version)
+
+
+def environment(version: str, base: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment of a process that runs release ``version`` (``require`` first)."""
+    env = dict(os.environ if base is None else base)
+    directory = require(version)
+    if directory is not None:
+        env["PYTHONPATH"] = os.pathsep.join(
+            [str(directory), *filter(None, [env.get("PYTHONPATH")])])
+    return env
+
+
+def installed_releases() -> list[str]:
+    return [v for v in SUPPORTED_VLLM_VERSIONS if is_installed(v)]
+
+
+def plan(version: str) -> str:
+    """What installing ``version`` downloads and where it goes."""
+    pins = PINS.get(version, ())
+    download_mb = WHEEL_MB[version] + sum(PIN_MB[pin] for pin in pins)
+    return (f"vLLM {version}: pip install --no-deps --target {release_dir(version)} "
+            f"{' '.join([f'vllm=={version}', *pins])} (downloads about {download_mb} MB, about "
+            f"{INSTALLED_MB} MB installed)")
+
+
+def install(version: str, say: Callable[[str], None]) -> None:
+    """Install release ``version`` beside the project's vLLM (nothing when it is there),
+    showing pip's progress; ``say`` gets one line for what is about to happen."""
+    check_supported(version)
+    if version == running_vllm_version():
+        say(f"vLLM {version} is the project's own vLLM: nothing to install")
+        return
+    target = release_dir(version)
+    if is_installed(version):
+        say(f"vLLM {version} is installed in {target}")
+        return
+    from kvtrace.capture.safe_paths import open_trusted_dir
+
+    home = releases_home()
+    home.mkdir(mode=0o755, parents=True, exist_ok=True)
+    os.close(open_trusted_dir(home, os.geteuid()))
+    say(plan(version))
+    staging = tempfile.mkdtemp(prefix=f".{version}.", suffix=".partial", dir=home)
+    try:
+        command = [sys.executable, "-m", "pip", "install", "--no-deps",
+                   "--disable-pip-version-check", "--target", staging, f"vllm=={version}",
+                   *PINS.get(version, ())]
+        if subprocess.run(command, stdin=subprocess.DEVNULL, check=False).returncode:
+            raise ReleaseError(f"pip could not install vLLM {version} (its output is above)",
+                               "Check that PyPI (or your pip index) is reachable, and retry.")
+        Path(staging, MARKER).write_text(version + "\n")
+        os.chmod(staging, 0o755)  # as pip makes the rest: others may run it, not change it
+        shutil.rmtree(target, ignore_errors=True)  # an install that never completed
+        os.rename(staging, target)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
