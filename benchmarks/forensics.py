@@ -15,9 +15,11 @@ Each repeat runs, in fresh child processes (so that each one's peak memory is it
 * kvtrace: ``load_traces`` (one pass: records, attribution, cache entries) then
   ``checkpoint_pushouts``, with the child's peak RSS.
 
-It prints each repeat, the median with the range of the three, the ratio kvtrace / anchor per
-repeat, and the machine's load average. Targets (issue "Forensics at the speed of DuckDB", on
-10 M records): load + attribution + checkpoint_pushouts <= 5 s, peak RSS <= 1 GiB, ratio <= 3x.
+It prints each repeat (wall seconds, and the CPU seconds of all the child's threads, which other
+jobs on a shared machine move less), the median with the range of the three, the ratio
+kvtrace / anchor per repeat, and the machine's load average. Targets (issue "Forensics at the
+speed of DuckDB", on 10 M records): load + attribution + checkpoint_pushouts <= 5 s, peak RSS
+<= 1 GiB, ratio <= 3x. A 100 M-record trace: ``--events 100000000 --no-anchor``.
 
     .venv/bin/python benchmarks/forensics.py [--events 10000000] [--trace PATH] [--repeats 3]
 """
@@ -121,13 +123,13 @@ def anchor(db_path: str, num_rows: int) -> dict:
     rng = np.random.default_rng(0)
     columns = {f"c{i}": rng.integers(0, 1 << 20, num_rows, dtype=np.int64)
                for i in range(ANCHOR_COLUMNS)}
-    started = time.perf_counter()
+    started, cpu = time.perf_counter(), time.process_time()
     connection = duckdb.connect(db_path)
     connection.register("columns", columns)
     connection.execute("CREATE TABLE anchor AS SELECT * FROM columns")
     connection.execute("CHECKPOINT")
     connection.close()
-    return {"seconds": time.perf_counter() - started}
+    return {"seconds": time.perf_counter() - started, "cpu": time.process_time() - cpu}
 
 
 def forensics(trace: str, db_path: str) -> dict:
@@ -136,16 +138,17 @@ def forensics(trace: str, db_path: str) -> dict:
     from kvtrace.analysis.load import load_traces
     from kvtrace.analysis.queries import run_query
 
-    started = time.perf_counter()
+    started, cpu = time.perf_counter(), time.process_time()
     summary = load_traces([trace], db_path)
     loaded = time.perf_counter()
     connection = open_database(db_path)
     result = run_query(connection, "checkpoint_pushouts")
-    queried = time.perf_counter()
+    queried, cpu = time.perf_counter(), time.process_time() - cpu
     lookups = connection.execute("SELECT count(DISTINCT seq) FROM miss_attribution").fetchone()[0]
     connection.close()
     return {"records": summary.num_records, "load": loaded - started,
-            "query": queried - loaded, "seconds": queried - started, "pushouts": len(result.rows),
+            "query": queried - loaded, "seconds": queried - started, "cpu": cpu,
+            "pushouts": len(result.rows),
             "regret": sum(row[-1] for row in result.rows), "lookups": lookups,
             "db_mib": os.path.getsize(db_path) / 2**20}
 
@@ -198,10 +201,11 @@ def main() -> int:
             ours = in_child("forensics", trace, os.path.join(scratch, f"trace{repeat}.duckdb"))
             runs.append((base, ours))
             print(f"repeat {repeat + 1}: load {ours['load']:.2f} s + checkpoint_pushouts "
-                  f"{ours['query']:.2f} s = {ours['seconds']:.2f} s, peak RSS "
-                  f"{ours['rss_mib']:.0f} MiB"
-                  + (f"; anchor {base['seconds']:.2f} s (peak RSS {base['rss_mib']:.0f} MiB), "
-                     f"ratio {ours['seconds'] / base['seconds']:.2f}x" if base else "")
+                  f"{ours['query']:.2f} s = {ours['seconds']:.2f} s (CPU {ours['cpu']:.2f} s), "
+                  f"peak RSS {ours['rss_mib']:.0f} MiB"
+                  + (f"; anchor {base['seconds']:.2f} s (CPU {base['cpu']:.2f} s, peak RSS "
+                     f"{base['rss_mib']:.0f} MiB), ratio {ours['seconds'] / base['seconds']:.2f}x"
+                     f" (CPU {ours['cpu'] / base['cpu']:.2f}x)" if base else "")
                   + f"; load average {load_average:.2f}", flush=True)
     ours = runs[-1][1]
     print(f"{ours['records']:,} records ({os.path.getsize(trace) / 2**20:.0f} MiB trace, "
@@ -209,12 +213,15 @@ def main() -> int:
           f"{ours['pushouts']:,} pushouts, regret {ours['regret']:,} tokens")
     totals = [r[1]["seconds"] for r in runs]
     print(f"load {spread([r[1]['load'] for r in runs])}, checkpoint_pushouts "
-          f"{spread([r[1]['query'] for r in runs])}, total {spread(totals)}, peak RSS "
+          f"{spread([r[1]['query'] for r in runs])}, total {spread(totals)} (CPU "
+          f"{spread([r[1]['cpu'] for r in runs])}), peak RSS "
           f"{spread([r[1]['rss_mib'] for r in runs], ' MiB')}")
     if not args.no_anchor:
         print(f"anchor (DuckDB, {ANCHOR_COLUMNS} int64 columns x {ours['records']:,} rows) "
-              f"{spread([r[0]['seconds'] for r in runs])}; ratio "
-              f"{spread([r[1]['seconds'] / r[0]['seconds'] for r in runs], 'x')}")
+              f"{spread([r[0]['seconds'] for r in runs])} (CPU "
+              f"{spread([r[0]['cpu'] for r in runs])}); ratio "
+              f"{spread([r[1]['seconds'] / r[0]['seconds'] for r in runs], 'x')} (CPU "
+              f"{spread([r[1]['cpu'] / r[0]['cpu'] for r in runs], 'x')})")
     return 0
 
 
