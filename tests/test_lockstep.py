@@ -16,6 +16,7 @@ from kvtrace.events import (
     HashesExtended,
     RequestPreempted,
     RequestFinished,
+    StepStarted,
     TraceHeader,
 )
 from kvtrace.replay.lockstep import replay_lockstep, verify
@@ -105,3 +106,26 @@ def test_a_release_of_blocks_the_replay_does_not_hold_is_a_clear_error(vllm_back
     with vllm_backend_class(seed_config(0, num_gpu_blocks=48), "fixed", lambda r: None) as backend:
         with pytest.raises(KvtraceError, match=r"releases block\(s\) \[3, 999\]"):
             replay_lockstep([BlocksReleased([3, 999])], backend)
+
+
+def test_effects_of_a_call_the_stop_cut_are_counted_apart_and_nothing_else_is():
+    """A live call's input is written in front of its effects when it returns: a capture
+    stopped during a call ends with effects and no input (CI saw 52 such on a mid-flight
+    capture). Those are ``cut``, not compared; effects the replay lacks before a later input
+    remain divergences."""
+    step = StepStarted(0, 0)
+    effects = [BlockAllocated(1, 0), BlockAllocated(2, 0), BlockAllocated(3, 0)]
+    whole = [step, effects[0], step, effects[1]]
+    fidelity = verify([*whole, effects[2]], whole)
+    assert (fidelity.matched, fidelity.total, fidelity.cut) == (2, 2, 1)
+    assert fidelity.first_divergence is None and "1 more, of a call" in str(fidelity)
+    # The same effect followed by an input: the replay lost it, a divergence.
+    fidelity = verify([*whole, effects[2], step], whole)
+    assert (fidelity.matched, fidelity.total, fidelity.cut) == (2, 3, 0)
+    assert fidelity.first_divergence.captured == effects[2]
+    assert fidelity.first_divergence.replayed is None
+    # An effect the replay lacks in the middle still diverges, the cut tail apart.
+    later = StepStarted(1, 0)
+    fidelity = verify([step, effects[0], effects[1], later, effects[2]],
+                      [step, effects[0], later])
+    assert (fidelity.matched, fidelity.total, fidelity.cut) == (1, 2, 1)

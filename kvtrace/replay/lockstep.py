@@ -117,6 +117,7 @@ class Fidelity:
     matched: int
     total: int
     first_divergence: Divergence | None
+    cut: int = 0  # captured effects of the call a stop cut (``verify``): not compared
 
     @property
     def ratio(self) -> float:
@@ -124,6 +125,9 @@ class Fidelity:
 
     def __str__(self) -> str:
         line = f"{self.matched}/{self.total} effect records match ({self.ratio:.2%})"
+        if self.cut:
+            line += (f" ({self.cut} more, of a call the capture's stop cut before its input "
+                     "record, not compared)")
         return line if self.first_divergence is None else f"{line}; first divergence at " \
             f"{self.first_divergence}"
 
@@ -133,34 +137,58 @@ def verify(captured: Iterable[Record], replayed: Iterable[Record]) -> Fidelity:
 
     ``captured`` may be a ``TraceReader``: a closing record that counts dropped events refuses
     the comparison, as does an ``EventsDropped`` record in either stream.
+
+    A live call's input record is written in front of its effects when the call returns, so a
+    capture stopped while a call ran can end with that call's effects and no input: captured
+    effects past the replayed stream's end that no input follows are counted as ``cut``, not
+    compared (the replay never saw the call).
     """
     matched = total = 0
     first = None
     context: tuple[int, Record | None] = (-1, None)  # of the last captured effect seen
-    pairs = itertools.zip_longest(_effects(captured, "captured"), _effects(replayed, "replayed"))
+    past_replay: list[tuple[int, Record, tuple]] = []  # captured effects the replay lacks
+    inputs = [0, 0]  # captured inputs: read in all, and read when its last effect came
+    pairs = itertools.zip_longest(_effects(captured, "captured", inputs),
+                                  _effects(replayed, "replayed"))
     for index, (mine, theirs) in enumerate(pairs):
         if mine is not None:
             mine, *context = mine
-        if theirs is not None:
-            theirs = theirs[0]
+        if theirs is None and mine is not None:
+            past_replay.append((index, mine, tuple(context)))
+            continue
+        theirs = theirs[0] if theirs is not None else None
         total += 1
         if mine == theirs:
             matched += 1
         elif first is None:
             first = Divergence(index, context[0], mine, theirs, context[1])
-    return Fidelity(matched, total, first)
+    last_input = context[1]
+    cut = 0
+    for index, mine, (step, before) in past_replay:
+        if before is last_input and inputs[0] == inputs[1]:  # no input after it: cut
+            cut += 1
+            continue
+        total += 1
+        if first is None:
+            first = Divergence(index, step, mine, None, before)
+    return Fidelity(matched, total, first, cut)
 
 
-def _effects(stream: Iterable[Record], name: str) -> Iterator[tuple[Record, int, Record | None]]:
-    """The effect records of ``stream``, each with the step and the last input before it."""
+def _effects(stream: Iterable[Record], name: str, inputs: list[int] | None = None
+             ) -> Iterator[tuple[Record, int, Record | None]]:
+    """The effect records of ``stream``, each with the step and the last input before it;
+    ``inputs[0]`` counts the inputs read, ``inputs[1]`` what it was at the last effect."""
     step, last_input = -1, None
+    counts = inputs if inputs is not None else [0, 0]
     for record in stream:
         if type(record) is EventsDropped:
             raise _dropped_error(name, record.count)
         family = record.family
         if family == "effect":
+            counts[1] = counts[0]
             yield record, step, last_input
         elif family == "input":
+            counts[0] += 1
             last_input = record
             if type(record) is StepStarted:
                 step = record.step

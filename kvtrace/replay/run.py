@@ -340,7 +340,7 @@ class ReplayResult:
         fidelity = None
         if self.fidelity is not None:
             fidelity = {"variant": self.fidelity_variant, "matched": self.fidelity.matched,
-                        "total": self.fidelity.total,
+                        "total": self.fidelity.total, "cut": self.fidelity.cut,
                         "first_divergence": _jsonable(self.fidelity.first_divergence)}
         return {"mode": self.mode,
                 "variants": {v.variant: {**v.summary, "wall_s": round(v.wall_s, 3)}
