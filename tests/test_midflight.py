@@ -61,8 +61,9 @@ def _environment() -> dict[str, str]:
 
 
 def first_lookup_hit_rate(trace: Path) -> dict:
-    summary = ReplaySummary(TraceReader(str(trace)).header.config)
-    for record in TraceReader(str(trace)):
+    reader = TraceReader(str(trace))
+    summary = ReplaySummary(reader.header.config)
+    for record in reader:
         summary(record)
     return summary.to_dict()
 
