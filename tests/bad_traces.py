@@ -207,11 +207,7 @@ def crafted_databases(directory: Path, sound: Path, secret: Path) -> dict[str, P
         "runs.path a FIFO": crafted(
             "runs-fifo", f"UPDATE runs SET path = '{fifo}'"),
         "runs.path NULL": crafted("runs-null", "UPDATE runs SET path = NULL"),
-        "strings that drive a terminal": crafted("escapes", *(
-            statement for table, generated in _variant_tables(sound) for statement in (
-                [f"ALTER TABLE {table} DROP COLUMN variant",
-                 f"ALTER TABLE {table} ADD COLUMN variant VARCHAR DEFAULT '{TERMINAL_ESCAPE}'"]
-                if generated else [f"UPDATE {table} SET variant = '{TERMINAL_ESCAPE}'"]))),
+        "strings that drive a terminal": crafted("escapes", *_variants_set_to(sound, TERMINAL_ESCAPE)),
         "a newer schema": crafted(
             "schema-99", "UPDATE kvtrace_meta SET value = '99' WHERE key = 'db_schema_version'"),
         "schema v1": crafted(
@@ -221,15 +217,22 @@ def crafted_databases(directory: Path, sound: Path, secret: Path) -> dict[str, P
     }
 
 
-def _variant_tables(db: Path) -> list[tuple[str, bool]]:
-    """The tables with a variant column, and whether it is computed (the record tables compute
-    it from ``run``, schema v3: a crafted database defines it anew)."""
+def _variants_set_to(db: Path, value: str) -> list[str]:
+    """Statements that make every ``variant`` column of ``db`` read ``value``: a stored one
+    (``runs``, ``sweep``) updated, a computed one (schema v4: the views in front of the tables
+    stored in kvtrace_rows) defined anew."""
     import duckdb
 
     with duckdb.connect(str(db), read_only=True) as connection:
-        return connection.execute(
-            "SELECT table_name, is_generated FROM duckdb_columns() WHERE column_name = 'variant' "
-            "AND table_name IN (SELECT table_name FROM duckdb_tables())").fetchall()
+        tables = connection.execute(
+            "SELECT table_name FROM duckdb_columns() WHERE column_name = 'variant' AND table_name "
+            "IN (SELECT table_name FROM duckdb_tables() WHERE schema_name = 'main')").fetchall()
+        views = connection.execute(
+            "SELECT view_name, sql FROM duckdb_views() WHERE view_name IN "
+            "(SELECT table_name FROM duckdb_tables() WHERE schema_name = 'kvtrace_rows')").fetchall()
+    return ([f"UPDATE {table} SET variant = '{value}'" for (table,) in tables]
+            + [f"CREATE OR REPLACE VIEW {view} AS SELECT * REPLACE ('{value}' AS variant) "
+               f"FROM ({sql.split(' AS ', 1)[1].rstrip().rstrip(';')})" for view, sql in views])
 
 
 SPECIAL_OUTPUTS = ("character device", "link to a file", "link to standard output", "FIFO",

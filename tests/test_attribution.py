@@ -550,7 +550,8 @@ def test_an_older_database_says_to_reload(tmp_path):
     db = tmp_path / "old.duckdb"
     load_traces([outputs.variants[0].output], db)
     connection = duckdb.connect(str(db))
-    connection.execute("DROP TABLE miss_attribution")
+    connection.execute("DROP VIEW miss_attribution")  # v4 stores it in kvtrace_rows
+    connection.execute("DROP TABLE kvtrace_rows.miss_attribution")
     connection.execute("UPDATE kvtrace_meta SET value = '1' WHERE key = 'db_schema_version'")
     connection.close()
     old = open_database(db)
@@ -704,6 +705,41 @@ def test_the_pushout_queries_agree_with_their_direct_formulation(seeded_replays)
     assert compared > 1000
 
 
+def as_v3_layout(connection) -> None:
+    """Turn a database into what kvtrace wrote before v4: every table in the main schema (the
+    record kinds' and the attribution's, which v4 stores in kvtrace_rows and reads through
+    views of the same columns)."""
+    for (name,) in connection.execute(
+            "SELECT table_name FROM duckdb_tables() WHERE schema_name = 'kvtrace_rows'").fetchall():
+        connection.execute(f"CREATE TABLE main.{name}_v3 AS SELECT * FROM main.{name}")
+        connection.execute(f"DROP VIEW main.{name}")
+        connection.execute(f"DROP TABLE kvtrace_rows.{name}")
+        connection.execute(f"ALTER TABLE main.{name}_v3 RENAME TO {name}")
+    connection.execute("DROP SCHEMA kvtrace_rows")
+
+
+def test_a_database_of_schema_v3_answers_every_query_as_it_did(seeded_replays, tmp_path):
+    """A database loaded before v4 (every table in main): every shipped query answers as on
+    v4."""
+    from kvtrace.analysis.queries import shipped_queries
+
+    _, connection, db = seeded_replays[("chat", 3)]
+    old = tmp_path / "v3.duckdb"
+    shutil.copy(db, old)
+    with duckdb.connect(str(old)) as v3:
+        as_v3_layout(v3)
+        v3.execute("UPDATE kvtrace_meta SET value = '3' WHERE key = 'db_schema_version'")
+    reopened = open_database(old)
+    try:
+        assert reopened.execute("SELECT count(*) FROM duckdb_tables() WHERE table_name = "
+                                "'block_stored' AND schema_name = 'main'").fetchone() == (1,)
+        for name in shipped_queries():
+            assert sorted(run_query(reopened, name).rows, key=repr) \
+                == sorted(run_query(connection, name).rows, key=repr), name
+    finally:
+        reopened.close()
+
+
 def test_a_database_of_schema_v2_answers_every_query_as_it_did(seeded_replays, tmp_path):
     """A database loaded before v3 (no cache_entry_figures, no in_flight, no snapshot tables,
     its views as they were): the queries recompute the entries' figures by their SQL twin and
@@ -714,6 +750,7 @@ def test_a_database_of_schema_v2_answers_every_query_as_it_did(seeded_replays, t
     old = tmp_path / "v2.duckdb"
     shutil.copy(db, old)
     with duckdb.connect(str(old)) as v2:
+        as_v3_layout(v2)
         v2.execute("DROP VIEW cache_entries")
         v2.execute("CREATE TABLE cache_entries AS SELECT 1 AS stale")  # what v2 derived
         v2.execute("DROP TABLE cache_entry_figures")

@@ -39,11 +39,14 @@ from kvtrace.analysis.sql_access import connect
 from kvtrace.errors import KvtraceError
 from kvtrace.events import RECORD_TYPES, CheckpointClass, RemoveReason, tag_of
 
-DB_SCHEMA_VERSION = 3
+DB_SCHEMA_VERSION = 4
 ATTRIBUTION_SCHEMA_VERSION = 2  # the first schema with the miss_attribution table
 # v3: cache_entries carries each entry's hits and the transient checkpoints cached at its
 # removal, made while loading; miss_attribution.in_flight; the start snapshot's tables
 ENTRY_FIGURES_SCHEMA_VERSION = 3
+# v4: the record kinds' and the attribution's rows stored in this schema, read through views
+# (schema_statements); the same columns as v3, so a v3 database reads as it did.
+ROWS_SCHEMA = "kvtrace_rows"
 ATTRIBUTION_TABLE = "miss_attribution"
 
 RENAMED_FIELDS = {"group": "group_id", "step": "engine_step"}
@@ -120,12 +123,11 @@ def enum_code_sql(name: str, enum_type: type[enum.IntEnum]) -> str:
     return f"CASE {name} {cases} ELSE TRY_CAST({name} AS BIGINT) END"
 
 
-def enum_columns(name: str, enum_type: type[enum.IntEnum]) -> list[tuple[str, str]]:
+def enum_columns(name: str, enum_type: type[enum.IntEnum]) -> list[tuple[str, str, str | None]]:
     """An enum field as two columns: its codes, stored (small ints cost a load a fraction of
     what a name a row would), and its names, computed when read."""
-    return [(f"{name}_code", "BIGINT"),
-            (name, f"VARCHAR GENERATED ALWAYS AS ({enum_name_sql(name + '_code', enum_type)}) "
-                   "VIRTUAL")]
+    return [(f"{name}_code", "BIGINT", None),
+            (name, "VARCHAR", enum_name_sql(name + "_code", enum_type))]
 
 
 def _sql_type(field_type: object) -> str:
@@ -138,49 +140,94 @@ def _quoted(text: str) -> str:
     return "'" + text.replace("'", "''") + "'"
 
 
-def schema_tables(labels: list[tuple[str, str]] | None = None) -> list[tuple[str, str]]:
-    """(table, its DDL) for every table, before any view. ``labels``: per run number, its
-    (variant, backend): a run's rows carry them as columns computed from ``run`` when read
-    (stored, a string a row would cost a load a fifth of its time); None: stored columns."""
-    def table(name: str, columns) -> tuple[str, str]:
-        typed = ((c, _label_column(c, labels) if c in ("variant", "backend") and labels is not None
-                  else t) for c, t in columns)
-        return name, f"CREATE TABLE {name} ({', '.join(f'{c} {t}' for c, t in typed)})"
+# Columns computed from ``run`` when read: the run's labels (``runs``' own columns of that name).
+_LABELS = ("variant", "backend")
+Column = tuple[str, str, "str | None"]  # (name, SQL type, SQL computing it when read, or None)
 
-    tables = [table(ATTRIBUTION_TABLE, ROW_COLUMNS),
-              table("cache_entry_figures", ENTRY_FIGURE_COLUMNS)]
+
+def _layout() -> list[tuple[str, tuple[Column, ...]]]:
+    """Every table's columns, as SQL reads them (the ``run`` labels' SQL is filled in by
+    ``_computed``)."""
+    def labelled(columns) -> tuple[Column, ...]:
+        return tuple((name, sql_type, "" if name in _LABELS else None)
+                     for name, sql_type, *_ in columns)
+
+    tables = [(ATTRIBUTION_TABLE, labelled(ROW_COLUMNS)),
+              ("cache_entry_figures", labelled(ENTRY_FIGURE_COLUMNS))]
     for record_type in RECORD_TYPES:
         tag = tag_of(record_type)
-        columns = [("run", "INTEGER"), ("variant", "VARCHAR"), ("backend", "VARCHAR"),
-                   ("seq", "BIGINT"), ("step", "BIGINT")]
+        columns = [("run", "INTEGER", None), ("variant", "VARCHAR", ""),
+                   ("backend", "VARCHAR", ""), ("seq", "BIGINT", None), ("step", "BIGINT", None)]
         for name, field_type in record_fields(record_type):
             if is_list_field(field_type):
-                columns.append((f"num_{name}", "INTEGER"))
-                tables.append(table(child_table(tag, name), (
+                columns.append((f"num_{name}", "INTEGER", None))
+                tables.append((child_table(tag, name), labelled((
                     ("run", "INTEGER"), ("seq", "BIGINT"), ("req", "BIGINT"), ("pos", "INTEGER"),
-                    (element_column(name), "BIGINT"))))
+                    (element_column(name), "BIGINT")))))
             elif is_enum_field(field_type):
                 columns += enum_columns(column_name(name), field_type)
             else:
-                columns.append((column_name(name), _sql_type(field_type)))
-        tables.append(table(tag, columns))
-    tables += [
-        ("runs", """CREATE TABLE runs (
+                columns.append((column_name(name), _sql_type(field_type), None))
+        tables.append((tag, tuple(columns)))
+    return tables
+
+
+def _computed(name: str, sql: str, labels: list[tuple[str, str]] | None) -> str:
+    """The SQL of a computed column; a run label's from ``labels`` (per run number, its variant
+    and backend), or NULL without them."""
+    if name not in _LABELS:
+        return sql
+    if labels is None:
+        return "NULL::VARCHAR"
+    values = ", ".join(_quoted(run_labels[name == "backend"]) for run_labels in labels)
+    return f"([{values}]::VARCHAR[])[run + 1]"
+
+
+def schema_statements(labels: list[tuple[str, str]] | None = None) -> list[str]:
+    """The DDL of a new database's tables, before any other view. A table with computed columns
+    (the record kinds' and ``miss_attribution``: ``variant`` and ``backend`` from ``run``, an
+    enum's names from its codes) stores the others in ``ROWS_SCHEMA`` under its name, and a
+    view of that name in the main schema adds them: DuckDB computes a generated column on every
+    insert (to check it), which cost a load a third of its time. ``labels``: per run number,
+    its (variant, backend)."""
+    statements = [f"CREATE SCHEMA {ROWS_SCHEMA}"]
+    for name, columns in _layout():
+        stored = _column_list((column, sql_type) for column, sql_type, sql in columns if sql is None)
+        if all(sql is None for *_, sql in columns):
+            statements.append(f"CREATE TABLE {name} ({stored})")
+            continue
+        selected = ", ".join(column if sql is None else f"{_computed(column, sql, labels)} AS {column}"
+                             for column, _, sql in columns)
+        statements += [f"CREATE TABLE {ROWS_SCHEMA}.{name} ({stored})",
+                       f"CREATE VIEW {name} AS SELECT {selected} FROM {ROWS_SCHEMA}.{name}"]
+    return [*statements, """CREATE TABLE runs (
             run INTEGER PRIMARY KEY, path VARCHAR, source VARCHAR, variant VARCHAR,
             backend VARCHAR, mode VARCHAR, source_key VARCHAR, kvtrace_version VARCHAR,
             vllm_version VARCHAR, created_ns BIGINT, hash_block_size BIGINT,
             num_gpu_blocks BIGINT, retention_interval BIGINT, block_sizes BIGINT[],
             group_kinds VARCHAR[], num_records BIGINT, truncated BOOLEAN, num_dropped BIGINT,
-            header_json VARCHAR, digest VARCHAR)"""),
-        ("kvtrace_meta", "CREATE TABLE kvtrace_meta (key VARCHAR PRIMARY KEY, value VARCHAR)"),
-        ("sweep", SWEEP_TABLE),
-    ]
-    return tables
+            header_json VARCHAR, digest VARCHAR)""",
+            "CREATE TABLE kvtrace_meta (key VARCHAR PRIMARY KEY, value VARCHAR)", SWEEP_TABLE]
 
 
-def _label_column(name: str, labels: list[tuple[str, str]]) -> str:
-    values = ", ".join(_quoted(run_labels[name == "backend"]) for run_labels in labels)
-    return f"VARCHAR GENERATED ALWAYS AS (([{values}]::VARCHAR[])[run + 1]) VIRTUAL"
+def stand_in_tables() -> list[tuple[str, str]]:
+    """(table, DDL) of an empty temporary table of each table's columns as SQL reads them: for
+    a database of an older schema, the kinds it predates (computed columns are generated)."""
+    return [(name, f"CREATE TEMP TABLE {name} (" + ", ".join(
+        f"{column} {sql_type}" + (f" GENERATED ALWAYS AS ({_computed(column, sql, None)}) VIRTUAL"
+                                  if sql is not None else "")
+        for column, sql_type, sql in columns) + ")") for name, columns in _layout()]
+
+
+@functools.cache
+def stored_tables() -> dict[str, str]:
+    """Every table holding runs' rows: its name to the name it is stored under."""
+    return {name: name if all(sql is None for *_, sql in columns) else f"{ROWS_SCHEMA}.{name}"
+            for name, columns in _layout()}
+
+
+def _column_list(columns) -> str:
+    return ", ".join(f"{column} {sql_type}" for column, sql_type in columns)
 
 
 def block_states_sql(entries: str) -> str:
@@ -532,9 +579,9 @@ def _stand_ins_for_older(connection, path: str, version: int) -> None:
     catalog = connection.execute("SELECT current_database()").fetchone()[0]
     present = {name for (name,) in connection.execute(
         "SELECT table_name FROM duckdb_tables() WHERE NOT temporary").fetchall()}
-    for name, ddl in schema_tables():
+    for name, ddl in stand_in_tables():
         if name not in present and name not in (ATTRIBUTION_TABLE, "cache_entry_figures"):
-            connection.execute(ddl.replace("CREATE TABLE", "CREATE TEMP TABLE", 1))
+            connection.execute(ddl)
     if version >= ATTRIBUTION_SCHEMA_VERSION:
         connection.execute(f"CREATE TEMP VIEW {ATTRIBUTION_TABLE} AS SELECT *, false AS in_flight "
                            f'FROM "{catalog}".main.{ATTRIBUTION_TABLE}')

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import msgspec
 
-from kvtrace.analysis.database import open_database
+from kvtrace.analysis.database import ROWS_SCHEMA, open_database
 from kvtrace.analysis.sql_access import sql_identifier, sql_string
 from kvtrace.errors import KvtraceError
 from kvtrace.files import OutputError, cannot_write, write_failure
@@ -131,8 +131,9 @@ def _check_target(db_path: str, outdir: str, target: Path, overwrite: bool) -> N
 
 def _tables(connection) -> list[str]:
     names = [name for (name,) in connection.execute(
-        "SELECT table_name FROM duckdb_tables() WHERE database_name = current_database() "
-        "AND schema_name = 'main' AND NOT temporary ORDER BY table_name").fetchall()]
+        "SELECT DISTINCT table_name FROM duckdb_tables() WHERE database_name = current_database() "
+        "AND schema_name IN ('main', ?) AND NOT temporary ORDER BY table_name",
+        [ROWS_SCHEMA]).fetchall()]  # a table stored there is read through its view in main
     for name in names:
         if not _DIRECTORY_NAME.fullmatch(name):
             raise KvtraceError(f"the database has a table named {name!r}, which cannot be a "

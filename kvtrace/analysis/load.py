@@ -43,8 +43,9 @@ from kvtrace.analysis.database import (
     is_map_field,
     open_database,
     record_fields,
-    schema_tables,
+    schema_statements,
     stored_column,
+    stored_tables,
 )
 from kvtrace.events import RECORD_TYPES, StepStarted, TraceHeader, tag_of
 from kvtrace.files import OutputError, StagedOutput, refuse_overwrite
@@ -189,7 +190,7 @@ def _new_database(db_path: str, fill, labels: list[tuple[str, str]] = ()) -> Non
             raise OutputError(f"cannot create the database {db_path}: "
                               f"{str(error).splitlines()[0]}") from None
         try:
-            for _, statement in schema_tables(list(labels)):
+            for statement in schema_statements(list(labels)):
                 connection.execute(statement)
             connection.executemany(
                 "INSERT INTO kvtrace_meta VALUES (?, ?)",
@@ -298,9 +299,8 @@ def _take_analysis(analysis, inserts: _Inserts, chunk: int) -> None:
 
 def _delete_run(connection, run: int) -> None:
     """Remove what a run inserted (a trace found to duplicate another once read)."""
-    for table, _ in schema_tables():
-        if table not in ("kvtrace_meta", "sweep"):
-            connection.execute(f"DELETE FROM {table} WHERE run = ?", [run])
+    for table in (*stored_tables().values(), "runs"):
+        connection.execute(f"DELETE FROM {table} WHERE run = ?", [run])
 
 
 def _insert_run_row(connection, run, path, reader, variant, backend, mode, digest) -> None:
@@ -408,21 +408,19 @@ class _RunSink:
         self.steps_before = 0
 
     def add_batch(self, batch) -> None:
-        """A batch's records, each kind as columns, with its sequence number and step."""
-        if self.skip.issuperset(batch.types) and StepStarted not in batch.types:
-            return  # the C core made every row (a step's start only moves the count)
+        """A batch's records of the kinds not skipped, each kind as columns, with its sequence
+        number and step (the ``StepStarted`` records at or before it)."""
         kinds = np.frombuffer(batch.kinds, dtype=np.uint8)
-        seqs = batch.first_seq + np.arange(len(kinds), dtype=np.int64)
-        steps = np.full(len(kinds), self.steps_before, dtype=np.int64)
-        for index, record_type in enumerate(batch.types):
-            if record_type is StepStarted:
-                steps += np.cumsum(kinds == index)
-                self.steps_before = int(steps[-1])
+        starts = (np.flatnonzero(kinds == batch.types.index(StepStarted))
+                  if StepStarted in batch.types else np.empty(0, dtype=np.int64))
         for index, record_type in enumerate(batch.types):
             if record_type is None or record_type in self.skip:
                 continue
-            rows = slice(None) if len(batch.types) == 1 else np.flatnonzero(kinds == index)
-            self.add(record_type, seqs[rows], steps[rows], batch.columns[index])
+            rows = (np.arange(len(kinds)) if len(batch.types) == 1
+                    else np.flatnonzero(kinds == index))
+            steps = self.steps_before + np.searchsorted(starts, rows, side="right")
+            self.add(record_type, batch.first_seq + rows, steps, batch.columns[index])
+        self.steps_before += len(starts)
 
     def add(self, record_type, seqs: np.ndarray, steps: np.ndarray, columns: list) -> None:
         tag = tag_of(record_type)
@@ -506,5 +504,5 @@ def _insert_sql(table: str, columns: tuple[str, ...]) -> str:
             value = f"{name}::BOOLEAN"  # from the C core, 0 or 1
         targets.append(name)
         expressions.append(value)
-    return (f"INSERT INTO {table} ({', '.join(targets)}) SELECT {', '.join(expressions)} "
-            f"FROM kvtrace_chunk")
+    return (f"INSERT INTO {stored_tables()[table]} ({', '.join(targets)}) "
+            f"SELECT {', '.join(expressions)} FROM kvtrace_chunk")
