@@ -795,3 +795,34 @@ def test_a_trace_without_block_ids_loads_the_same_on_both_twins(tmp_path, monkey
         connection.close()
     assert entries[0] == entries[1] and len(entries[0]) == 39
     assert sum(removed is not None for *_, removed in entries[0]) == 13
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["C core", "twins"])
+def test_a_value_past_32_bits_in_a_narrow_column_is_refused(tmp_path, monkeypatch, native):
+    """Steps, requests, blocks, groups, token counts and codes are stored in 32 bits and read as
+    BIGINT: the largest 32-bit value reads back whole, one past it refuses the load (one line,
+    nothing written)."""
+    from kvtrace.events import BlockAllocated, BlockFreed, StepStarted
+
+    if native and stream.core is None:
+        pytest.skip("kvtrace's C core is not built here (no C compiler at install)")
+    if not native:
+        monkeypatch.setattr(stream, "core", None)
+    header = TraceHeader(kvtrace_version="test", created_ns=0, source="synth",
+                         config=EngineShape(**SMALL).engine_config(200))
+    largest = 2**31 - 1
+    for ref_cnt, refused in ((largest, False), (largest + 1, True)):
+        path, db = tmp_path / f"{ref_cnt}.kvtrace", tmp_path / f"{ref_cnt}.duckdb"
+        write_trace(path, header, [StepStarted(0, 0), BlockAllocated(3, 0),
+                                  BlockFreed(3, ref_cnt, False)])
+        if refused:
+            with pytest.raises(TraceFormatError, match=f"block_freed record holds ref_cnt "
+                                                       f"{ref_cnt}, past the 32 bits"):
+                load_traces([path], db)
+            assert not db.exists()
+            continue
+        load_traces([path], db)
+        connection = open_database(db)
+        assert connection.execute("SELECT ref_cnt, typeof(ref_cnt), typeof(step) FROM block_freed"
+                                   ).fetchall() == [(largest, "BIGINT", "BIGINT")]
+        connection.close()

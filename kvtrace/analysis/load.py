@@ -44,9 +44,11 @@ from kvtrace.analysis.database import (
     open_database,
     record_fields,
     schema_statements,
+    narrow_columns,
     stored_column,
     stored_tables,
 )
+from kvtrace.errors import TraceFormatError
 from kvtrace.events import RECORD_TYPES, StepStarted, TraceHeader, tag_of
 from kvtrace.files import OutputError, StagedOutput, refuse_overwrite
 from kvtrace.traceio import ListColumn, TraceReader, open_trace_file
@@ -248,7 +250,7 @@ def _load_trace(connection, run: int, trace: _OpenTrace) -> LoadedRun:
     one pass over its one descriptor (which also makes its digest)."""
     path, reader = trace.path, trace.reader
     variant, backend, mode = run_labels(reader.header)
-    inserts = _Inserts(connection, run)
+    inserts = _Inserts(connection, run, path)
     try:
         analysis = stream.new_pass(reader.header, path)
         sink = _RunSink(inserts, analysis.shaped_types if analysis else frozenset())
@@ -329,8 +331,8 @@ class _Inserts:
     overlap. At most ``INSERTS_IN_FLIGHT`` chunks wait; an insert's error comes back on the next
     ``put`` or on ``finish``."""
 
-    def __init__(self, connection, run: int) -> None:
-        self.run = run
+    def __init__(self, connection, run: int, path: str) -> None:
+        self.run, self.path = run, path
         self.cursor = connection.cursor()
         self.queue: queue.Queue = queue.Queue(INSERTS_IN_FLIGHT)
         self.error: BaseException | None = None
@@ -341,7 +343,7 @@ class _Inserts:
         if self.error is not None:
             raise self.error
         if len(next(iter(columns.values()), ())):
-            self.queue.put((table, columns))
+            self.queue.put((table, _narrowed(table, columns, self.path)))
 
     def _insert_all(self) -> None:
         while (item := self.queue.get()) is not None:
@@ -371,6 +373,29 @@ class _Inserts:
             self.queue.put(None)
             self.thread.join()
             self.cursor.close()
+
+
+_INT32 = np.iinfo(np.int32)
+
+
+def _narrowed(table: str, columns: dict[str, np.ndarray], path: str) -> dict[str, np.ndarray]:
+    """``columns`` with those ``table`` stores as 32-bit ints (``narrow_columns``) made so; a
+    value past 32 bits is refused (no engine makes one: a step, a request, a block...)."""
+    narrow = narrow_columns(table).intersection(columns)
+    if not narrow:
+        return columns
+    columns = dict(columns)
+    for name in narrow:
+        values = columns[name]
+        low, high = int(values.min()), int(values.max())
+        if low < _INT32.min or high > _INT32.max:
+            raise TraceFormatError(
+                f"{path}: a {table} record holds {name} {high if high > _INT32.max else low}, "
+                "past the 32 bits the database keeps it in",
+                hint="No engine makes such a value: the trace is damaged or was not written by "
+                     "kvtrace. `kvtrace replay` and `kvtrace why` still read it.")
+        columns[name] = values.astype(np.int32)
+    return columns
 
 
 class _Buffer:
