@@ -58,7 +58,8 @@ TRACE_SUFFIX = ".kvtrace"
 # (about 1 MB a column), so a load's memory is bounded whatever the trace's length. DuckDB's
 # row group: an insert of another size leaves a partial group behind and costs twice as much.
 CHUNK_ROWS = 122_880
-INSERTS_IN_FLIGHT = 4  # chunks waiting for the inserting thread (each at most CHUNK_ROWS rows)
+INSERT_THREADS = 2  # DuckDB's appends to different tables run side by side
+INSERTS_IN_FLIGHT = 4  # chunks waiting for each inserting thread (each at most CHUNK_ROWS rows)
 # DuckDB's own buffers while it builds a database (it writes what does not fit to the file).
 LOAD_MEMORY_LIMIT = "512MB"
 
@@ -326,41 +327,35 @@ def _insert_run_row(connection, run, path, reader, variant, backend, mode, diges
 
 
 class _Inserts:
-    """Chunks of one run's rows, inserted by a second thread (on its own cursor) while the
-    next batches are read: DuckDB works without the interpreter lock, so on two cores the two
-    overlap. At most ``INSERTS_IN_FLIGHT`` chunks wait; an insert's error comes back on the next
+    """Chunks of one run's rows, inserted by ``INSERT_THREADS`` threads (each on its own cursor,
+    each table on one of them, so its rows go in in order) while the next batches are read:
+    DuckDB works without the interpreter lock, so reading and inserting overlap. At most
+    ``INSERTS_IN_FLIGHT`` chunks wait for each thread; an insert's error comes back on the next
     ``put`` or on ``finish``."""
 
     def __init__(self, connection, run: int, path: str) -> None:
         self.run, self.path = run, path
-        self.cursor = connection.cursor()
-        self.queue: queue.Queue = queue.Queue(INSERTS_IN_FLIGHT)
         self.error: BaseException | None = None
-        self.thread = threading.Thread(target=self._insert_all, name="kvtrace-load", daemon=True)
-        self.thread.start()
+        self.workers = [_InsertThread(self, connection) for _ in range(INSERT_THREADS)]
+        self.worker_of: dict[str, _InsertThread] = {}
 
     def put(self, table: str, columns: dict[str, np.ndarray]) -> None:
         if self.error is not None:
             raise self.error
-        if len(next(iter(columns.values()), ())):
-            self.queue.put((table, _narrowed(table, columns, self.path)))
+        num_rows = len(next(iter(columns.values()), ()))
+        if num_rows:
+            worker = self.worker_of.get(table)
+            if worker is None:  # a table's first chunk: to the thread given the fewest rows
+                worker = self.worker_of[table] = min(self.workers, key=lambda w: w.num_rows)
+            worker.num_rows += num_rows
+            worker.queue.put((table, _narrowed(table, columns, self.path)))
 
-    def _insert_all(self) -> None:
-        while (item := self.queue.get()) is not None:
-            if self.error is not None:
-                continue  # drain: the reader stops at its next put
-            table, columns = item
-            try:
-                self._insert(table, columns)
-            except BaseException as error:  # handed to the reading thread
-                self.error = error
-
-    def _insert(self, table: str, columns: dict[str, np.ndarray]) -> None:
-        self.cursor.register("kvtrace_chunk", columns)
+    def insert(self, cursor, table: str, columns: dict[str, np.ndarray]) -> None:
+        cursor.register("kvtrace_chunk", columns)
         try:
-            self.cursor.execute(_insert_sql(table, tuple(columns)), {"run": self.run})
+            cursor.execute(_insert_sql(table, tuple(columns)), {"run": self.run})
         finally:
-            self.cursor.unregister("kvtrace_chunk")
+            cursor.unregister("kvtrace_chunk")
 
     def finish(self) -> None:
         """Wait for every chunk put so far; raise an insert's error."""
@@ -369,6 +364,29 @@ class _Inserts:
             raise self.error
 
     def close(self) -> None:
+        for worker in self.workers:
+            worker.stop()
+
+
+class _InsertThread:
+    """One of ``_Inserts``' threads: its chunks, in the order put."""
+
+    def __init__(self, inserts: _Inserts, connection) -> None:
+        self.inserts, self.cursor, self.num_rows = inserts, connection.cursor(), 0
+        self.queue: queue.Queue = queue.Queue(INSERTS_IN_FLIGHT)
+        self.thread = threading.Thread(target=self._insert_all, name="kvtrace-load", daemon=True)
+        self.thread.start()
+
+    def _insert_all(self) -> None:
+        while (item := self.queue.get()) is not None:
+            if self.inserts.error is not None:
+                continue  # drain: the reader stops at its next put
+            try:
+                self.inserts.insert(self.cursor, *item)
+            except BaseException as error:  # handed to the reading thread
+                self.inserts.error = error
+
+    def stop(self) -> None:
         if self.thread.is_alive():
             self.queue.put(None)
             self.thread.join()
