@@ -207,7 +207,8 @@ def crafted_databases(directory: Path, sound: Path, secret: Path) -> dict[str, P
         "runs.path a FIFO": crafted(
             "runs-fifo", f"UPDATE runs SET path = '{fifo}'"),
         "runs.path NULL": crafted("runs-null", "UPDATE runs SET path = NULL"),
-        "strings that drive a terminal": crafted("escapes", *_variants_set_to(sound, TERMINAL_ESCAPE)),
+        "strings that drive a terminal": crafted("escapes",
+                                                 *_variants_set_to(sound, TERMINAL_ESCAPE)),
         "a newer schema": crafted(
             "schema-99", "UPDATE kvtrace_meta SET value = '99' WHERE key = 'db_schema_version'"),
         "schema v1": crafted(
@@ -228,8 +229,8 @@ def _variants_set_to(db: Path, value: str) -> list[str]:
             "SELECT table_name FROM duckdb_columns() WHERE column_name = 'variant' AND table_name "
             "IN (SELECT table_name FROM duckdb_tables() WHERE schema_name = 'main')").fetchall()
         views = connection.execute(
-            "SELECT view_name, sql FROM duckdb_views() WHERE view_name IN "
-            "(SELECT table_name FROM duckdb_tables() WHERE schema_name = 'kvtrace_rows')").fetchall()
+            "SELECT view_name, sql FROM duckdb_views() WHERE view_name IN (SELECT table_name "
+            "FROM duckdb_tables() WHERE schema_name = 'kvtrace_rows')").fetchall()
     return ([f"UPDATE {table} SET variant = '{value}'" for (table,) in tables]
             + [f"CREATE OR REPLACE VIEW {view} AS SELECT * REPLACE ('{value}' AS variant) "
                f"FROM ({sql.split(' AS ', 1)[1].rstrip().rstrip(';')})" for view, sql in views])

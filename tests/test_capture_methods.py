@@ -162,3 +162,42 @@ def test_control_socket_is_private(tmp_path, monkeypatch):
     with pytest.raises(UnsafePathError, match=f"{shared} is open to other users .mode 0777."):
         control.ControlServer(control.socket_path(os.getpid())).start()
     assert os.listdir(shared) == []
+
+
+# A kvtrace plugin that took the connection and never answers: an engine too busy to reply.
+SILENT_PLUGIN = """
+import os, socket, sys, time
+from kvtrace.capture import control
+path = control.socket_path(os.getpid())
+os.makedirs(path.parent, mode=0o700, exist_ok=True)
+listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+listener.bind(str(path))
+os.chmod(path, 0o600)
+listener.listen(4)
+print("listening", flush=True)
+time.sleep(120)
+"""
+
+
+def test_a_plugin_that_does_not_answer_is_not_taken_for_no_plugin(tmp_path, monkeypatch):
+    """The plugin's socket is served by the engine but no reply comes (a stalled or overloaded
+    engine): `auto` says so and stops; it never falls back to a debugger, which would stop a
+    busy engine that has kvtrace already."""
+    monkeypatch.setenv("KVTRACE_RUNTIME_DIR", str(tmp_path))
+    monkeypatch.setattr(attach, "PING_TIMEOUT_S", 1.0)
+    debuggers = []
+    monkeypatch.setattr(attach, "_proven_debugger", lambda *args: debuggers.append(args))
+    engine = subprocess.Popen([sys.executable, "-c", SILENT_PLUGIN], stdout=subprocess.PIPE,
+                              text=True, env={**os.environ, "KVTRACE_RUNTIME_DIR": str(tmp_path)})
+    try:
+        assert engine.stdout.readline().strip() == "listening"
+        target = attach.describe(engine.pid)
+        with pytest.raises(control.ControlSilentError,
+                           match=f"control server in pid {engine.pid} took the connection but "
+                                 "did not answer in 1 s"):
+            attach.ensure_hook(target, "auto", lambda message: None)
+        assert engine.poll() is None
+    finally:
+        engine.kill()
+        engine.wait()
+    assert debuggers == [] and not list(control.runtime_dir().glob("inject-*"))

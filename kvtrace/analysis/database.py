@@ -210,7 +210,8 @@ def schema_statements(labels: list[tuple[str, str]] | None = None) -> list[str]:
         if all(sql is None for *_, sql in columns):
             statements.append(f"CREATE TABLE {name} ({stored})")
             continue
-        selected = ", ".join(column if sql is None else f"{_computed(column, sql, labels)} AS {column}"
+        selected = ", ".join(column if sql is None
+                             else f"{_computed(column, sql, labels)} AS {column}"
                              for column, _, sql in columns)
         statements += [f"CREATE TABLE {ROWS_SCHEMA}.{name} ({stored})",
                        f"CREATE VIEW {name} AS SELECT {selected} FROM {ROWS_SCHEMA}.{name}"]

@@ -41,10 +41,10 @@ from kvtrace.analysis.database import (
     element_column,
     is_list_field,
     is_map_field,
+    narrow_columns,
     open_database,
     record_fields,
     schema_statements,
-    narrow_columns,
     stored_column,
     stored_tables,
 )

@@ -146,11 +146,18 @@ def find_engine_cores(pid: int) -> list[Target]:
 # --- getting the hook in -----------------------------------------------------------------------
 
 
+PING_TIMEOUT_S = 30.0  # how long a control server that took the connection has to answer
+
+
 def _control_up(target: Target) -> bool:
-    """Whether kvtrace's control server answers in ``target``; an answer that is an error
-    (another kvtrace version, a refusal) is raised, not taken for "not there"."""
+    """Whether kvtrace's control server answers in ``target``. An answer that is an error
+    (another kvtrace version, a refusal) is raised, not taken for "not there"; so is a server
+    that took the connection and did not answer (``ControlSilentError``): it is there, and a
+    debugger must not be sent into a busy engine that has it."""
     try:
-        control.request(target.pid, PingRequest(), uid=target.uid, timeout_s=5)
+        control.request(target.pid, PingRequest(), uid=target.uid, timeout_s=PING_TIMEOUT_S)
+    except control.ControlSilentError:
+        raise
     except control.ControlChannelError:
         return False
     return True

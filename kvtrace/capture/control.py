@@ -59,6 +59,14 @@ class ControlChannelError(KvtraceError):
     default_hint = "Is kvtrace armed in that process? Start it with `kvtrace capture --pid PID`."
 
 
+class ControlSilentError(ControlChannelError):
+    """The engine's control server took the connection but gave no reply: it is there (so
+    nothing may be injected), and stalled or too busy to answer in time."""
+
+    default_hint = ("The engine may be stalled or overloaded; check its log, and retry once it "
+                    "steps again.")
+
+
 def socket_path(pid: int, uid: int | None = None) -> Path:
     return runtime_dir(uid) / f"engine-{pid}.sock"
 
@@ -206,11 +214,13 @@ class ControlServer:
                 reply = handle_request(request)
             except ControlMessageError as error:
                 reply = error_reply(error)
+            except OSError as error:  # the request did not come (in time): say so if it can hear
+                reply = error_reply(ControlChannelError(f"no whole request came: {error}"))
         leased = type(request) is ArmRequest and type(reply) is CaptureStatus and reply.armed
         session = hook.active_session() if leased else None
         try:
             connection.sendall(encode(reply))
-        except OSError:
+        except Exception:  # noqa: BLE001 - gone, or a reply that cannot be sent: nobody holds it
             if session is not None:  # the controller is gone before it heard of its capture
                 hook.end(session, "its controller left while arming")
             connection.close()
@@ -388,10 +398,13 @@ def _exchange(client: socket.socket, pid: int, message: Request) -> Reply:
     try:
         client.sendall(encode(message))
         line = _read_line(client)
-    except (socket.timeout, OSError) as error:
+    except socket.timeout:
+        raise ControlSilentError(f"kvtrace's control server in pid {pid} took the connection "
+                                 f"but did not answer in {client.gettimeout():g} s") from None
+    except OSError as error:
         raise ControlChannelError(f"cannot talk to kvtrace in pid {pid}: {error}") from None
     if not line:
-        raise ControlChannelError(f"pid {pid} closed the control connection without a reply")
+        raise ControlSilentError(f"pid {pid} closed the control connection without a reply")
     reply = decode_reply(line)
     if isinstance(reply, ErrorReply):
         raise_error(reply)
