@@ -718,54 +718,56 @@ def as_v3_layout(connection) -> None:
     connection.execute("DROP SCHEMA kvtrace_rows")
 
 
-def test_a_database_of_schema_v3_answers_every_query_as_it_did(seeded_replays, tmp_path):
-    """A database loaded before v4 (every table in main): every shipped query answers as on
-    v4."""
+def older_copy(db: Path, path: Path, version: int, *statements: str) -> Path:
+    """A copy of ``db`` at ``path`` in the v3 layout, changed by ``statements``, that says it
+    is of schema ``version``."""
+    shutil.copy(db, path)
+    with duckdb.connect(str(path)) as old:
+        as_v3_layout(old)
+        for statement in statements:
+            old.execute(statement)
+        old.execute("UPDATE kvtrace_meta SET value = ? WHERE key = 'db_schema_version'",
+                    [str(version)])
+    return path
+
+
+def assert_every_query_answers_as(path: Path, connection) -> None:
+    """Every shipped query on the database at ``path`` answers as on ``connection``."""
     from kvtrace.analysis.queries import shipped_queries
 
-    _, connection, db = seeded_replays[("chat", 3)]
-    old = tmp_path / "v3.duckdb"
-    shutil.copy(db, old)
-    with duckdb.connect(str(old)) as v3:
-        as_v3_layout(v3)
-        v3.execute("UPDATE kvtrace_meta SET value = '3' WHERE key = 'db_schema_version'")
-    reopened = open_database(old)
+    reopened = open_database(path)
     try:
-        assert reopened.execute("SELECT count(*) FROM duckdb_tables() WHERE table_name = "
-                                "'block_stored' AND schema_name = 'main'").fetchone() == (1,)
         for name in shipped_queries():
             assert sorted(run_query(reopened, name).rows, key=repr) \
                 == sorted(run_query(connection, name).rows, key=repr), name
     finally:
         reopened.close()
+
+
+def test_a_database_of_schema_v3_answers_every_query_as_it_did(seeded_replays, tmp_path):
+    """A database loaded before v4 (every table in main): every shipped query answers as on
+    v4."""
+    _, connection, db = seeded_replays[("chat", 3)]
+    old = older_copy(db, tmp_path / "v3.duckdb", 3)
+    with duckdb.connect(str(old), read_only=True) as v3:
+        assert v3.execute("SELECT count(*) FROM duckdb_tables() WHERE table_name = "
+                          "'block_stored' AND schema_name = 'main'").fetchone() == (1,)
+    assert_every_query_answers_as(old, connection)
 
 
 def test_a_database_of_schema_v2_answers_every_query_as_it_did(seeded_replays, tmp_path):
     """A database loaded before v3 (no cache_entry_figures, no in_flight, no snapshot tables,
     its views as they were): the queries recompute the entries' figures by their SQL twin and
     answer as a v3 database does."""
-    from kvtrace.analysis.queries import shipped_queries
-
     _, connection, db = seeded_replays[("chat", 3)]
-    old = tmp_path / "v2.duckdb"
-    shutil.copy(db, old)
-    with duckdb.connect(str(old)) as v2:
-        as_v3_layout(v2)
-        v2.execute("DROP VIEW cache_entries")
-        v2.execute("CREATE TABLE cache_entries AS SELECT 1 AS stale")  # what v2 derived
-        v2.execute("DROP TABLE cache_entry_figures")
-        v2.execute("ALTER TABLE miss_attribution DROP COLUMN in_flight")
-        for table in ("request_state_hash_ids", "request_state", "key_cached_block_ids",
-                      "key_cached", "block_state"):
-            v2.execute(f"DROP TABLE {table}")
-        v2.execute("UPDATE kvtrace_meta SET value = '2' WHERE key = 'db_schema_version'")
-    reopened = open_database(old)
-    try:
-        for name in shipped_queries():
-            assert sorted(run_query(reopened, name).rows, key=repr) \
-                == sorted(run_query(connection, name).rows, key=repr), name
-    finally:
-        reopened.close()
+    old = older_copy(
+        db, tmp_path / "v2.duckdb", 2, "DROP VIEW cache_entries",
+        "CREATE TABLE cache_entries AS SELECT 1 AS stale",  # what v2 derived
+        "DROP TABLE cache_entry_figures", "ALTER TABLE miss_attribution DROP COLUMN in_flight",
+        *(f"DROP TABLE {table}" for table in ("request_state_hash_ids", "request_state",
+                                              "key_cached_block_ids", "key_cached",
+                                              "block_state")))
+    assert_every_query_answers_as(old, connection)
 
 
 @needs_the_core
