@@ -207,14 +207,13 @@ def schema_statements(labels: list[tuple[str, str]] | None = None) -> list[str]:
     for name, columns in _layout():
         stored = _column_list((column, "INTEGER" if sql == _WIDENED else sql_type)
                               for column, sql_type, sql in columns if sql in (None, _WIDENED))
-        if all(sql is None for *_, sql in columns):
-            statements.append(f"CREATE TABLE {name} ({stored})")
-            continue
-        selected = ", ".join(column if sql is None
-                             else f"{_computed(column, sql, labels)} AS {column}"
-                             for column, _, sql in columns)
-        statements += [f"CREATE TABLE {ROWS_SCHEMA}.{name} ({stored})",
-                       f"CREATE VIEW {name} AS SELECT {selected} FROM {ROWS_SCHEMA}.{name}"]
+        statements.append(f"CREATE TABLE {stored_tables()[name]} ({stored})")
+        if stored_tables()[name] != name:
+            selected = ", ".join(column if sql is None
+                                 else f"{_computed(column, sql, labels)} AS {column}"
+                                 for column, _, sql in columns)
+            statements.append(f"CREATE VIEW {name} AS SELECT {selected} "
+                              f"FROM {stored_tables()[name]}")
     return [*statements, """CREATE TABLE runs (
             run INTEGER PRIMARY KEY, path VARCHAR, source VARCHAR, variant VARCHAR,
             backend VARCHAR, mode VARCHAR, source_key VARCHAR, kvtrace_version VARCHAR,
