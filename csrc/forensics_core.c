@@ -111,32 +111,73 @@ static inline i64 col_get(const Col *c, Py_ssize_t i) {
 
 /* --- output columns ------------------------------------------------------------------------------ */
 
-typedef struct { LVec *columns; int num_columns; } Table;
+/* A table's columns: int64s, but a column of objects (a str or bytes field: `objects[i]`, a
+   list, the objects as the reader decoded them), and those stored in 32 bits (`narrow[i]`: taken
+   as int32s, each value checked). */
+typedef struct { LVec *columns; PyObject **objects; char *narrow; int num_columns; } Table;
 
 static int table_init(Table *t, int num_columns) {
     t->columns = PyMem_Calloc((size_t)num_columns, sizeof(LVec));
+    t->objects = PyMem_Calloc((size_t)num_columns, sizeof(PyObject *));
+    t->narrow = PyMem_Calloc((size_t)num_columns, 1);
     t->num_columns = num_columns;
-    return t->columns ? 0 : (PyErr_NoMemory(), -1);
+    return t->columns && t->objects && t->narrow ? 0 : (PyErr_NoMemory(), -1);
 }
 static void table_free(Table *t) {
-    for (int i = 0; i < t->num_columns; i++) lvec_free(&t->columns[i]);
+    for (int i = 0; i < t->num_columns; i++) {
+        lvec_free(&t->columns[i]);
+        if (t->objects) Py_CLEAR(t->objects[i]);
+    }
     PyMem_Free(t->columns);
+    PyMem_Free(t->objects);
+    PyMem_Free(t->narrow);
     t->columns = NULL;
+    t->objects = NULL;
+    t->narrow = NULL;
 }
 static Py_ssize_t table_rows(const Table *t) { return t->num_columns ? t->columns[0].n : 0; }
-/* The table's first `count` rows (all: count 0) as a tuple of columns of bytes (native int64s;
-   NONE_VALUE for NULL), taken out. */
-static PyObject *table_take(Table *t, Py_ssize_t count) {
+/* A narrow column's first `count` values as int32 bytes; a value past 32 bits raises
+   OverflowError((table, column, value)). */
+static PyObject *narrowed(const LVec *column, Py_ssize_t count, int table, int index) {
+    PyObject *data = PyBytes_FromStringAndSize(NULL, count * (Py_ssize_t)sizeof(int32_t));
+    if (!data) return NULL;
+    int32_t *out = (int32_t *)PyBytes_AS_STRING(data);
+    for (Py_ssize_t row = 0; row < count; row++) {
+        i64 value = column->v[row];
+        if (value < INT32_MIN || value > INT32_MAX) {
+            Py_DECREF(data);
+            PyObject *where = Py_BuildValue("(iiL)", table, index, value);
+            if (where) PyErr_SetObject(PyExc_OverflowError, where);
+            Py_XDECREF(where);
+            return NULL;
+        }
+        out[row] = (int32_t)value;
+    }
+    return data;
+}
+/* The table's first `count` rows (all: count 0) as a tuple of columns (bytes of native int64s,
+   NONE_VALUE for NULL, or of int32s for a narrow column; a list for a column of objects),
+   taken out. `index`: the table's, as take_tables numbers them. */
+static PyObject *table_take(Table *t, Py_ssize_t count, int index) {
     Py_ssize_t rows = table_rows(t);
     if (count <= 0 || count > rows) count = rows;
     PyObject *out = PyTuple_New(t->num_columns);
     if (!out) return NULL;
-    for (int i = 0; i < t->num_columns; i++) {
+    for (int i = 0; i < t->num_columns; i++) {  /* every column checked before any is taken */
         LVec *column = &t->columns[i];
-        PyObject *data = PyBytes_FromStringAndSize((const char *)column->v,
+        PyObject *data = t->objects[i] ? PyList_GetSlice(t->objects[i], 0, count)
+                       : t->narrow[i] ? narrowed(column, count, index, i)
+                       : PyBytes_FromStringAndSize((const char *)column->v,
                                                    count * (Py_ssize_t)sizeof(i64));
         if (!data) { Py_DECREF(out); return NULL; }
         PyTuple_SET_ITEM(out, i, data);
+    }
+    for (int i = 0; i < t->num_columns; i++) {
+        LVec *column = &t->columns[i];
+        if (t->objects[i]) {
+            if (PyList_SetSlice(t->objects[i], 0, count, NULL)) { Py_DECREF(out); return NULL; }
+            continue;
+        }
         memmove(column->v, column->v + count, (size_t)(column->n - count) * sizeof(i64));
         column->n -= count;
     }
@@ -211,7 +252,7 @@ typedef struct {  /* a record kind (kvtrace.events.RECORD_TYPES), as this pass r
     int num_read, read[8];  /* the fields the attribution reads, in its order */
     int shape;  /* its rows go to tables (every field an int or an int list) */
     int num_fields;
-    char field_kinds[MAX_FIELDS];  /* per field: 'i' int, 'l' int list, 'o' other */
+    char field_kinds[MAX_FIELDS];  /* per field: 'i' int, 'l' int list, 's' str or bytes, 'o' other */
     int req_field;  /* the field its list fields' rows carry as req, -1: none */
     int table;  /* its table; its list fields' child tables follow, in field order */
 } RecordSpec;
@@ -1065,6 +1106,11 @@ static int shape(Core *c, Kind *k, Py_ssize_t row) {
     i64 req = spec->req_field >= 0 ? col_get(&k->fields[spec->req_field], row) : -1;
     int child = spec->table + 1;
     for (int f = 0; f < spec->num_fields; f++) {
+        if (spec->field_kinds[f] == 's') {
+            if (PyList_Append(table->objects[2 + f], PyList_GET_ITEM(k->fields[f].list, row)))
+                return -1;
+            continue;
+        }
         i64 value = col_get(&k->fields[f], row);
         if (lvec_push(&table->columns[2 + f], value)) return -1;
         if (spec->field_kinds[f] != 'l') continue;
@@ -1088,7 +1134,7 @@ static int open_kind(Kind *k, const RecordSpec *spec, PyObject *columns, Py_ssiz
     /* a list field's two columns, checked: every row's elements are there */
     for (int f = 0; f < spec->num_fields; f++) {
         PyObject *column = PyList_GET_ITEM(columns, f);
-        if (spec->field_kinds[f] == 'o') {
+        if (spec->field_kinds[f] == 's' || spec->field_kinds[f] == 'o') {
             if (!PyList_Check(column) || PyList_GET_SIZE(column) < needed)
                 return fail("feed: a short column");
             k->fields[f].list = column;
@@ -1199,7 +1245,7 @@ static PyObject *Core_take_tables(Core *c, PyObject *arg) {
         Table *table = t < c->num_tables ? &c->tables[t]
                      : t == c->num_tables ? &c->rows : &c->entry_rows;
         while (out && table_rows(table) && table_rows(table) >= (chunk > 0 ? chunk : 1)) {
-            PyObject *columns = table_take(table, chunk);
+            PyObject *columns = table_take(table, chunk, t);
             PyObject *item = columns ? Py_BuildValue("(iN)", t, columns) : NULL;
             if (!item || PyList_Append(out, item)) Py_CLEAR(out);
             Py_XDECREF(item);
@@ -1233,7 +1279,7 @@ static PyObject *Core_dropped_events(Core *c, void *closure) {
 
 static int int_tuple(PyObject *tuple, int *out, int *count) {
     if (!PyTuple_Check(tuple) || PyTuple_GET_SIZE(tuple) > MAX_GROUPS) {
-        PyErr_SetString(PyExc_TypeError, "groups must be a tuple of at most 64 ints");
+        PyErr_SetString(PyExc_TypeError, "expected a tuple of at most 64 ints");
         return -1;
     }
     *count = (int)PyTuple_GET_SIZE(tuple);
@@ -1269,6 +1315,10 @@ static int parse_specs(Core *c, PyObject *records) {
         }
         spec->num_fields = (int)num_fields;
         memcpy(spec->field_kinds, field_kinds, (size_t)num_fields);
+        if (spec->shape && memchr(field_kinds, 'o', (size_t)num_fields)) {
+            PyErr_SetString(PyExc_ValueError, "records: rows of a kind with a field of objects");
+            return -1;
+        }
         if (int_tuple(read, spec->read, &spec->num_read)) return -1;
         for (int a = 0; a < spec->num_read; a++)
             if (spec->read[a] < 0 || spec->read[a] >= num_fields) {
@@ -1287,7 +1337,10 @@ static int parse_specs(Core *c, PyObject *records) {
     for (int r = 0; r < c->num_specs; r++) {
         RecordSpec *spec = &c->specs[r];
         if (!spec->shape) continue;
-        if (table_init(&c->tables[spec->table], 2 + spec->num_fields)) return -1;
+        Table *table = &c->tables[spec->table];
+        if (table_init(table, 2 + spec->num_fields)) return -1;
+        for (int f = 0; f < spec->num_fields; f++)
+            if (spec->field_kinds[f] == 's' && !(table->objects[2 + f] = PyList_New(0))) return -1;
         int child = spec->table + 1;
         for (int f = 0; f < spec->num_fields; f++)
             if (spec->field_kinds[f] == 'l' && table_init(&c->tables[child++], 4)) return -1;
@@ -1295,21 +1348,44 @@ static int parse_specs(Core *c, PyObject *records) {
     return 0;
 }
 
+/* Which columns of each table are stored in 32 bits: `narrow`, per table (as take_tables
+   numbers them), a tuple of column indices. */
+static int parse_narrow(Core *c, PyObject *narrow) {
+    if (!PyTuple_Check(narrow) || PyTuple_GET_SIZE(narrow) != c->num_tables + 2) {
+        PyErr_SetString(PyExc_TypeError, "narrow: a tuple of column indices per table");
+        return -1;
+    }
+    for (int t = 0; t < c->num_tables + 2; t++) {
+        Table *table = t < c->num_tables ? &c->tables[t]
+                     : t == c->num_tables ? &c->rows : &c->entry_rows;
+        int columns[MAX_GROUPS], count;
+        if (int_tuple(PyTuple_GET_ITEM(narrow, t), columns, &count)) return -1;
+        for (int i = 0; i < count; i++) {
+            if (columns[i] < 0 || columns[i] >= table->num_columns || table->objects[columns[i]]) {
+                PyErr_SetString(PyExc_ValueError, "narrow: not an int column of its table");
+                return -1;
+            }
+            table->narrow[columns[i]] = 1;
+        }
+    }
+    return 0;
+}
+
 /* ForensicsCore(records, geometry, enums, request, request_id, explain, keep_lookups,
-       make_rows, make_entries, make_tables)
+       make_rows, make_entries, make_tables, narrow)
    records: per kvtrace.events.RECORD_TYPES kind, (K_* code or -1, the fields the attribution
    reads, whether its rows go to tables, its field kinds, its req field or -1); geometry: None
    (no attribution: a trace without an engine config), or (hash unit, per group whether Mamba,
    attention groups, Mamba groups, attention block, Mamba block, hit alignment, the pool's
    blocks); enums:
    (CHECKPOINT kind, TRANSIENT class, LRU_REUSE, STALE_CHECKPOINT, REKEY, RUNNING queue);
-   request: the one request to attribute (None: all). */
+   request: the one request to attribute (None: all); narrow: parse_narrow's. */
 static int Core_init(Core *c, PyObject *args, PyObject *kwargs) {
-    PyObject *records, *geometry, *enums, *request, *request_id;
+    PyObject *records, *geometry, *enums, *request, *request_id, *narrow;
     int explain, keep_lookups, make_rows, make_entries;
-    if (!PyArg_ParseTuple(args, "O!OO!OOppppp", &PyTuple_Type, &records, &geometry,
+    if (!PyArg_ParseTuple(args, "O!OO!OOpppppO", &PyTuple_Type, &records, &geometry,
                           &PyTuple_Type, &enums, &request, &request_id, &explain, &keep_lookups,
-                          &make_rows, &make_entries, &c->make_tables)
+                          &make_rows, &make_entries, &c->make_tables, &narrow)
         || parse_specs(c, records))
         return -1;
     c->attribute = geometry != Py_None;
@@ -1383,7 +1459,7 @@ static int Core_init(Core *c, PyObject *args, PyObject *kwargs) {
     c->lookups = PyList_New(0);
     if (!c->lookups || table_init(&c->rows, NUM_A) || table_init(&c->entry_rows, NUM_E))
         return -1;
-    return 0;
+    return parse_narrow(c, narrow);
 }
 
 static void Core_dealloc(Core *c) {

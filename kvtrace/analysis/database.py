@@ -38,7 +38,7 @@ import typing
 
 from kvtrace.analysis.attribution import ROW_COLUMNS
 from kvtrace.analysis.sql_access import connect
-from kvtrace.errors import KvtraceError
+from kvtrace.errors import KvtraceError, TraceFormatError
 from kvtrace.events import RECORD_TYPES, CheckpointClass, RemoveReason, tag_of
 
 DB_SCHEMA_VERSION = 4
@@ -234,10 +234,20 @@ def stand_in_tables() -> list[tuple[str, str]]:
 
 
 @functools.cache
+@functools.cache
 def narrow_columns(table: str) -> frozenset[str]:
     """The columns of ``table`` stored as 32-bit ints (``NARROW_COLUMNS``)."""
     return frozenset(column for name, columns in _layout() if name == table
                      for column, _, sql in columns if sql == _WIDENED)
+
+
+def past_32_bits(path: str, table: str, column: str, value: int) -> TraceFormatError:
+    """The load's refusal of a value a narrow column cannot hold."""
+    return TraceFormatError(
+        f"{path}: a {table} record holds {column} {value}, past the 32 bits the database keeps "
+        "it in",
+        hint="No engine makes such a value: the trace is damaged or was not written by "
+             "kvtrace. `kvtrace replay` and `kvtrace why` still read it.")
 
 
 @functools.cache

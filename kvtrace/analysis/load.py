@@ -43,6 +43,7 @@ from kvtrace.analysis.database import (
     is_map_field,
     narrow_columns,
     open_database,
+    past_32_bits,
     record_fields,
     schema_statements,
     stored_column,
@@ -398,8 +399,10 @@ _INT32 = np.iinfo(np.int32)
 
 def _narrowed(table: str, columns: dict[str, np.ndarray], path: str) -> dict[str, np.ndarray]:
     """``columns`` with those ``table`` stores as 32-bit ints (``narrow_columns``) made so; a
-    value past 32 bits is refused (no engine makes one: a step, a request, a block...)."""
-    narrow = narrow_columns(table).intersection(columns)
+    value past 32 bits is refused (no engine makes one: a step, a request, a block...). The C
+    core hands its narrow columns over as int32s, checked."""
+    narrow = [name for name in narrow_columns(table).intersection(columns)
+              if columns[name].dtype != np.int32]
     if not narrow:
         return columns
     columns = dict(columns)
@@ -407,11 +410,7 @@ def _narrowed(table: str, columns: dict[str, np.ndarray], path: str) -> dict[str
         values = columns[name]
         low, high = int(values.min()), int(values.max())
         if low < _INT32.min or high > _INT32.max:
-            raise TraceFormatError(
-                f"{path}: a {table} record holds {name} {high if high > _INT32.max else low}, "
-                "past the 32 bits the database keeps it in",
-                hint="No engine makes such a value: the trace is damaged or was not written by "
-                     "kvtrace. `kvtrace replay` and `kvtrace why` still read it.")
+            raise past_32_bits(path, table, name, high if high > _INT32.max else low)
         columns[name] = values.astype(np.int32)
     return columns
 
@@ -453,12 +452,17 @@ class _RunSink:
     def add_batch(self, batch) -> None:
         """A batch's records of the kinds not skipped, each kind as columns, with its sequence
         number and step (the ``StepStarted`` records at or before it)."""
+        wanted = [index for index, record_type in enumerate(batch.types)
+                  if record_type is not None and record_type not in self.skip]
+        step_kind = batch.types.index(StepStarted) if StepStarted in batch.types else None
+        if not wanted:  # the C core made every row of this batch: count its steps only
+            self.steps_before += batch.kinds.count(step_kind) if step_kind is not None else 0
+            return
         kinds = np.frombuffer(batch.kinds, dtype=np.uint8)
-        starts = (np.flatnonzero(kinds == batch.types.index(StepStarted))
-                  if StepStarted in batch.types else np.empty(0, dtype=np.int64))
-        for index, record_type in enumerate(batch.types):
-            if record_type is None or record_type in self.skip:
-                continue
+        starts = (np.flatnonzero(kinds == step_kind) if step_kind is not None
+                  else np.empty(0, dtype=np.int64))
+        for index in wanted:
+            record_type = batch.types[index]
             rows = (np.arange(len(kinds)) if len(batch.types) == 1
                     else np.flatnonzero(kinds == index))
             steps = self.steps_before + np.searchsorted(starts, rows, side="right")

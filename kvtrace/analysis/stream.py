@@ -38,6 +38,8 @@ from kvtrace.analysis.database import (
     element_column,
     is_enum_field,
     is_list_field,
+    narrow_columns,
+    past_32_bits,
     record_fields,
     stored_column,
 )
@@ -113,7 +115,7 @@ def _field_kind(field_type: object) -> str:
         return "l"
     if field_type in (int, bool) or is_enum_field(field_type):
         return "i"
-    return "o"
+    return "s" if field_type in (str, bytes) else "o"
 
 
 def _spec(record_type: type) -> tuple:
@@ -127,8 +129,8 @@ def _spec(record_type: type) -> tuple:
 
 _SPECS = tuple(map(_spec, RECORD_TYPES))
 _INDEX = {record_type: index for index, record_type in enumerate(RECORD_TYPES)}
-# The kinds whose rows the C core makes (every field an int or an int list), and its tables in
-# its order: each such kind's table, then a child table per list field.
+# The kinds whose rows the C core makes (every field an int, an int list, a str or bytes), and
+# its tables in its order: each such kind's table, then a child table per list field.
 SHAPED_TYPES = frozenset(t for t, spec in zip(RECORD_TYPES, _SPECS) if spec[2])
 TABLES: list[tuple[str, tuple[str, ...]]] = []
 for _record_type in RECORD_TYPES:
@@ -155,6 +157,9 @@ ENTRY_COLUMNS = ("stored_seq", "block_id", "removed_seq", "removed_step", "remov
 ATTRIBUTION_TABLE = "miss_attribution"
 _CORE_TABLES = [*TABLES, (ATTRIBUTION_TABLE, ATTRIBUTION_COLUMNS),
                 ("cache_entry_figures", ENTRY_COLUMNS)]
+# Per table, its columns the C core hands over as int32s (the database stores them so).
+_NARROW = tuple(tuple(index for index, column in enumerate(columns)
+                      if column in narrow_columns(table)) for table, columns in _CORE_TABLES)
 Columns = dict[str, np.ndarray]
 
 
@@ -239,7 +244,7 @@ class NativePass:
                 attributor.only_request if attributor else None,
                 attributor.request_id if attributor else None,
                 bool(attributor and attributor.explain), keep_lookups, make_rows,
-                not keep_lookups, not keep_lookups)
+                not keep_lookups, not keep_lookups, _NARROW)
         except ValueError as error:  # a header the C core cannot follow (a pool past 2^31)
             raise TraceFormatError(f"{path}: the engine config in its header cannot be analysed: {error}",
                                    hint=_CONTRADICTION_HINT) from None
@@ -267,16 +272,26 @@ class NativePass:
     def take_tables(self, chunk: int = 0) -> list[tuple[str, Columns]]:
         """Every whole chunk of ``chunk`` rows made so far of every table (0: all of them): the
         record tables, the attribution's rows, the cache entries' figures."""
-        return [(_CORE_TABLES[index][0], _as_columns(_CORE_TABLES[index][1], data))
-                for index, data in self.core.take_tables(chunk)]
+        try:
+            taken = self.core.take_tables(chunk)
+        except OverflowError as error:  # a narrow column's (table, column, value)
+            table, column, value = error.args
+            name, columns = _CORE_TABLES[table]
+            raise past_32_bits(self.path, name, columns[column], value) from None
+        return [(_CORE_TABLES[index][0], _as_columns(index, data)) for index, data in taken]
 
 
 _CONTRADICTION_HINT = ("The trace's records contradict its header (edited, or written by a "
                        "broken writer); it cannot be attributed.")
 
 
-def _as_columns(names: tuple[str, ...], data: tuple[bytes, ...]) -> Columns:
-    return {name: np.frombuffer(column, dtype=np.int64) for name, column in zip(names, data)}
+def _as_columns(table: int, data: tuple[bytes | list, ...]) -> Columns:
+    """A table's columns as the C core took them (``_CORE_TABLES[table]``): int64s, int32s
+    where narrow, objects (a str or bytes field) as a list."""
+    narrow = _NARROW[table]
+    return {name: np.array(column, dtype=object) if isinstance(column, list)
+            else np.frombuffer(column, dtype=np.int32 if index in narrow else np.int64)
+            for index, (name, column) in enumerate(zip(_CORE_TABLES[table][1], data))}
 
 
 def _lookup(row: tuple) -> LookupAttribution:
