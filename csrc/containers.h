@@ -33,6 +33,16 @@ static inline int ivec_push(IVec *a, int32_t x) {
 }
 static inline void ivec_free(IVec *a) { PyMem_Free(a->v); a->v = NULL; a->n = a->cap = 0; }
 
+static inline int lvec_reserve(LVec *a, Py_ssize_t cap) {
+    if (cap <= a->cap) return 0;
+    Py_ssize_t size = a->cap ? a->cap : 8;
+    while (size < cap) size *= 2;
+    i64 *v = PyMem_Realloc(a->v, (size_t)size * sizeof(i64));
+    if (!v) { PyErr_NoMemory(); return -1; }
+    a->v = v;
+    a->cap = size;
+    return 0;
+}
 static inline int lvec_push(LVec *a, i64 x) {
     if (a->n == a->cap) {
         Py_ssize_t size = a->cap ? a->cap * 2 : 8;

@@ -263,6 +263,7 @@ typedef struct {
     Table *tables; int num_tables;
     int attribute;  /* 0: only the tables (a trace without an engine config) */
     int make_tables;  /* the record tables' rows (load), or not (why) */
+    int broken;  /* a batch failed midway: its tables may be ragged, so nothing more is taken */
     /* geometry (attribution._Geometry) */
     i64 unit, attention_block, mamba_block, alignment;
     int num_groups, num_attention, num_mamba;
@@ -1093,34 +1094,89 @@ typedef struct {
     const RecordSpec *spec;
     Source source;
     Col fields[MAX_FIELDS], values[MAX_FIELDS];  /* values: a list field's elements */
-    Py_ssize_t elements[MAX_FIELDS];  /* the next element of each list field */
+    Py_ssize_t shaped;  /* the rows its records began this batch (shape_start) */
 } Kind;
 
-/* One record's row (seq, step, its fields; a list field's length) and its list fields' rows
-   (seq, the record's req or -1, position, element). */
-static int shape(Core *c, Kind *k, Py_ssize_t row) {
-    const RecordSpec *spec = k->spec;
-    Table *table = &c->tables[spec->table];
+/* A record's row begins: its seq and step, in file order. Its fields follow in bulk, once the
+   batch was followed (shape_rows). */
+static int shape_start(Core *c, Kind *k) {
+    Table *table = &c->tables[k->spec->table];
     if (lvec_push(&table->columns[0], c->seq) || lvec_push(&table->columns[1], c->step))
         return -1;
-    i64 req = spec->req_field >= 0 ? col_get(&k->fields[spec->req_field], row) : -1;
+    k->shaped++;
+    return 0;
+}
+
+/* A column's values [start, start + count), appended to `out` as int64s. */
+static int col_append(LVec *out, const Col *col, Py_ssize_t start, Py_ssize_t count) {
+    if (lvec_reserve(out, out->n + count)) return -1;
+    i64 *to = out->v + out->n;
+    const char *from = col->list ? NULL : (const char *)col->view.buf + start * col->itemsize;
+    if (col->list) {
+        for (Py_ssize_t i = 0; i < count; i++) {
+            to[i] = PyLong_AsLongLong(PyList_GET_ITEM(col->list, start + i));
+            if (to[i] == -1 && PyErr_Occurred()) return -1;  /* an item that is no int */
+        }
+    } else if (col->itemsize == 8) {
+        memcpy(to, from, (size_t)count * sizeof(i64));
+    } else {  /* one loop per width, each a plain widening copy */
+#define WIDEN(type) for (Py_ssize_t i = 0; i < count; i++) to[i] = ((const type *)from)[i]
+        switch (col->itemsize * 2 + col->is_unsigned) {
+        case 2: WIDEN(int8_t); break;
+        case 3: WIDEN(uint8_t); break;
+        case 4: WIDEN(int16_t); break;
+        case 5: WIDEN(uint16_t); break;
+        case 8: WIDEN(int32_t); break;
+        default: WIDEN(uint32_t); break;
+        }
+#undef WIDEN
+    }
+    out->n += count;
+    return 0;
+}
+
+/* The fields of the rows a batch's records of one kind began (shape_start), column by column
+   (a list field's length), and their list fields' rows (seq, the record's req or -1, position,
+   element). */
+static int shape_rows(Core *c, Kind *k) {
+    const RecordSpec *spec = k->spec;
+    Py_ssize_t count = k->shaped;
+    if (!count) return 0;
+    Table *table = &c->tables[spec->table];
+    const i64 *seqs = table->columns[0].v + table->columns[0].n - count;
     int child = spec->table + 1;
     for (int f = 0; f < spec->num_fields; f++) {
         if (spec->field_kinds[f] == 's') {
-            if (PyList_Append(table->objects[2 + f], PyList_GET_ITEM(k->fields[f].list, row)))
-                return -1;
+            PyObject *objects = table->objects[2 + f];
+            PyObject *taken = PyList_GetSlice(k->fields[f].list, 0, count);
+            Py_ssize_t end = PyList_GET_SIZE(objects);
+            int rc = !taken || PyList_SetSlice(objects, end, end, taken);
+            Py_XDECREF(taken);
+            if (rc) return -1;
             continue;
         }
-        i64 value = col_get(&k->fields[f], row);
-        if (lvec_push(&table->columns[2 + f], value)) return -1;
+        LVec *column = &table->columns[2 + f];
+        if (col_append(column, &k->fields[f], 0, count)) return -1;
         if (spec->field_kinds[f] != 'l') continue;
         Table *children = &c->tables[child++];
-        for (i64 pos = 0; pos < value; pos++) {
-            if (lvec_push(&children->columns[0], c->seq) || lvec_push(&children->columns[1], req)
-                || lvec_push(&children->columns[2], pos)
-                || lvec_push(&children->columns[3], col_get(&k->values[f], k->elements[f]++)))
-                return -1;
+        const i64 *lengths = column->v + column->n - count;
+        Py_ssize_t total = 0;
+        for (Py_ssize_t row = 0; row < count; row++) total += (Py_ssize_t)lengths[row];
+        for (int i = 0; i < 3; i++)
+            if (lvec_reserve(&children->columns[i], children->columns[i].n + total)) return -1;
+        i64 *seq = children->columns[0].v + children->columns[0].n;
+        i64 *req = children->columns[1].v + children->columns[1].n;
+        i64 *pos = children->columns[2].v + children->columns[2].n;
+        for (Py_ssize_t row = 0, at = 0; row < count; row++) {
+            i64 owner = spec->req_field >= 0 ? col_get(&k->fields[spec->req_field], row) : -1;
+            for (i64 p = 0; p < lengths[row]; p++, at++) {
+                seq[at] = seqs[row];
+                req[at] = owner;
+                pos[at] = p;
+            }
         }
+        for (int i = 0; i < 3; i++) children->columns[i].n += total;
+        if (col_append(&children->columns[3], &k->values[f], 0, total)) return -1;
     }
     return 0;
 }
@@ -1182,6 +1238,11 @@ static void close_kind(Kind *k) {
     }
 }
 
+static PyObject *refuse_broken(void) {
+    PyErr_SetString(PyExc_RuntimeError, "forensics core: a batch failed; the pass is over");
+    return NULL;
+}
+
 /* feed(kinds, first_seq, records, columns): follow one batch of records, in file order.
    records: per batch kind, its index in kvtrace.events.RECORD_TYPES (255: unknown); columns:
    per batch kind, its columns as the reader decoded them. */
@@ -1189,6 +1250,7 @@ static PyObject *Core_feed(Core *c, PyObject *args) {
     Py_buffer kinds, records;
     long long first_seq;
     PyObject *columns;
+    if (c->broken) return refuse_broken();
     if (!PyArg_ParseTuple(args, "y*Ly*O!", &kinds, &first_seq, &records, &PyList_Type, &columns))
         return NULL;
     Py_ssize_t num_kinds = records.len;
@@ -1222,9 +1284,12 @@ static PyObject *Core_feed(Core *c, PyObject *args) {
             k->source.row = row + 1;
         }
         if (!rc && k->spec->kind == K_STEP && !c->attribute) c->step++;
-        if (!rc && k->spec->shape && c->make_tables) rc = shape(c, k, row);
+        if (!rc && k->spec->shape && c->make_tables) rc = shape_start(c, k);
         if (!rc && PyErr_Occurred()) rc = -1;  /* a list column item that is no int */
     }
+    for (Py_ssize_t i = 0; i < num_kinds && !rc; i++)
+        if (batch[i].spec && batch[i].spec->shape) rc = shape_rows(c, &batch[i]);
+    c->broken |= rc != 0;
     for (Py_ssize_t i = 0; batch && i < num_kinds; i++) close_kind(&batch[i]);
     PyMem_Free(batch);
     PyMem_Free(needed);
@@ -1238,6 +1303,7 @@ static PyObject *Core_feed(Core *c, PyObject *args) {
    every table (0: all of every table), taken out. Tables: the record tables, then the
    attribution's rows, then the cache entries' figures. */
 static PyObject *Core_take_tables(Core *c, PyObject *arg) {
+    if (c->broken) return refuse_broken();
     Py_ssize_t chunk = PyLong_AsSsize_t(arg);
     if (chunk == -1 && PyErr_Occurred()) return NULL;
     PyObject *out = PyList_New(0);
