@@ -829,6 +829,26 @@ def test_a_trace_without_block_ids_loads_the_same_on_both_twins(tmp_path, monkey
     assert sum(removed is not None for *_, removed in entries[0]) == 13
 
 
+def test_a_batch_the_c_core_cannot_follow_ends_its_pass(tmp_path):
+    """A batch that fails midway (a block outside the pool) is refused as the trace's fault, and
+    the pass hands over nothing after it: the rows it began may be ragged."""
+    from kvtrace.events import BlockAllocated, StepStarted
+    from kvtrace.traceio import TraceReader
+
+    if stream.core is None:
+        pytest.skip("kvtrace's C core is not built here (no C compiler at install)")
+    header = TraceHeader(kvtrace_version="test", created_ns=0, source="synth",
+                         config=EngineShape(**SMALL).engine_config(200))
+    path = tmp_path / "outside.kvtrace"
+    write_trace(path, header, [StepStarted(0, 0), BlockAllocated(3, 0), BlockAllocated(999, 0)])
+    analysis = stream.new_pass(header, str(path))
+    (batch,) = TraceReader(str(path)).batches()
+    with pytest.raises(TraceFormatError, match="names block 999, outside the header's pool"):
+        analysis.feed(batch)
+    with pytest.raises(RuntimeError, match="a batch failed; the pass is over"):
+        analysis.take_tables(0)
+
+
 @pytest.mark.parametrize("native", [True, False], ids=["C core", "twins"])
 def test_a_value_past_32_bits_in_a_narrow_column_is_refused(tmp_path, monkeypatch, native):
     """Steps, requests, blocks, groups, token counts and codes are stored in 32 bits and read as
