@@ -5,14 +5,16 @@
  *
  * - the miss attribution: for every admitted lookup, where its query tokens went. This is the C
  *   twin of kvtrace/analysis/attribution.py's MissAttributor (the reference: same names, same
- *   steps, function for function); tests/test_forensics_core.py holds the two row for row.
+ *   steps, function for function); tests/test_attribution.py holds the two row for row.
  * - the cache entries (a key stored on a block, until removed) with the hits each took and, for
  *   a removal, how many transient checkpoint entries sat cached in the free queue just before
  *   it, as the SQL twin in kvtrace/analysis/database.py (CACHE_ENTRIES_SQL) defines them;
- * - the rows of the record tables themselves (kinds whose fields are all ints or int lists: all
- *   but a few), as the loader's Python twin (kvtrace/analysis/load.py, _RunSink) makes them.
+ * - the rows of the record tables themselves (kinds whose fields are ints, int lists, strings or
+ *   bytes: all but the snapshot's maps), as the loader's Python twin (kvtrace/analysis/load.py,
+ *   _RunSink) makes them.
  *
- * All come out as int64 columns (take_tables); `why` takes whole lookups
+ * All come out as int64 columns (int32 where the database stores 32 bits, a list for strings)
+ * (take_tables); `why` takes whole lookups
  * instead (take_lookups). Batches come in as kinds (one byte per record, an index into the
  * batch's kinds), per batch kind its index in kvtrace.events.RECORD_TYPES (the records spec
  * given at construction says how each is read) and its columns as the reader decoded them:
@@ -250,7 +252,7 @@ enum {  /* cache_entry_figures columns (stream.ENTRY_COLUMNS): what an entry add
 typedef struct {  /* a record kind (kvtrace.events.RECORD_TYPES), as this pass reads it */
     int kind;  /* its K_* code, -1: the attribution reads none of it */
     int num_read, read[8];  /* the fields the attribution reads, in its order */
-    int shape;  /* its rows go to tables (every field an int or an int list) */
+    int shape;  /* its rows go to tables (every field an int, an int list, a str or bytes) */
     int num_fields;
     char field_kinds[MAX_FIELDS];  /* per field: 'i' int, 'l' int list, 's' str or bytes, 'o' other */
     int req_field;  /* the field its list fields' rows carry as req, -1: none */
