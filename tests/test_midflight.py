@@ -124,10 +124,12 @@ def small_workload(tmp_path_factory) -> Path:
 
 def controller(*args: str) -> subprocess.Popen:
     """`kvtrace capture ...` with Python's fault handler on: a run that hangs is made to show
-    where (``finish``)."""
+    where (``finish``). It starts with SIGHUP's default action even when the suite runs under
+    `nohup`, whose ignored SIGHUP kvtrace keeps ignored on purpose."""
     import os
 
-    return kvtrace(*args, env={**os.environ, "PYTHONFAULTHANDLER": "1"})
+    return kvtrace(*args, env={**os.environ, "PYTHONFAULTHANDLER": "1"},
+                   preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_DFL))
 
 
 def finish(process: subprocess.Popen, timeout_s: float = 60) -> tuple[str, str]:
