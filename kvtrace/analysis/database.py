@@ -234,7 +234,6 @@ def stand_in_tables() -> list[tuple[str, str]]:
 
 
 @functools.cache
-@functools.cache
 def narrow_columns(table: str) -> frozenset[str]:
     """The columns of ``table`` stored as 32-bit ints (``NARROW_COLUMNS``)."""
     return frozenset(column for name, columns in _layout() if name == table

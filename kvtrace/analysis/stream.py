@@ -274,8 +274,10 @@ class NativePass:
         record tables, the attribution's rows, the cache entries' figures."""
         try:
             taken = self.core.take_tables(chunk)
-        except OverflowError as error:  # a narrow column's (table, column, value)
-            table, column, value = error.args
+        except OverflowError as error:
+            if len(error.args) != 3:
+                raise
+            table, column, value = error.args  # a narrow column's value past 32 bits
             name, columns = _CORE_TABLES[table]
             raise past_32_bits(self.path, name, columns[column], value) from None
         return [(_CORE_TABLES[index][0], _as_columns(index, data)) for index, data in taken]
