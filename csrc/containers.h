@@ -16,15 +16,21 @@ typedef long long i64;
 typedef struct { int32_t *v; Py_ssize_t n, cap; } IVec;
 typedef struct { i64 *v; Py_ssize_t n, cap; } LVec;
 
-static inline int ivec_reserve(IVec *a, Py_ssize_t cap) {
-    if (cap <= a->cap) return 0;
-    Py_ssize_t size = a->cap ? a->cap : 8;
-    while (size < cap) size *= 2;
-    int32_t *v = PyMem_Realloc(a->v, (size_t)size * sizeof(int32_t));
-    if (!v) { PyErr_NoMemory(); return -1; }
-    a->v = v;
-    a->cap = size;
+/* Grow an array `*values` of `*cap` items of `item_size` bytes to hold at least `wanted`
+   (doubling from 8), keeping its contents. */
+static inline int vec_reserve(void **values, Py_ssize_t *cap, Py_ssize_t wanted,
+                              size_t item_size) {
+    if (wanted <= *cap) return 0;
+    Py_ssize_t size = *cap ? *cap : 8;
+    while (size < wanted) size *= 2;
+    void *grown = PyMem_Realloc(*values, (size_t)size * item_size);
+    if (!grown) { PyErr_NoMemory(); return -1; }
+    *values = grown;
+    *cap = size;
     return 0;
+}
+static inline int ivec_reserve(IVec *a, Py_ssize_t cap) {
+    return vec_reserve((void **)&a->v, &a->cap, cap, sizeof(int32_t));
 }
 static inline int ivec_push(IVec *a, int32_t x) {
     if (a->n == a->cap && ivec_reserve(a, a->n + 1)) return -1;
@@ -34,23 +40,10 @@ static inline int ivec_push(IVec *a, int32_t x) {
 static inline void ivec_free(IVec *a) { PyMem_Free(a->v); a->v = NULL; a->n = a->cap = 0; }
 
 static inline int lvec_reserve(LVec *a, Py_ssize_t cap) {
-    if (cap <= a->cap) return 0;
-    Py_ssize_t size = a->cap ? a->cap : 8;
-    while (size < cap) size *= 2;
-    i64 *v = PyMem_Realloc(a->v, (size_t)size * sizeof(i64));
-    if (!v) { PyErr_NoMemory(); return -1; }
-    a->v = v;
-    a->cap = size;
-    return 0;
+    return vec_reserve((void **)&a->v, &a->cap, cap, sizeof(i64));
 }
 static inline int lvec_push(LVec *a, i64 x) {
-    if (a->n == a->cap) {
-        Py_ssize_t size = a->cap ? a->cap * 2 : 8;
-        i64 *v = PyMem_Realloc(a->v, (size_t)size * sizeof(i64));
-        if (!v) { PyErr_NoMemory(); return -1; }
-        a->v = v;
-        a->cap = size;
-    }
+    if (a->n == a->cap && lvec_reserve(a, a->n + 1)) return -1;
     a->v[a->n++] = x;
     return 0;
 }

@@ -304,6 +304,12 @@ typedef struct {
 
 /* --- small helpers -------------------------------------------------------------------------- */
 
+/* The output table numbered `t` as take_tables numbers them: the record tables, then the
+   attribution's rows, then the cache entries' figures. */
+static Table *table_at(Core *c, int t) {
+    return t < c->num_tables ? &c->tables[t] : t == c->num_tables ? &c->rows : &c->entry_rows;
+}
+
 static int fail(const char *format, ...) {
     va_list ap;
     va_start(ap, format);
@@ -1109,14 +1115,14 @@ static int shape_start(Core *c, Kind *k) {
     return 0;
 }
 
-/* A column's values [start, start + count), appended to `out` as int64s. */
-static int col_append(LVec *out, const Col *col, Py_ssize_t start, Py_ssize_t count) {
+/* A column's first `count` values, appended to `out` as int64s. */
+static int col_append(LVec *out, const Col *col, Py_ssize_t count) {
     if (lvec_reserve(out, out->n + count)) return -1;
     i64 *to = out->v + out->n;
-    const char *from = col->list ? NULL : (const char *)col->view.buf + start * col->itemsize;
+    const char *from = col->view.buf;
     if (col->list) {
         for (Py_ssize_t i = 0; i < count; i++) {
-            to[i] = PyLong_AsLongLong(PyList_GET_ITEM(col->list, start + i));
+            to[i] = PyLong_AsLongLong(PyList_GET_ITEM(col->list, i));
             if (to[i] == -1 && PyErr_Occurred()) return -1;  /* an item that is no int */
         }
     } else if (col->itemsize == 8) {
@@ -1158,7 +1164,7 @@ static int shape_rows(Core *c, Kind *k) {
             continue;
         }
         LVec *column = &table->columns[2 + f];
-        if (col_append(column, &k->fields[f], 0, count)) return -1;
+        if (col_append(column, &k->fields[f], count)) return -1;
         if (spec->field_kinds[f] != 'l') continue;
         Table *children = &c->tables[child++];
         const i64 *lengths = column->v + column->n - count;
@@ -1178,7 +1184,7 @@ static int shape_rows(Core *c, Kind *k) {
             }
         }
         for (int i = 0; i < 3; i++) children->columns[i].n += total;
-        if (col_append(&children->columns[3], &k->values[f], 0, total)) return -1;
+        if (col_append(&children->columns[3], &k->values[f], total)) return -1;
     }
     return 0;
 }
@@ -1310,8 +1316,7 @@ static PyObject *Core_take_tables(Core *c, PyObject *arg) {
     if (chunk == -1 && PyErr_Occurred()) return NULL;
     PyObject *out = PyList_New(0);
     for (int t = 0; out && t < c->num_tables + 2; t++) {
-        Table *table = t < c->num_tables ? &c->tables[t]
-                     : t == c->num_tables ? &c->rows : &c->entry_rows;
+        Table *table = table_at(c, t);
         while (out && table_rows(table) && table_rows(table) >= (chunk > 0 ? chunk : 1)) {
             PyObject *columns = table_take(table, chunk, t);
             PyObject *item = columns ? Py_BuildValue("(iN)", t, columns) : NULL;
@@ -1424,8 +1429,7 @@ static int parse_narrow(Core *c, PyObject *narrow) {
         return -1;
     }
     for (int t = 0; t < c->num_tables + 2; t++) {
-        Table *table = t < c->num_tables ? &c->tables[t]
-                     : t == c->num_tables ? &c->rows : &c->entry_rows;
+        Table *table = table_at(c, t);
         int columns[MAX_GROUPS], count;
         if (int_tuple(PyTuple_GET_ITEM(narrow, t), columns, &count)) return -1;
         for (int i = 0; i < count; i++) {
