@@ -23,6 +23,7 @@ from test_capture_live import kvtrace, lockstep_verify, wait_for_stderr_line
 
 from kvtrace.capture import control
 from kvtrace.capture.messages import PingRequest, StatusRequest
+from kvtrace.cli.demo import BUSY_ENGINE
 from kvtrace.engine.process import EngineProcess
 from kvtrace.geometry.presets import preset_names
 from kvtrace.replay.run import ReplaySummary
@@ -34,12 +35,14 @@ pytestmark = pytest.mark.slow
 SPEED = "30"  # virtual seconds per wall second: the engine is busy for longer than the window
 
 
-def documents_workload(path: Path, model: str, num_requests: int = 400) -> Path:
-    """The #56794 seed scenario on ``model``'s cache as vLLM 0.33 builds it: 400 requests arrive
-    over 13 s of wall time at --speed 30, so the engine still serves when a capture from 4 s to
-    10 s stops (120 arrive within 4 s and a slow host drained them inside the window)."""
+def documents_workload(path: Path, model: str, num_requests: int = 600) -> Path:
+    """The #56794 seed scenario on ``model``'s cache as vLLM 0.33 builds it, with the demo's long
+    answers (``BUSY_ENGINE``): 600 requests arrive over 20 s of wall time at --speed 30, and the
+    engine always has one in flight after its first seconds, so a capture from 4 s to 10 s (or
+    later, on a slow host) stops while requests are running."""
     shape = EngineShape(model=model)
-    write_workload(path, synthesize("documents", num_requests, 0, shape.hash_block_size), shape)
+    workload = synthesize("documents", num_requests, 0, shape.hash_block_size, BUSY_ENGINE)
+    write_workload(path, workload, shape)
     return path
 
 
