@@ -19,9 +19,13 @@ It prints each repeat (wall seconds, and the CPU seconds of all the child's thre
 jobs on a shared machine move less), the median with the range of the three, the ratio
 kvtrace / anchor per repeat, and the machine's load average. Targets (issue "Forensics at the
 speed of DuckDB", on 10 M records): load + attribution + checkpoint_pushouts <= 5 s, peak RSS
-<= 1 GiB, ratio <= 3x. A 100 M-record trace: ``--events 100000000 --no-anchor``.
+<= 1 GiB, ratio <= 3x. A 100 M-record trace: ``--events 100000000 --no-anchor``. The load's
+own peak RSS is printed too; ``--load-memory-limit 128MB`` lowers DuckDB's share of it (its
+buffers while loading) to show that the rest does not grow with the trace's length;
+``--spill-only`` runs the C core's pass alone, without DuckDB, and prints its spill file's size.
 
     .venv/bin/python benchmarks/forensics.py [--events 10000000] [--trace PATH] [--repeats 3]
+        [--no-anchor] [--load-memory-limit SIZE] [--spill-only]
 """
 
 from __future__ import annotations
@@ -132,15 +136,19 @@ def anchor(db_path: str, num_rows: int) -> dict:
     return {"seconds": time.perf_counter() - started, "cpu": time.process_time() - cpu}
 
 
-def forensics(trace: str, db_path: str) -> dict:
-    """kvtrace's load (records, attribution, cache entries) and checkpoint_pushouts."""
+def forensics(trace: str, db_path: str, memory_limit: str) -> dict:
+    """kvtrace's load (records, attribution, cache entries; DuckDB's buffers limited to
+    ``memory_limit``, or kvtrace's own limit if empty) and checkpoint_pushouts."""
+    from kvtrace.analysis import load
     from kvtrace.analysis.database import open_database
     from kvtrace.analysis.load import load_traces
     from kvtrace.analysis.queries import run_query
 
+    load.LOAD_MEMORY_LIMIT = memory_limit or load.LOAD_MEMORY_LIMIT
     started, cpu = time.perf_counter(), time.process_time()
     summary = load_traces([trace], db_path)
     loaded = time.perf_counter()
+    load_rss_mib = peak_rss_mib()
     connection = open_database(db_path)
     result = run_query(connection, "checkpoint_pushouts")
     queried, cpu = time.perf_counter(), time.process_time() - cpu
@@ -148,9 +156,32 @@ def forensics(trace: str, db_path: str) -> dict:
     connection.close()
     return {"records": summary.num_records, "load": loaded - started,
             "query": queried - loaded, "seconds": queried - started, "cpu": cpu,
-            "pushouts": len(result.rows),
+            "pushouts": len(result.rows), "load_rss_mib": load_rss_mib,
             "regret": sum(row[-1] for row in result.rows), "lookups": lookups,
             "db_mib": os.path.getsize(db_path) / 2**20}
+
+
+def streaming_pass(trace: str) -> dict:
+    """The load's pass alone (the C core: records' rows, attribution, cache entries, taken and
+    dropped; no DuckDB), spilling beside the trace: its time and its spill file's size."""
+    from kvtrace.analysis import stream
+    from kvtrace.traceio import TraceReader
+
+    started, cpu = time.perf_counter(), time.process_time()
+    reader = TraceReader(trace)
+    analysis = stream.new_pass(reader.header, trace, spill_dir=os.path.dirname(trace) or ".")
+    for batch in reader.batches():
+        analysis.feed(batch)
+        analysis.take_tables(1 << 16)
+    analysis.finish()
+    analysis.take_tables(0)
+    spill_bytes, trims = analysis.core.spill
+    return {"seconds": time.perf_counter() - started, "cpu": time.process_time() - cpu,
+            "spill_mib": spill_bytes / 2**20, "trims": trims}
+
+
+def peak_rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def in_child(work: str, *args: str) -> dict:
@@ -170,13 +201,18 @@ def main() -> int:
     parser.add_argument("--trace", help="trace path (generated if missing)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--no-anchor", action="store_true", help="skip DuckDB's own ingest")
+    parser.add_argument("--load-memory-limit", default="",
+                        help="DuckDB's memory_limit while loading (default: kvtrace's)")
+    parser.add_argument("--spill-only", action="store_true",
+                        help="only the C core's pass, without DuckDB: its spill file and RSS")
     parser.add_argument("--generate-only", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         work, *rest = args.child
-        figures = anchor(rest[0], int(rest[1])) if work == "anchor" else forensics(*rest)
-        figures["rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        figures = (anchor(rest[0], int(rest[1])) if work == "anchor"
+                   else streaming_pass(rest[0]) if work == "pass" else forensics(*rest))
+        figures["rss_mib"] = peak_rss_mib()
         print(json.dumps(figures))
         return 0
     trace = args.trace or os.path.join(tempfile.gettempdir(),
@@ -189,6 +225,13 @@ def main() -> int:
         subprocess.run([sys.executable, __file__, "--events", str(args.events), "--trace", trace,
                         "--generate-only"], check=True)
         print(f"generated {trace} in {time.perf_counter() - started:.1f} s")
+    if args.spill_only:
+        for repeat in range(args.repeats):
+            figures = in_child("pass", trace)
+            print(f"repeat {repeat + 1}: the pass alone {figures['seconds']:.2f} s (CPU "
+                  f"{figures['cpu']:.2f} s), peak RSS {figures['rss_mib']:.0f} MiB; spill file "
+                  f"{figures['spill_mib']:.0f} MiB, trimmed {figures['trims']} times", flush=True)
+        return 0
     num_records = _records(trace)
     runs: list[tuple[dict | None, dict]] = []
     with tempfile.TemporaryDirectory(dir=os.path.dirname(os.path.abspath(trace))) as scratch:
@@ -198,11 +241,12 @@ def main() -> int:
             if not args.no_anchor:
                 base = in_child("anchor", os.path.join(scratch, f"anchor{repeat}.duckdb"),
                                 str(num_records))
-            ours = in_child("forensics", trace, os.path.join(scratch, f"trace{repeat}.duckdb"))
+            ours = in_child("forensics", trace, os.path.join(scratch, f"trace{repeat}.duckdb"),
+                            args.load_memory_limit)
             runs.append((base, ours))
             print(f"repeat {repeat + 1}: load {ours['load']:.2f} s + checkpoint_pushouts "
                   f"{ours['query']:.2f} s = {ours['seconds']:.2f} s (CPU {ours['cpu']:.2f} s), "
-                  f"peak RSS {ours['rss_mib']:.0f} MiB"
+                  f"peak RSS {ours['rss_mib']:.0f} MiB (load {ours['load_rss_mib']:.0f} MiB)"
                   + (f"; anchor {base['seconds']:.2f} s (CPU {base['cpu']:.2f} s, peak RSS "
                      f"{base['rss_mib']:.0f} MiB), ratio {ours['seconds'] / base['seconds']:.2f}x"
                      f" (CPU {ours['cpu'] / base['cpu']:.2f}x)" if base else "")
@@ -215,7 +259,8 @@ def main() -> int:
     print(f"load {spread([r[1]['load'] for r in runs])}, checkpoint_pushouts "
           f"{spread([r[1]['query'] for r in runs])}, total {spread(totals)} (CPU "
           f"{spread([r[1]['cpu'] for r in runs])}), peak RSS "
-          f"{spread([r[1]['rss_mib'] for r in runs], ' MiB')}")
+          f"{spread([r[1]['rss_mib'] for r in runs], ' MiB')} (load "
+          f"{spread([r[1]['load_rss_mib'] for r in runs], ' MiB')})")
     if not args.no_anchor:
         print(f"anchor (DuckDB, {ANCHOR_COLUMNS} int64 columns x {ours['records']:,} rows) "
               f"{spread([r[0]['seconds'] for r in runs])} (CPU "

@@ -1,4 +1,5 @@
-/* Growable int arrays and an int64 -> int64 hash map (open addressing, linear probing), shared
+/* Growable int arrays, an int64 -> int64 hash map (open addressing, linear probing), chunked
+ * arrays that may spill to a file, and id indexes and sets over them, shared
  * by kvtrace's C cores (csrc/model_core.c, csrc/forensics_core.c). Allocation failures raise
  * MemoryError and return -1; the callers hold the interpreter lock.
  */
@@ -6,8 +7,13 @@
 #define KVTRACE_CONTAINERS_H
 
 #include <Python.h>
+#include <errno.h>
+#include <fcntl.h>
 #include <stdint.h>
+#include <stdio.h>
 #include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
 
 typedef long long i64;
 
@@ -134,86 +140,223 @@ static inline void map_del(Map *m, i64 key) {
     if (i >= 0) map_del_at(m, (size_t)i);
 }
 
+/* --- spillable chunked arrays ---------------------------------------------------------------- */
+
+/* What grows with a trace's length (a key for every hash id ever stored, and how each was last
+   removed) lives in chunks of CHUNK_ITEMS items that never move and start zeroed. With a spill
+   file (the caller's, unnamed) a chunk is a shared mapping of a range of it, allocated on disk
+   first (a full disk is then an OSError, not a SIGBUS), and spill_trim hands the mapped pages
+   back to the kernel (they stay in the file, to be read again when touched) once the process
+   holds `resident` bytes more of file pages than after the last trim: the pass's resident
+   share of that state stays bounded whatever the trace's length. Without one (fd -1), the
+   chunks are anonymous memory. */
+#define CHUNK_SHIFT 17
+#define CHUNK_ITEMS ((i64)1 << CHUNK_SHIFT)
+
+typedef struct { void *at; size_t size; } SpillMap;
+typedef struct {
+    int open, fd;  /* fd -1: anonymous memory */
+    i64 end;  /* the file's bytes handed out */
+    SpillMap *maps; Py_ssize_t num_maps, cap_maps;
+    i64 resident;  /* the file pages it may leave mapped between trims, in bytes */
+    i64 resident_after_trim;  /* the process's file pages after the last trim (or the first) */
+    Py_ssize_t trims;
+} Spill;
+
+typedef struct { char **chunks; Py_ssize_t num_chunks, cap_chunks; size_t item; Spill *spill; } ChunkVec;
+
+/* The bytes of file pages the process has mapped and resident (/proc/self/statm's shared pages,
+   which are those of its file mappings), -1 where it cannot tell. */
+static inline i64 resident_file_bytes(void) {
+    char text[128];
+    int fd = open("/proc/self/statm", O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return -1;
+    ssize_t n = read(fd, text, sizeof(text) - 1);
+    close(fd);
+    long long size, resident, shared;
+    if (n <= 0) return -1;
+    text[n] = 0;
+    if (sscanf(text, "%lld %lld %lld", &size, &resident, &shared) != 3) return -1;
+    return shared * (i64)sysconf(_SC_PAGESIZE);
+}
+
+/* `fd` (the caller keeps its own): a spill file, or -1 for anonymous memory. */
+static inline int spill_open(Spill *s, int fd, i64 resident) {
+    memset(s, 0, sizeof(*s));
+    s->fd = -1;
+    s->open = 1;
+    s->resident = resident;
+    if (fd >= 0 && (s->fd = fcntl(fd, F_DUPFD_CLOEXEC, 0)) < 0) {
+        PyErr_SetFromErrno(PyExc_OSError);
+        return -1;
+    }
+    s->resident_after_trim = resident_file_bytes();
+    return 0;
+}
+static inline void *spill_map(Spill *s, size_t size) {
+    void *at;
+    if (vec_reserve((void **)&s->maps, &s->cap_maps, s->num_maps + 1, sizeof(SpillMap)))
+        return NULL;
+    if (s->fd >= 0) {
+        int rc = posix_fallocate(s->fd, (off_t)s->end, (off_t)size);
+        if (rc) {
+            errno = rc;
+            PyErr_SetFromErrno(PyExc_OSError);
+            return NULL;
+        }
+        at = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_SHARED, s->fd, (off_t)s->end);
+    } else {
+        at = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    }
+    if (at == MAP_FAILED) {
+        PyErr_SetFromErrno(PyExc_OSError);
+        return NULL;
+    }
+    if (s->fd >= 0) s->end += (i64)size;
+    s->maps[s->num_maps++] = (SpillMap){at, size};
+    return at;
+}
+static inline void spill_trim(Spill *s) {
+    if (s->fd < 0 || !s->num_maps) return;
+    i64 resident = resident_file_bytes();
+    if (resident < 0 || resident - s->resident_after_trim < s->resident) return;
+    for (Py_ssize_t i = 0; i < s->num_maps; i++)
+        madvise(s->maps[i].at, s->maps[i].size, MADV_DONTNEED);
+    s->resident_after_trim = resident_file_bytes();
+    s->trims++;
+}
+static inline void spill_close(Spill *s) {
+    if (!s->open) return;
+    for (Py_ssize_t i = 0; i < s->num_maps; i++) munmap(s->maps[i].at, s->maps[i].size);
+    PyMem_Free(s->maps);
+    if (s->fd >= 0) close(s->fd);
+    memset(s, 0, sizeof(*s));
+}
+
+static inline void chunk_init(ChunkVec *v, size_t item, Spill *spill) {
+    memset(v, 0, sizeof(*v));
+    v->item = item;
+    v->spill = spill;
+}
+static inline i64 chunk_cap(const ChunkVec *v) { return (i64)v->num_chunks << CHUNK_SHIFT; }
+static inline void *chunk_at(const ChunkVec *v, i64 i) {
+    return v->chunks[i >> CHUNK_SHIFT] + (size_t)(i & (CHUNK_ITEMS - 1)) * v->item;
+}
+/* Make items [0, n) addressable (zeros, where new). */
+static inline int chunk_reserve(ChunkVec *v, i64 n) {
+    while (chunk_cap(v) < n) {
+        if (vec_reserve((void **)&v->chunks, &v->cap_chunks, v->num_chunks + 1, sizeof(char *)))
+            return -1;
+        char *chunk = spill_map(v->spill, (size_t)CHUNK_ITEMS * v->item);
+        if (!chunk) return -1;
+        v->chunks[v->num_chunks++] = chunk;
+    }
+    return 0;
+}
+/* Its chunks are the spill's: spill_close unmaps them. */
+static inline void chunk_free(ChunkVec *v) {
+    PyMem_Free(v->chunks);
+    chunk_init(v, v->item, v->spill);
+}
+
+/* --- ids ------------------------------------------------------------------------------------- */
+
 /* Ids (hash ids, mostly) mapped to an int32 (IdIndex) or kept as a set (IdSet). Ids are dense
-   from 0 in a trace (interned in order of appearance), so those go to an array indexed by the
-   id, which keeps the recent ones, the busy ones, together in memory; the rest (negative ids,
-   or ids far beyond the ones seen, e.g. a replay's made-up ids from 2^62) to a hash map. */
+   from 0 in a trace (interned in order of appearance), and a replay's made-up ids (units no
+   workload named) are dense from 2^62: those go to chunked arrays indexed by the id, which keep
+   the recent ones, the busy ones, together and spill with the rest; others (negative ids, or
+   ids far beyond the ones seen) to a hash map. */
 #define ID_DENSE_SLACK ((i64)1 << 16)
+#define HIGH_IDS ((i64)1 << 62)  /* kvtrace.replay.vllm_backend.FIRST_MADE_UP_HASH_ID */
 
-/* Whether `id` may take an array slot: within four times the ids stored so far. */
-static inline int id_dense_fits(i64 id, i64 num_stored) {
-    return id >= 0 && id < 4 * (num_stored + ID_DENSE_SLACK);
+/* Where `id` goes in a dense array (low: ids from 0, else from HIGH_IDS), or -1: the map.
+   Within four times the ids stored so far, or already addressable. */
+static inline i64 id_slot(i64 id, int *high, i64 num_stored, i64 cap_low, i64 cap_high) {
+    *high = id >= HIGH_IDS;
+    i64 slot = *high ? id - HIGH_IDS : id;
+    i64 cap = *high ? cap_high : cap_low;
+    if (slot < 0) return -1;
+    return slot < cap || slot < 4 * (num_stored + ID_DENSE_SLACK) ? slot : -1;
 }
-static inline i64 id_dense_size(i64 id, i64 cap) {
-    i64 size = cap ? cap : ID_DENSE_SLACK;
-    while (size <= id) size *= 2;
-    return size;
+
+typedef struct { ChunkVec low, high; i64 n; Map sparse; } IdIndex;  /* dense: value + 1, 0 none */
+
+static inline void id_index_init(IdIndex *x, Spill *spill) {
+    memset(x, 0, sizeof(*x));
+    chunk_init(&x->low, sizeof(int32_t), spill);
+    chunk_init(&x->high, sizeof(int32_t), spill);
 }
-
-typedef struct { int32_t *dense; i64 cap, n; Map sparse; } IdIndex;
-
 static inline int32_t id_index_get(const IdIndex *x, i64 id) {
-    if (id >= 0 && id < x->cap) return x->dense[id];
+    int high = id >= HIGH_IDS;
+    i64 slot = high ? id - HIGH_IDS : id;
+    const ChunkVec *dense = high ? &x->high : &x->low;
+    if (slot >= 0 && slot < chunk_cap(dense)) return *(int32_t *)chunk_at(dense, slot) - 1;
     i64 value;
     return map_get(&x->sparse, id, &value) ? (int32_t)value : -1;
 }
 /* Set id -> value (value >= 0). */
 static inline int id_index_set(IdIndex *x, i64 id, int32_t value) {
-    if (id >= x->cap && id_dense_fits(id, x->n)) {
-        i64 size = id_dense_size(id, x->cap);
-        int32_t *dense = PyMem_Realloc(x->dense, (size_t)size * sizeof(int32_t));
-        if (!dense) { PyErr_NoMemory(); return -1; }
-        for (i64 i = x->cap; i < size; i++) dense[i] = -1;
-        x->dense = dense;
-        x->cap = size;
-    }
-    if (id >= 0 && id < x->cap) {
-        x->n += x->dense[id] < 0;
-        x->dense[id] = value;
+    int high;
+    i64 slot = id_slot(id, &high, x->n, chunk_cap(&x->low), chunk_cap(&x->high));
+    if (slot >= 0) {
+        ChunkVec *dense = high ? &x->high : &x->low;
+        if (chunk_reserve(dense, slot + 1)) return -1;
+        int32_t *at = chunk_at(dense, slot);
+        x->n += *at == 0;
+        *at = value + 1;
         return 0;
     }
     x->n += map_find(&x->sparse, id) < 0;
     return map_set(&x->sparse, id, value);
 }
 /* Drop id (absent already: nothing). */
-static inline int id_index_clear_one(IdIndex *x, i64 id) {
-    if (id >= 0 && id < x->cap) {
-        x->n -= x->dense[id] >= 0;
-        x->dense[id] = -1;
-        return 0;
+static inline void id_index_clear_one(IdIndex *x, i64 id) {
+    int high = id >= HIGH_IDS;
+    i64 slot = high ? id - HIGH_IDS : id;
+    ChunkVec *dense = high ? &x->high : &x->low;
+    if (slot >= 0 && slot < chunk_cap(dense)) {
+        int32_t *at = chunk_at(dense, slot);
+        x->n -= *at != 0;
+        *at = 0;
+        return;
     }
     Py_ssize_t i = map_find(&x->sparse, id);
     if (i >= 0) {
         map_del_at(&x->sparse, (size_t)i);
         x->n--;
     }
-    return 0;
 }
 static inline void id_index_clear(IdIndex *x) {
-    PyMem_Free(x->dense);
+    chunk_free(&x->low);
+    chunk_free(&x->high);
     map_clear(&x->sparse);
-    memset(x, 0, sizeof(*x));
+    x->n = 0;
 }
 
-typedef struct { uint64_t *bits; i64 cap, n; Map sparse; } IdSet;
+typedef struct { ChunkVec low, high; i64 n; Map sparse; } IdSet;  /* dense: bits, 64 a word */
 
+static inline void id_set_init(IdSet *x, Spill *spill) {
+    memset(x, 0, sizeof(*x));
+    chunk_init(&x->low, sizeof(uint64_t), spill);
+    chunk_init(&x->high, sizeof(uint64_t), spill);
+}
 static inline int id_set_has(const IdSet *x, i64 id) {
-    if (id >= 0 && id < x->cap) return (x->bits[id >> 6] >> (id & 63)) & 1;
+    int high = id >= HIGH_IDS;
+    i64 slot = high ? id - HIGH_IDS : id;
+    const ChunkVec *dense = high ? &x->high : &x->low;
+    if (slot >= 0 && slot < 64 * chunk_cap(dense))
+        return (*(uint64_t *)chunk_at(dense, slot >> 6) >> (slot & 63)) & 1;
     return map_find(&x->sparse, id) >= 0;
 }
 static inline int id_set_add(IdSet *x, i64 id) {
-    if (id >= x->cap && id_dense_fits(id, x->n)) {
-        i64 size = id_dense_size(id, x->cap);
-        uint64_t *bits = PyMem_Realloc(x->bits, (size_t)(size / 64) * sizeof(uint64_t));
-        if (!bits) { PyErr_NoMemory(); return -1; }
-        memset(bits + x->cap / 64, 0, (size_t)((size - x->cap) / 64) * sizeof(uint64_t));
-        x->bits = bits;
-        x->cap = size;
-    }
-    if (id >= 0 && id < x->cap) {
-        uint64_t bit = (uint64_t)1 << (id & 63);
-        x->n += !(x->bits[id >> 6] & bit);
-        x->bits[id >> 6] |= bit;
+    int high;
+    i64 slot = id_slot(id, &high, x->n, 64 * chunk_cap(&x->low), 64 * chunk_cap(&x->high));
+    if (slot >= 0) {
+        ChunkVec *dense = high ? &x->high : &x->low;
+        if (chunk_reserve(dense, (slot >> 6) + 1)) return -1;
+        uint64_t *word = chunk_at(dense, slot >> 6), bit = (uint64_t)1 << (slot & 63);
+        x->n += !(*word & bit);
+        *word |= bit;
         return 0;
     }
     if (map_find(&x->sparse, id) >= 0) return 0;
@@ -221,9 +364,10 @@ static inline int id_set_add(IdSet *x, i64 id) {
     return map_set(&x->sparse, id, 1);
 }
 static inline void id_set_clear(IdSet *x) {
-    PyMem_Free(x->bits);
+    chunk_free(&x->low);
+    chunk_free(&x->high);
     map_clear(&x->sparse);
-    memset(x, 0, sizeof(*x));
+    x->n = 0;
 }
 
 #endif

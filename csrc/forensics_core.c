@@ -21,6 +21,11 @@
  * ints as any buffer of 1, 2, 4 or 8-byte ints (or a list of ints), a list field as a
  * traceio.ListColumn (lengths, values), strings as a list. Python's floor division and modulo
  * are spelled out (floordiv) where an operand can be negative.
+ *
+ * The state that grows with the trace (a key per hash id and group ever stored, the removal that
+ * took each one's last copy, the sets of hash ids, each request's admissions) lives in
+ * containers.h's chunked arrays, which spill to the file the caller gives (stream.new_pass's
+ * spill_dir): the pass holds a bounded share of it in memory whatever the trace's length.
  */
 
 #define PY_SSIZE_T_CLEAN
@@ -277,14 +282,15 @@ typedef struct {
     i64 only_request;
     PyObject *request_id;  /* a str, or NULL */
     /* the attribution's state */
+    Spill spill;  /* where the state that grows with the trace lives (containers.h) */
     IdIndex keys[MAX_GROUPS];  /* per group: hash_id -> index into key_info */
-    Key *key_info; Py_ssize_t num_keys, cap_keys;
-    Removal *removals; Py_ssize_t num_removals, cap_removals;
-    Examples *examples;  /* explaining: one per removal */
+    ChunkVec key_info; Py_ssize_t num_keys;  /* Key */
+    ChunkVec removals; Py_ssize_t num_removals;  /* Removal */
+    ChunkVec examples;  /* explaining: Examples, one per removal */
     IdSet computed, states, suppressed;  /* sets of hash ids */
-    Map requests;  /* req -> Request * */
-    Map admissions;  /* req -> admitted lookups so far */
-    Map in_flight;  /* reqs of the start snapshot */
+    Map requests;  /* req -> Request * (those not finished) */
+    IdIndex admissions;  /* req -> admitted lookups so far */
+    IdSet in_flight;  /* reqs of the start snapshot */
     Block *blocks; Py_ssize_t num_blocks;
     int32_t evictable_head, evictable_tail;
     i64 num_evictable;
@@ -361,17 +367,16 @@ static Block *block_at(Core *c, i64 block_id, const char *kind) {
 
 static Key *key_of(Core *c, i64 hash_id, int group, int create) {
     int32_t index = id_index_get(&c->keys[group], hash_id);
-    if (index >= 0) return &c->key_info[index];
+    if (index >= 0) return chunk_at(&c->key_info, index);
     if (!create) return NULL;
-    if (c->num_keys == c->cap_keys) {
-        Py_ssize_t size = c->cap_keys ? c->cap_keys * 2 : 1024;
-        Key *info = PyMem_Realloc(c->key_info, (size_t)size * sizeof(Key));
-        if (!info) { PyErr_NoMemory(); return NULL; }
-        c->key_info = info;
-        c->cap_keys = size;
+    if (c->num_keys == INT32_MAX) {
+        PyErr_SetString(PyExc_ValueError, "more than 2^31 keys");
+        return NULL;
     }
-    if (id_index_set(&c->keys[group], hash_id, (int32_t)c->num_keys)) return NULL;
-    Key *key = &c->key_info[c->num_keys++];
+    if (chunk_reserve(&c->key_info, c->num_keys + 1)
+        || id_index_set(&c->keys[group], hash_id, (int32_t)c->num_keys))
+        return NULL;
+    Key *key = chunk_at(&c->key_info, c->num_keys++);
     key->copies = 0;
     key->removal = -1;
     return key;
@@ -487,7 +492,7 @@ static int close_entries(Core *c, Block *k, i64 hash_id, int group, i64 reason) 
         if (k->latest_entry == index) k->latest_entry = -2;
         if (ivec_push(&c->free_entries, index)) return -1;
     }
-    if (link == &unknown && id_index_clear_one(&c->unknown_open[group], hash_id)) return -1;
+    if (link == &unknown) id_index_clear_one(&c->unknown_open[group], hash_id);
     k->s_keys--;
     block_state_changed(c, k);
     return 0;
@@ -506,7 +511,7 @@ static int level_of(Core *c, int group, i64 hash_id) {
         if (id_set_has(&c->states, hash_id)) return C_MAMBA_NOT_RETAINED;
         return C_MAMBA_NOT_RESERVED;
     }
-    Removal *removal = &c->removals[key->removal];
+    Removal *removal = chunk_at(&c->removals, key->removal);
     if (removal->reason == c->lru_reuse) {
         if (removal->behind) return C_CHECKPOINT_PUSHOUT;
         return mamba ? C_MAMBA_EVICTED : C_EVICTED;
@@ -622,8 +627,8 @@ typedef struct { int cause; i64 start, end; } Segment;
 
 static PyObject *removal_tuple(Core *c, int32_t index) {
     if (index < 0) Py_RETURN_NONE;
-    Removal *r = &c->removals[index];
-    const Examples *behind = c->explain ? &c->examples[index] : NULL;
+    const Removal *r = chunk_at(&c->removals, index);
+    const Examples *behind = c->explain ? chunk_at(&c->examples, index) : NULL;
     PyObject *examples = PyTuple_New(behind ? behind->num_examples : 0);
     if (!examples) return NULL;
     for (int i = 0; behind && i < behind->num_examples; i++) {
@@ -646,7 +651,8 @@ static int segment_out(Core *c, PyObject *segments, const i64 *head, int cause, 
                        i64 end, const LostKey *keys, Py_ssize_t num_keys) {
     if (c->make_rows) {
         const LostKey *key = num_keys ? &keys[0] : NULL;
-        const Removal *removal = key && key->removal >= 0 ? &c->removals[key->removal] : NULL;
+        const Removal *removal = key && key->removal >= 0
+            ? chunk_at(&c->removals, key->removal) : NULL;
         i64 values[NUM_A] = {
             head[A_REQ], head[A_LOOKUP], head[A_SEQ], head[A_STEP], head[A_QUERY],
             head[A_IDEAL], head[A_HIT], head[A_ATTENTION_HIT], head[A_MAMBA_HIT], cause,
@@ -704,7 +710,7 @@ static int attribute(Core *c, Request *r, i64 req, i64 admission, i64 num_tokens
         ? attention_reach(c, &c->attention_levels, REAL, num_units, cap) : NONE_VALUE;
     head[A_MAMBA_HIT] = c->num_mamba
         ? mamba_state(c, &c->mamba_levels, REAL, num_units, cap) : NONE_VALUE;
-    head[A_IN_FLIGHT] = (map_find(&c->in_flight, req) >= 0);
+    head[A_IN_FLIGHT] = id_set_has(&c->in_flight, req);
     PyObject *segments = c->keep_lookups ? PyList_New(0) : NULL;
     if (c->keep_lookups && !segments) return -1;
     Py_ssize_t max_keys = c->explain ? (Py_ssize_t)(2 + depth) : 1;
@@ -773,10 +779,9 @@ static int on_allocated(Core *c, i64 req, i64 num_new, i64 num_computed, i64 num
     if (r) r->has_pending = 0;
     if (!success) return 0;
     if (had_lookup) {
-        i64 admission = 0;
-        map_get(&c->admissions, req, &admission);
-        admission++;
-        if (map_set(&c->admissions, req, admission)) return -1;
+        int32_t before = id_index_get(&c->admissions, req);  /* -1: none */
+        i64 admission = (before < 0 ? 0 : before) + 1;
+        if (id_index_set(&c->admissions, req, (int32_t)admission)) return -1;
         if ((c->all_requests || c->only_request == req)
             && attribute(c, r, req, admission, num_tokens))
             return -1;
@@ -845,24 +850,17 @@ static int on_removed(Core *c, i64 block_id, i64 hash_id, i64 group, i64 reason)
         key->copies--;
     } else {  /* the last copy: remember how it went */
         key->copies = 0;
-        if (c->num_removals == c->cap_removals) {
-            Py_ssize_t size = c->cap_removals ? c->cap_removals * 2 : 1024;
-            Removal *removals = PyMem_Realloc(c->removals, (size_t)size * sizeof(Removal));
-            if (!removals) { PyErr_NoMemory(); return -1; }
-            c->removals = removals;
-            if (c->explain) {
-                Examples *examples = PyMem_Realloc(c->examples, (size_t)size * sizeof(Examples));
-                if (!examples) { PyErr_NoMemory(); return -1; }
-                c->examples = examples;
-            }
-            c->cap_removals = size;
-        }
-        /* a key's earlier removal is not read again: its slot is reused */
+        /* a key's earlier removal is not read again: its slot is reused (so there are no more
+           removals than keys) */
+        if (key->removal < 0
+            && (chunk_reserve(&c->removals, c->num_removals + 1)
+                || (c->explain && chunk_reserve(&c->examples, c->num_removals + 1))))
+            return -1;
         int32_t index = key->removal >= 0 ? key->removal : (int32_t)c->num_removals++;
-        Removal *removal = &c->removals[index];
+        Removal *removal = chunk_at(&c->removals, index);
         key->removal = index;
         memset(removal, 0, sizeof(*removal));
-        Examples *examples = c->explain ? &c->examples[index] : NULL;
+        Examples *examples = c->explain ? chunk_at(&c->examples, index) : NULL;
         if (examples) examples->num_examples = 0;
         removal->reason = (int8_t)reason;
         removal->seq = c->seq;
@@ -974,14 +972,17 @@ static int on_request_state(Core *c, i64 req, i64 queue, const Col *lengths, con
                             Py_ssize_t row, Py_ssize_t start, i64 num_computed,
                             i64 num_preemptions) {
     Request *r = request_of(c, req);
-    if (!r || add_units(r, lengths, values, row, start, 1) || map_set(&c->in_flight, req, 1))
+    if (!r || add_units(r, lengths, values, row, start, 1) || id_set_add(&c->in_flight, req))
         return -1;
     i64 done = min64(max64(floordiv(num_computed, c->unit), 0), r->units.n);
     for (i64 i = 0; i < done; i++)
         if (id_set_add(&c->computed, r->units.v[i])) return -1;
     r->scheduled = done;
     i64 admissions = num_preemptions + (queue == c->running_queue);
-    return admissions > 0 ? map_set(&c->admissions, req, admissions) : 0;
+    if (admissions >= INT32_MAX)
+        return fail("record %lld (request_state) gives request %lld %lld preemptions", c->seq,
+                    req, num_preemptions);
+    return admissions > 0 ? id_index_set(&c->admissions, req, (int32_t)admissions) : 0;
 }
 
 /* --- feed ------------------------------------------------------------------------------------ */
@@ -1304,6 +1305,7 @@ static PyObject *Core_feed(Core *c, PyObject *args) {
     PyBuffer_Release(&kinds);
     PyBuffer_Release(&records);
     if (rc) return NULL;
+    spill_trim(&c->spill);
     Py_RETURN_NONE;
 }
 
@@ -1346,6 +1348,9 @@ static PyObject *Core_take_lookups(Core *c, PyObject *unused) {
 }
 static PyObject *Core_dropped_events(Core *c, void *closure) {
     return PyLong_FromLongLong(c->dropped_events);
+}
+static PyObject *Core_spill(Core *c, void *closure) {
+    return Py_BuildValue("(Ln)", c->spill.end, c->spill.trims);
 }
 
 /* --- the type ----------------------------------------------------------------------------- */
@@ -1454,12 +1459,26 @@ static int parse_narrow(Core *c, PyObject *narrow) {
    request: the one request to attribute (None: all); narrow: parse_narrow's. */
 static int Core_init(Core *c, PyObject *args, PyObject *kwargs) {
     PyObject *records, *geometry, *enums, *request, *request_id, *narrow;
-    int explain, keep_lookups, make_rows, make_entries;
-    if (!PyArg_ParseTuple(args, "O!OO!OOpppppO", &PyTuple_Type, &records, &geometry,
+    int explain, keep_lookups, make_rows, make_entries, spill_fd;
+    long long spill_resident;
+    if (!PyArg_ParseTuple(args, "O!OO!OOpppppO(iL)", &PyTuple_Type, &records, &geometry,
                           &PyTuple_Type, &enums, &request, &request_id, &explain, &keep_lookups,
-                          &make_rows, &make_entries, &c->make_tables, &narrow)
-        || parse_specs(c, records))
+                          &make_rows, &make_entries, &c->make_tables, &narrow, &spill_fd,
+                          &spill_resident)
+        || spill_open(&c->spill, spill_fd, spill_resident) || parse_specs(c, records))
         return -1;
+    for (int g = 0; g < MAX_GROUPS; g++) {
+        id_index_init(&c->keys[g], &c->spill);
+        id_index_init(&c->unknown_open[g], &c->spill);
+    }
+    chunk_init(&c->key_info, sizeof(Key), &c->spill);
+    chunk_init(&c->removals, sizeof(Removal), &c->spill);
+    chunk_init(&c->examples, sizeof(Examples), &c->spill);
+    id_set_init(&c->computed, &c->spill);
+    id_set_init(&c->states, &c->spill);
+    id_set_init(&c->suppressed, &c->spill);
+    id_index_init(&c->admissions, &c->spill);
+    id_set_init(&c->in_flight, &c->spill);
     c->attribute = geometry != Py_None;
     c->unit = c->attention_block = c->mamba_block = c->alignment = 1;
     if (c->attribute) {
@@ -1542,15 +1561,16 @@ static void Core_dealloc(Core *c) {
     id_set_clear(&c->computed);
     id_set_clear(&c->states);
     id_set_clear(&c->suppressed);
-    map_clear(&c->admissions);
-    map_clear(&c->in_flight);
-    PyMem_Free(c->key_info);
-    PyMem_Free(c->removals);
-    PyMem_Free(c->examples);
+    id_index_clear(&c->admissions);
+    id_set_clear(&c->in_flight);
+    chunk_free(&c->key_info);
+    chunk_free(&c->removals);
+    chunk_free(&c->examples);
     PyMem_Free(c->blocks);
     PyMem_Free(c->entries);
     ivec_free(&c->free_entries);
     for (int g = 0; g < MAX_GROUPS; g++) id_index_clear(&c->unknown_open[g]);
+    spill_close(&c->spill);
     table_free(&c->rows);
     table_free(&c->entry_rows);
     for (int t = 0; c->tables && t < c->num_tables; t++) table_free(&c->tables[t]);
@@ -1575,6 +1595,7 @@ static PyMethodDef Core_methods[] = {
 
 static PyGetSetDef Core_getset[] = {
     {"dropped_events", (getter)Core_dropped_events, NULL, "Records the capture dropped.", NULL},
+    {"spill", (getter)Core_spill, NULL, "(bytes of the spill file, trims so far).", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
 

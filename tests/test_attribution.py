@@ -33,10 +33,11 @@ from kvtrace.analysis.report import report_database
 from kvtrace.cli import cli
 from kvtrace.engine_config import SchedulerSettings
 from kvtrace.errors import TraceFormatError
-from kvtrace.events import ComputedBlocksFound, RemoveReason, ReplayInfo, TraceHeader
+from kvtrace.events import (BlockRemoved, ComputedBlocksFound, RemoveReason, ReplayInfo,
+                            TraceHeader)
 from kvtrace.replay.run import ReplayOptions, replay
 from kvtrace.replay.scheduler import Arrival, Scheduler
-from kvtrace.replay.vllm_backend import VllmBackend
+from kvtrace.replay.vllm_backend import FIRST_MADE_UP_HASH_ID, VllmBackend
 from kvtrace.traceio import TraceWriter, read_records, write_trace
 from kvtrace.workloads.mooncake import import_mooncake
 from kvtrace.workloads.synth import synthesize
@@ -603,6 +604,10 @@ def test_an_older_database_says_to_reload(tmp_path):
 def pass_output(path, native: bool, **options):
     """The streaming pass over ``path`` on the C core or the Python reference: its attribution
     rows (sorted) and, explaining, its lookups."""
+    return pass_result(finished_pass(path, native, **options), **options)
+
+
+def finished_pass(path, native: bool, **options):
     from kvtrace.traceio import TraceReader
 
     reader = TraceReader(str(path))
@@ -610,6 +615,10 @@ def pass_output(path, native: bool, **options):
     for batch in reader.batches():
         attribution.feed(batch)
     attribution.finish()
+    return attribution
+
+
+def pass_result(attribution, **options):
     if options.get("keep_lookups"):
         return attribution.lookups
     (columns,) = [columns for table, columns in attribution.take_tables()
@@ -646,17 +655,79 @@ def test_the_c_core_attributes_row_for_row_as_the_python_reference(seeded_replay
 
 
 @needs_the_core
+def test_a_pass_that_spills_its_state_attributes_as_one_in_memory(seeded_replays, tmp_path,
+                                                                  monkeypatch):
+    """The C core's state that grows with the trace in a spill file, its pages handed back to
+    the kernel after every batch (no resident allowance): the same rows, and the same explained
+    lookups, as a pass that keeps it all in memory; with hash ids from 0 and a replay's made-up
+    ones from 2^62 alike."""
+    monkeypatch.setattr(stream, "SPILL_RESIDENT", 0)
+    mooncake = mooncake_replay(tmp_path / "mooncake", 150)
+    spill_dir = tmp_path / "spill"
+    spill_dir.mkdir()
+    outputs = [result.variants[0].output for result, _, _ in seeded_replays.values()]
+    for output in [*outputs, mooncake]:
+        for options in ({}, dict(keep_lookups=True, make_rows=False, explain=True)):
+            spilled = finished_pass(output, native=True, spill_dir=str(spill_dir), **options)
+            spilled_bytes, trims = spilled.core.spill
+            assert spilled_bytes > 0 and trims > 0
+            assert pass_result(spilled, **options) == pass_output(output, native=True, **options)
+    made_up = [record for record in read_records(mooncake)[1]  # decode units past the log's
+               if isinstance(record, BlockRemoved) and record.hash_id >= FIRST_MADE_UP_HASH_ID]
+    assert len(made_up) > 10
+    assert not list(spill_dir.iterdir())  # the spill file never had a name
+
+
+@needs_the_core
+def test_a_spill_file_that_cannot_grow_fails_the_load_and_loses_nothing(seeded_replays,
+                                                                        tmp_path):
+    """`kvtrace load` whose spill file the file system refuses to grow (here: a 2 MiB limit on
+    the size of any file, RLIMIT_FSIZE, past which posix_fallocate says EFBIG): one line that
+    says what failed and where, one that says what to do; the database there is untouched."""
+    import resource
+    import subprocess
+    import sys
+
+    trace = seeded_replays[("agent", 2)][0].variants[0].output
+    database = tmp_path / "kept.duckdb"
+    database.write_bytes(b"an earlier database")
+
+    def limit_file_size() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (2 << 20, 2 << 20))
+
+    result = subprocess.run([sys.executable, "-m", "kvtrace", "load", str(trace), "-o",
+                             str(database)], capture_output=True, text=True, timeout=120,
+                            preexec_fn=limit_file_size)
+    assert result.returncode == 1, result.stderr
+    failed, hint = result.stderr.strip().splitlines()[-2:]
+    assert "cannot spill the analysis' state to a file in" in failed, result.stderr
+    assert str(tmp_path) in failed and "File too large" in failed
+    assert "free space there" in hint
+    assert database.read_bytes() == b"an earlier database"
+    assert [path.name for path in tmp_path.iterdir()] == ["kept.duckdb"]
+
+
+def mooncake_replay(directory: Path, num_requests: int | None = None) -> Path:
+    """The bundled Mooncake trace (its first ``num_requests``) replayed under `unfixed` on the
+    model backend: its trace."""
+    directory.mkdir(exist_ok=True)
+    source = directory / "m.kvtrace"
+    shape = EngineShape()
+    workload = import_mooncake(MOONCAKE_SYNTHETIC, shape.hash_block_size)
+    workload = dataclasses.replace(workload, requests=workload.requests[:num_requests])
+    write_workload(source, workload, shape)
+    result = replay(ReplayOptions(source=str(source), outdir=str(directory / "runs"),
+                                  variants=("unfixed",), backend="model"))
+    return result.variants[0].output
+
+
+@needs_the_core
 @pytest.mark.slow
 def test_the_c_core_attributes_the_mooncake_replay_as_the_python_reference(tmp_path):
     """The bundled Mooncake trace (3,993 requests) replayed under `unfixed` on the model backend
     (equal to the vLLM backend record for record: tests/test_model_backend.py): 1.5 million
     records, the same rows."""
-    source = tmp_path / "m.kvtrace"
-    shape = EngineShape()
-    write_workload(source, import_mooncake(MOONCAKE_SYNTHETIC, shape.hash_block_size), shape)
-    result = replay(ReplayOptions(source=str(source), outdir=str(tmp_path / "runs"),
-                                  variants=("unfixed",), backend="model"))
-    output = result.variants[0].output
+    output = mooncake_replay(tmp_path)
     reference = pass_output(output, native=False)
     assert len(reference) > 7000
     assert pass_output(output, native=True) == reference

@@ -39,6 +39,7 @@ import contextlib
 import gc
 import itertools
 import os
+import tempfile
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -724,7 +725,8 @@ def attribute_trace(path: str | os.PathLike, *, request: int | str | None = None
     reader = TraceReader(os.fspath(path))
     with reader, cyclic_gc_paused():
         attribution = new_pass(reader.header, reader.path, request=request, explain=explain,
-                               keep_lookups=True, make_rows=False)
+                               keep_lookups=True, make_rows=False,
+                               spill_dir=tempfile.gettempdir())
         for batch in reader.batches():
             attribution.feed(batch)
         attribution.finish()

@@ -137,10 +137,10 @@ def load_traces(paths: list[str | os.PathLike], db_path: str | os.PathLike,
                 files[candidate.identity] = trace
                 opened.append(candidate)
 
-        def fill(connection) -> None:
+        def fill(connection, scratch: str) -> None:
             loaded: dict[str, str] = {}  # digest -> path
             for run, trace in enumerate(opened):
-                loaded_run = _load_trace(connection, run, trace)
+                loaded_run = _load_trace(connection, run, trace, scratch)
                 if loaded_run.digest in loaded:  # a copy: its run number stays unused
                     _delete_run(connection, run)
                     summary.duplicates.append((trace.path, loaded[loaded_run.digest]))
@@ -183,8 +183,9 @@ class _OpenTrace:
 
 def _new_database(db_path: str, fill, labels: list[tuple[str, str]] = ()) -> None:
     """Create a forensics DB at ``db_path`` (replacing one there) for runs of these ``labels``
-    (per run number, its variant and backend) with what ``fill(connection)`` inserts: built in
-    a private scratch directory beside it and renamed once complete."""
+    (per run number, its variant and backend) with what ``fill(connection, scratch)`` inserts:
+    built in a private scratch directory beside it (``scratch``, where the load's spill file
+    goes too) and renamed once complete."""
     import duckdb
 
     with StagedOutput(db_path) as staged:
@@ -201,7 +202,7 @@ def _new_database(db_path: str, fill, labels: list[tuple[str, str]] = ()) -> Non
                 [("db_schema_version", str(DB_SCHEMA_VERSION)), ("kvtrace_version", __version__),
                  ("created_ns", str(time.time_ns()))],
             )
-            fill(connection)
+            fill(connection, os.path.dirname(staged.path))
             create_views(connection)
             connection.execute("CHECKPOINT")
         except duckdb.IOException as error:
@@ -217,7 +218,7 @@ def load_sweep(sweep: dict, db_path: str | os.PathLike, *, replace: bool = False
     one gets the rows in one transaction (and the table, if it predates sweeps)."""
     db_path = os.fspath(db_path)
     if replace or not os.path.exists(db_path):
-        _new_database(db_path, lambda connection: _insert_sweep(connection, 0, sweep))
+        _new_database(db_path, lambda connection, _: _insert_sweep(connection, 0, sweep))
         return 0
     connection = open_database(db_path, read_only=False)
     try:
@@ -247,14 +248,15 @@ def run_labels(header: TraceHeader) -> tuple[str, str, str]:
     return header.source, "live" if header.source == "capture" else "none", ""
 
 
-def _load_trace(connection, run: int, trace: _OpenTrace) -> LoadedRun:
+def _load_trace(connection, run: int, trace: _OpenTrace, scratch: str) -> LoadedRun:
     """One trace as run ``run``: its records, its miss attribution and its cache entries, in
-    one pass over its one descriptor (which also makes its digest)."""
+    one pass over its one descriptor (which also makes its digest); the pass's state that grows
+    with the trace spills to a file in ``scratch``."""
     path, reader = trace.path, trace.reader
     variant, backend, mode = run_labels(reader.header)
     inserts = _Inserts(connection, run, path)
     try:
-        analysis = stream.new_pass(reader.header, path)
+        analysis = stream.new_pass(reader.header, path, spill_dir=scratch)
         sink = _RunSink(inserts, analysis.shaped_types if analysis else frozenset())
         with reader, cyclic_gc_paused():
             for batch in reader.batches():

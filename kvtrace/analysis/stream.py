@@ -19,6 +19,7 @@ tests/test_attribution.py holds the C core to its twins, row for row.
 from __future__ import annotations
 
 import os
+import tempfile
 from collections.abc import Iterable
 
 import numpy as np
@@ -44,6 +45,7 @@ from kvtrace.analysis.database import (
     stored_column,
 )
 from kvtrace.errors import TraceFormatError
+from kvtrace.files import OutputError
 from kvtrace.events import (
     RECORD_TYPES,
     BlockAllocated,
@@ -161,21 +163,28 @@ _CORE_TABLES = [*TABLES, (ATTRIBUTION_TABLE, ATTRIBUTION_COLUMNS),
 _NARROW = tuple(tuple(index for index, column in enumerate(columns)
                       if column in narrow_columns(table)) for table, columns in _CORE_TABLES)
 Columns = dict[str, np.ndarray]
+# The bytes of its spill file the C core may hold mapped in memory: past them it hands the pages
+# back to the kernel (they stay in the file) after a batch (docs/performance.md, Memory).
+SPILL_RESIDENT = 64 << 20
 
 
 def new_pass(header: TraceHeader, path: str, *, request: int | str | None = None,
              explain: bool = False, keep_lookups: bool = False, make_rows: bool = True,
-             native: bool | None = None) -> NativePass | PythonPass | None:
+             native: bool | None = None, spill_dir: str | None = None
+             ) -> NativePass | PythonPass | None:
     """The pass over the trace ``header`` heads (``path`` names it in messages): the C core
     where it is built and on (``native`` None), else the Python twin. ``request`` limits the
     attribution to one request (its number, or the engine's request id). A trace without an
     engine config is not attributed: the C core then makes only the record tables, and without
-    it there is nothing to pass (None)."""
+    it there is nothing to pass (None). With ``spill_dir``, the C core keeps its state that grows
+    with the trace (a key per hash id stored, how each was last removed) in an unnamed file there,
+    and only a bounded share of it in memory."""
     attributor = (new_attributor(header, path, request=request, explain=explain)
                   if header.config is not None or keep_lookups else None)
     use_core = core is not None if native is None else native
     if use_core:
-        return NativePass(attributor, path, keep_lookups=keep_lookups, make_rows=make_rows)
+        return NativePass(attributor, path, keep_lookups=keep_lookups, make_rows=make_rows,
+                          spill_dir=spill_dir)
     if attributor is None:
         return None
     return PythonPass(attributor, path, keep_lookups=keep_lookups, make_rows=make_rows)
@@ -226,8 +235,8 @@ class NativePass:
     shaped_types = SHAPED_TYPES
 
     def __init__(self, attributor: MissAttributor | None, path: str, *, keep_lookups: bool,
-                 make_rows: bool) -> None:
-        self.path = path
+                 make_rows: bool, spill_dir: str | None = None) -> None:
+        self.path, self.spill_dir = path, spill_dir
         self.keep_lookups = keep_lookups
         self.lookups: list[LookupAttribution] = []
         geometry = None
@@ -238,16 +247,23 @@ class NativePass:
                         shape.mamba_block, shape.alignment, attributor.num_blocks)
         enums = (StoreKind.CHECKPOINT, CheckpointClass.TRANSIENT, RemoveReason.LRU_REUSE,
                  RemoveReason.STALE_CHECKPOINT, RemoveReason.REKEY, RequestQueue.RUNNING)
+        spill = self._spill_file() if spill_dir is not None else None
         try:
             self.core = core.ForensicsCore(
                 _SPECS, geometry, tuple(map(int, enums)),
                 attributor.only_request if attributor else None,
                 attributor.request_id if attributor else None,
                 bool(attributor and attributor.explain), keep_lookups, make_rows,
-                not keep_lookups, not keep_lookups, _NARROW)
+                not keep_lookups, not keep_lookups, _NARROW,
+                (spill.fileno() if spill else -1, SPILL_RESIDENT))
         except ValueError as error:  # a header the C core cannot follow (a pool past 2^31)
             raise TraceFormatError(f"{path}: the engine config in its header cannot be analysed: {error}",
                                    hint=_CONTRADICTION_HINT) from None
+        except OSError as error:
+            raise self._spill_error(error) from None
+        finally:
+            if spill is not None:
+                spill.close()  # the core holds its own descriptor
         self._records: dict[tuple, bytes] = {}
 
     def feed(self, batch: RecordBatch) -> None:
@@ -259,6 +275,22 @@ class NativePass:
             self.core.feed(batch.kinds, batch.first_seq, records, batch.columns)
         except ValueError as error:
             raise TraceFormatError(f"{self.path}: {error}", hint=_CONTRADICTION_HINT) from None
+        except OSError as error:  # the spill file could not grow
+            raise self._spill_error(error) from None
+
+    def _spill_file(self):
+        """An unnamed file in ``spill_dir`` (O_TMPFILE; else a new name, unlinked at once): no
+        path of it for another user to replace or follow."""
+        try:
+            return tempfile.TemporaryFile(dir=self.spill_dir)
+        except OSError as error:
+            raise self._spill_error(error) from None
+
+    def _spill_error(self, error: OSError) -> OutputError:
+        return OutputError(f"{self.path}: cannot spill the analysis' state to a file in "
+                           f"{self.spill_dir}: {error.strerror or error}",
+                           "It needs about 50 bytes a distinct hash id and KV-cache group of the "
+                           "trace; free space there (or load to a database on another disk).")
 
     def finish(self) -> None:
         self.core.finish()
