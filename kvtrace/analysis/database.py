@@ -35,6 +35,7 @@ import enum
 import functools
 import os
 import typing
+from collections.abc import Sequence
 
 from kvtrace.analysis.attribution import ROW_COLUMNS
 from kvtrace.analysis.sql_access import connect
@@ -362,14 +363,16 @@ CACHE_ENTRIES_SQL = f"""
         ON h.run = e.run AND h.stored_seq = e.stored_seq AND h.block_id = e.block_id
     ASOF LEFT JOIN series s ON s.run = e.run AND s.seq < e.removed_seq"""
 
-def cache_entries_insert_sql() -> str:
-    """The cache entries' figures by their SQL twin, into their table (enums as codes)."""
+def cache_entries_insert_sql(runs: Sequence[int] | None = None) -> str:
+    """The cache entries' figures by their SQL twin, into their table (enums as codes): of every
+    run, or of ``runs``."""
     values = {"removed_reason_code": enum_code_sql("removed_reason", RemoveReason),
               "position_class_code": enum_code_sql("position_class", CheckpointClass)}
     names = [name for name, _ in ENTRY_FIGURE_COLUMNS]
+    where = "" if runs is None else f" WHERE run IN ({', '.join(map(str, map(int, runs)))})"
     return (f"INSERT INTO cache_entry_figures ({', '.join(names)}) "
             f"SELECT {', '.join(values.get(name, name) for name in names)} "
-            f"FROM ({CACHE_ENTRIES_SQL})")
+            f"FROM ({CACHE_ENTRIES_SQL}){where}")
 
 
 def _cache_entries_view() -> str:

@@ -139,6 +139,7 @@ def load_traces(paths: list[str | os.PathLike], db_path: str | os.PathLike,
 
         def fill(connection, scratch: str) -> None:
             loaded: dict[str, str] = {}  # digest -> path
+            without_pool: list[int] = []  # runs whose header gives no engine config
             for run, trace in enumerate(opened):
                 loaded_run = _load_trace(connection, run, trace, scratch)
                 if loaded_run.digest in loaded:  # a copy: its run number stays unused
@@ -147,8 +148,14 @@ def load_traces(paths: list[str | os.PathLike], db_path: str | os.PathLike,
                     continue
                 loaded[loaded_run.digest] = trace.path
                 summary.runs.append(loaded_run)
-            if not stream.core:  # the cache entries by their SQL twin, once every run is in
+                if trace.reader.header.config is None:
+                    without_pool.append(run)
+            # The cache entries by their SQL twin, once every run is in: of every run without the
+            # C core, else of those whose pool it was not told (it follows none of theirs).
+            if not stream.core:
                 connection.execute(cache_entries_insert_sql())
+            elif without_pool:
+                connection.execute(cache_entries_insert_sql(without_pool))
 
         labels = [run_labels(trace.reader.header)[:2] for trace in opened]
         _new_database(summary.db_path, fill, labels)
