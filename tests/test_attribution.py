@@ -681,6 +681,38 @@ def test_a_pass_that_spills_its_state_attributes_as_one_in_memory(seeded_replays
 
 
 @needs_the_core
+def test_sparse_hash_ids_attribute_as_dense_ones(seeded_replays, tmp_path, monkeypatch):
+    """Hash ids that are not dense from 0 (negative, or far beyond the ones seen: what the C core
+    keeps in hash maps, not in its chunked arrays) attribute as the Python reference does, and
+    as the same trace with its dense ids, spilling or not."""
+    import msgspec.structs
+
+    monkeypatch.setattr(stream, "SPILL_RESIDENT", 0)
+    result = seeded_replays[("agent", 2)][0]
+    dense = result.variants[0].output
+    reader, records = read_records(dense)
+
+    def sparse(hash_id: int) -> int:  # one to one; odd ids negative, all far from 0
+        return -(hash_id + 1) * 7919 if hash_id % 2 else hash_id * 1_000_003 + (1 << 40)
+
+    def remapped(record):
+        changes = {name: (list(map(sparse, value)) if isinstance(value, list) else sparse(value))
+                   for name in ("hash_id", "hash_ids") if hasattr(record, name)
+                   for value in [getattr(record, name)]}
+        return msgspec.structs.replace(record, **changes) if changes else record
+
+    moved = tmp_path / "sparse.kvtrace"
+    write_trace(moved, reader.header, [remapped(record) for record in records])
+    index = stream.ATTRIBUTION_COLUMNS.index("key_hash_id")
+    unmoved = [tuple(sparse(v) if i == index and v != stream.NONE else v
+                     for i, v in enumerate(row)) for row in pass_output(dense, native=True)]
+    reference = pass_output(moved, native=False)
+    assert sorted(unmoved) == reference and len(reference) > 100
+    assert pass_output(moved, native=True) == reference
+    assert pass_output(moved, native=True, spill_dir=str(tmp_path)) == reference
+
+
+@needs_the_core
 def test_a_spill_file_that_cannot_grow_fails_the_load_and_loses_nothing(seeded_replays,
                                                                         tmp_path):
     """`kvtrace load` whose spill file the file system refuses to grow (here: a 2 MiB limit on
