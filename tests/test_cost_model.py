@@ -10,7 +10,7 @@ import pytest
 
 from kvtrace.errors import ConfigError
 from kvtrace.geometry.architecture import Attention, Mamba2
-from kvtrace.geometry.bundled import PRESET_TENSOR_PARALLEL
+from kvtrace.geometry.bundled import PRESET_TENSOR_PARALLEL, geometry_for
 from kvtrace.geometry.cost import (
     UTILISATION,
     CostModel,
@@ -215,6 +215,47 @@ def test_a_user_config_is_priced_from_its_own_fields(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ConfigError, match="no 'n_groups', which the Nemotron-H layout needs"):
         cost_model(str(tmp_path))
+
+
+@pytest.mark.parametrize("name", preset_names())
+def test_a_preset_is_priced_by_the_repository_vllm_serves_it_as(name):
+    """`vllm serve moonshotai/Kimi-K3` serves the model by that name, which a capture records:
+    the preset read from that repository, in any case, at the preset's tensor-parallel size; a
+    repository kvtrace has no preset of is an error that says what it takes."""
+    repository = "/".join(resolve_model(name).source["url"].split("/")[3:5])
+    for served in (repository, repository.upper()):
+        assert resolve_model(served).name == name
+        assert cost_model(served) == cost_model(name)
+    assert cost_model(repository).tensor_parallel_size == PRESET_TENSOR_PARALLEL.get(name, 1)
+    assert geometry_for(repository) == geometry_for(name)  # the shipped one, at that size
+    with pytest.raises(ConfigError, match="nor the Hugging Face repository of a preset"):
+        resolve_model(repository + "-FP8")
+
+
+def test_a_source_that_names_a_presets_repository_is_priced_as_that_preset(tmp_path):
+    """A replay of a source whose header names the model as vLLM served it (the repository)
+    prices its lookups as the preset, without --model."""
+    import msgspec.structs
+
+    from kvtrace.replay.run import ReplayOptions, replay
+    from kvtrace.traceio import TraceReader, read_records, write_trace
+    from kvtrace.workloads.synth import synthesize
+    from kvtrace.workloads.workload import EngineShape, write_workload
+
+    shape = EngineShape(model="nemotron-h-8b")
+    workload = tmp_path / "w.kvtrace"
+    write_workload(workload, synthesize("chat", 5, 0, shape.hash_block_size), shape)
+    reader, records = read_records(workload)
+    assert reader.header.params["model"] == "nemotron-h-8b"
+    header = msgspec.structs.replace(reader.header, params={
+        **reader.header.params, "model": "nvidia/Nemotron-H-8B-Base-8K"})
+    served = tmp_path / "served.kvtrace"
+    write_trace(served, header, records)
+    result = replay(ReplayOptions(source=str(served), outdir=str(tmp_path / "runs"),
+                                  variants=("unfixed",), backend="model"))
+    params = TraceReader(str(result.variants[0].output)).header.params
+    assert params["cost.model"] == "nemotron-h-8b"
+    assert params["cost.flops_per_token"] == str(cost_model("nemotron-h-8b").flops.constant)
 
 
 # --- GPUs and the arithmetic -----------------------------------------------------------------------

@@ -41,7 +41,8 @@ import click
 @click.option("--model", "model", default=None, metavar="NAME|CONFIG.json",
               help="The model whose prefill FLOPs price the lookups (and whose state --execute "
                    "re-executes): a preset of `kvtrace geometry` or a config.json  [default: "
-                   "the model the source was written for; a capture names none].")
+                   "the model the source was written for; for a capture, the one its engine "
+                   "served, when it names a preset or its Hugging Face repository].")
 @click.option("--execute", is_flag=True,
               help="Also re-execute the recurrent state in torch: check every Mamba hit "
                    "against a recomputed state, time the recomputed prefill, price it in GPU "

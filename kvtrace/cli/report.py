@@ -15,8 +15,9 @@ import click
               help="The GPU that prices recomputed tokens: a preset (published dense BF16 peak "
                    "x 40%) or effective TFLOP/s.")
 @click.option("--model", "model", default=None, metavar="NAME|CONFIG.json",
-              help="The model that prices the runs whose header names none (a capture "
-                   "replayed without --model): a preset of `kvtrace geometry` or a config.json.")
+              help="The model that prices the runs whose header names none (a capture of a "
+                   "model kvtrace could not resolve, replayed without --model): a preset of "
+                   "`kvtrace geometry` or a config.json.")
 @click.option("--bucket-steps", type=click.IntRange(min=1), default=10, show_default=True,
               help="Scheduler steps per point of the time plots.")
 @click.option("--min-hits", type=click.IntRange(min=0), default=2, show_default=True,

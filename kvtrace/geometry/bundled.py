@@ -11,7 +11,7 @@ from pathlib import Path
 
 import msgspec
 
-from kvtrace.geometry.presets import PRESET_DIR, preset_names
+from kvtrace.geometry.presets import PRESET_DIR, preset_named, preset_names
 from kvtrace.geometry.result import Geometry
 
 # The smallest tensor-parallel size whose weights leave room for a cache on one H200
@@ -32,7 +32,9 @@ def bundled_path(preset: str) -> Path:
 def geometry_for(model: str, tensor_parallel_size: int | None = None) -> Geometry:
     """The geometry of ``model`` (a preset name or a config.json path): a preset at its usual
     tensor-parallel size comes from the shipped file (one H200); anything else is computed by
-    vLLM's code for this host's GPU, else an H200 (slow the first time; cached)."""
+    vLLM's code for this host's GPU, else an H200 (slow the first time; cached). A preset may be
+    named by its Hugging Face repository too."""
+    model = preset_named(model)
     usual = PRESET_TENSOR_PARALLEL.get(model)
     if usual is not None and tensor_parallel_size in (None, usual):
         path = bundled_path(model)

@@ -145,6 +145,7 @@ def cost_model(model: str, tensor_parallel_size: int | None = None,
     if tensor_parallel_size is not None and tensor_parallel_size < 1:
         raise ConfigError(f"tensor parallel size {tensor_parallel_size} is not positive",
                           "Give the number of GPUs that serve one copy of the model.")
-    architecture = architecture_of(resolve_model(model))
-    return CostModel(architecture, tensor_parallel_size or PRESET_TENSOR_PARALLEL.get(model, 1),
+    architecture = architecture_of(resolve_model(model))  # its name: the preset's, or the path
+    return CostModel(architecture,
+                     tensor_parallel_size or PRESET_TENSOR_PARALLEL.get(architecture.name, 1),
                      gpu_throughput(gpu))

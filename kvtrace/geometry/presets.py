@@ -7,7 +7,9 @@ imports vLLM.
 
 from __future__ import annotations
 
+import functools
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -44,23 +46,47 @@ def preset_names() -> list[str]:
 
 
 def resolve_model(name_or_path: str | Path) -> ModelSource:
-    """A preset by name, else a ``config.json`` file (or a folder holding one)."""
-    text = str(name_or_path)
-    preset = PRESET_DIR / f"{text}.json"
+    """A preset by name, else a ``config.json`` file (or a folder holding one), else the preset
+    read from that Hugging Face repository (``moonshotai/Kimi-K3``: the name vLLM serves a model
+    as unless told otherwise, which a capture records)."""
+    text = preset_named(name_or_path)
     if text in preset_names():
-        config = _read_json(preset)
+        config = _read_json(PRESET_DIR / f"{text}.json")
         return ModelSource(text, config, config.pop(SOURCE_KEY))
     path = Path(text)
     if path.is_dir():
         path = path / "config.json"
     if not path.is_file():
         raise ConfigError(
-            f"unknown model {text!r}: neither a preset nor a config.json file",
+            f"unknown model {text!r}: neither a preset, a config.json file nor the Hugging Face "
+            "repository of a preset",
             f"Use a preset ({', '.join(preset_names())}) or the path of a Hugging Face "
             "config.json (or of the folder that holds it).")
     config = _read_json(path)
     config.pop(SOURCE_KEY, None)
     return ModelSource(text, config)
+
+
+def preset_named(name_or_path: str | Path) -> str:
+    """The preset ``name_or_path`` names, by its own name or by the Hugging Face repository it
+    was read from (unless a config.json path of that name exists here), else the text as is."""
+    text = str(name_or_path)
+    if text in preset_names() or Path(text).exists():
+        return text
+    return presets_by_repository().get(text.lower(), text)
+
+
+@functools.cache
+def presets_by_repository() -> dict[str, str]:
+    """Each preset by the Hugging Face repository its config.json was read from, lower-cased
+    (``moonshotai/kimi-k3``: ``kimi-k3``)."""
+    found = {}
+    for name in preset_names():
+        url = _read_json(PRESET_DIR / f"{name}.json")[SOURCE_KEY].get("url", "")
+        repository = re.match(r"https://huggingface\.co/([^/]+/[^/]+)/", url)
+        if repository:
+            found[repository.group(1).lower()] = name
+    return found
 
 
 def _read_json(path: Path) -> dict[str, Any]:

@@ -228,7 +228,8 @@ class ExecuteEngine:
         self.device = resolve_device(options.device)
         if options.model is None:
             raise ConfigError("execute mode re-executes the state of the model the source was "
-                              "written for, and this source names none (a capture)",
+                              "written for, and this source names none kvtrace could resolve (a "
+                              "capture of a model served under another name)",
                               "Name it: kvtrace replay --execute --model NAME|CONFIG.json.")
         self.cost = cost_model(options.model, options.tensor_parallel_size, options.gpu)
         model = self.cost.model
