@@ -41,6 +41,9 @@ def test_demo_quick_runs_the_whole_loop(quick_demo):
     armed, stopped = map(int, re.search(r"(\d+) requests in flight when it armed, (\d+) when it "
                                         r"stopped", err).groups())
     assert armed > 0 and stopped > 0, err
+    # Under pressure, as production: the captured engine evicted by LRU reuse.
+    causes = out.split("== Eviction causes ==")[1]
+    assert re.search(r"^\s*0\s+capture\s+LRU_REUSE", causes, re.M), out
     assert re.search(r"hit rates: unfixed \d+\.\d+%, fixed \d+\.\d+%", err)
     for section in ("== Verdict ==", "== Hit rate per run ==", "== Top pushed-out prefixes ==",
                     "== Hits lost by the unfixed variant =="):

@@ -11,10 +11,14 @@ import click
 # The seed scenario of #56794 (the `documents` preset: hot system prompts in front of long
 # unique documents, each prefilled in several 8,192-token chunks, so every document leaves
 # mid-prompt checkpoints behind) on Nemotron-H-8B's cache as vLLM 0.33 builds it: six Mamba2
-# groups, so every checkpoint holds six blocks, and the pushout shows (docs/findings.md). The
-# pool is the preset's default share of the workload's blocks: the cache must choose.
+# groups, so every checkpoint holds six blocks, and the pushout shows (docs/findings.md).
 DEMO_PRESET = "documents"
 DEMO_MODEL = "nemotron-h-8b"
+# A pool the engine fills in its first seconds, so the capture sees a cache under pressure, as
+# a busy engine's is: the preset's default (a share of the whole workload's blocks, about 2,000)
+# was not full before the capture's window ended, so it saw no eviction at all. With 400, the
+# requests in flight hold most of it and every capture evicts by LRU reuse.
+DEMO_POOL_BLOCKS = 400
 # Production is mid-flight: the engine serves in accelerated real time, the capture arms this
 # long after the workload started, while requests run, and stops this long after (the shorter
 # with --quick), while they still run: the requests arrive over 13 s of wall time, and their
@@ -86,7 +90,7 @@ def command(workdir: str, quick: bool) -> None:
     database, html = work / "demo.duckdb", work / "report.html"
     stages = Stages(7)
 
-    shape = EngineShape(model=DEMO_MODEL)
+    shape = EngineShape(model=DEMO_MODEL, num_gpu_blocks=DEMO_POOL_BLOCKS)
     geometry = shape.geometry
     stages.start(f"Generating the #56794 seed scenario ({DEMO_PRESET}: {num_requests} requests, "
                  f"retention 0) for {shape.model}'s cache as vLLM 0.33 builds it: "
