@@ -290,7 +290,8 @@ class NativePass:
         return OutputError(f"{self.path}: cannot spill the analysis' state to a file in "
                            f"{self.spill_dir}: {error.strerror or error}",
                            "It needs about 50 bytes a distinct hash id and KV-cache group of the "
-                           "trace; free space there (or load to a database on another disk).")
+                           "trace: free space there, or use another disk (kvtrace load: the "
+                           "database's directory; kvtrace why: TMPDIR).")
 
     def finish(self) -> None:
         self.core.finish()
