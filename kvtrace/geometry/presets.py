@@ -60,8 +60,9 @@ def resolve_model(name_or_path: str | Path) -> ModelSource:
         raise ConfigError(
             f"unknown model {text!r}: neither a preset, a config.json file nor the Hugging Face "
             "repository of a preset",
-            f"Use a preset ({', '.join(preset_names())}) or the path of a Hugging Face "
-            "config.json (or of the folder that holds it).")
+            f"Use a preset ({', '.join(preset_names())}), the Hugging Face repository one was "
+            "read from, or the path of a Hugging Face config.json (or of the folder that holds "
+            "it).")
     config = _read_json(path)
     config.pop(SOURCE_KEY, None)
     return ModelSource(text, config)
