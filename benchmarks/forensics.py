@@ -185,7 +185,8 @@ def peak_rss_mib() -> float:
 
 
 def in_child(work: str, *args: str) -> dict:
-    """Run ``work`` (anchor or forensics) in a fresh interpreter: its figures and peak RSS."""
+    """Run ``work`` (anchor, forensics or pass) in a fresh interpreter: its figures and peak
+    RSS."""
     output = subprocess.run([sys.executable, __file__, "--child", work, *args], check=True,
                             stdout=subprocess.PIPE, text=True).stdout
     return json.loads(output.splitlines()[-1])

@@ -269,37 +269,37 @@ static inline void chunk_free(ChunkVec *v) {
 #define ID_DENSE_SLACK ((i64)1 << 16)
 #define HIGH_IDS ((i64)1 << 62)  /* kvtrace.replay.vllm_backend.FIRST_MADE_UP_HASH_ID */
 
-/* Where `id` goes in a dense array (low: ids from 0, else from HIGH_IDS), or -1: the map.
-   Within four times the ids stored so far, or already addressable. */
-static inline i64 id_slot(i64 id, int *high, i64 num_stored, i64 cap_low, i64 cap_high) {
-    *high = id >= HIGH_IDS;
-    i64 slot = *high ? id - HIGH_IDS : id;
-    i64 cap = *high ? cap_high : cap_low;
-    if (slot < 0) return -1;
-    return slot < cap || slot < 4 * (num_stored + ID_DENSE_SLACK) ? slot : -1;
+/* Which dense array `id` belongs to (0: ids from 0; 1: a replay's made-up ids, from HIGH_IDS)
+   and its slot there (negative for a negative id, which only the map takes). */
+static inline int id_region(i64 id, i64 *slot) {
+    int high = id >= HIGH_IDS;
+    *slot = high ? id - HIGH_IDS : id;
+    return high;
+}
+/* Whether a new `slot` (in a dense array of `cap` slots) may be taken rather than go to the map:
+   within four times the ids stored so far. */
+static inline int id_dense_fits(i64 slot, i64 cap, i64 num_stored) {
+    return slot >= 0 && (slot < cap || slot < 4 * (num_stored + ID_DENSE_SLACK));
 }
 
-typedef struct { ChunkVec low, high; i64 n; Map sparse; } IdIndex;  /* dense: value + 1, 0 none */
+typedef struct { ChunkVec dense[2]; i64 n; Map sparse; } IdIndex;  /* dense: value + 1, 0 none */
 
 static inline void id_index_init(IdIndex *x, Spill *spill) {
     memset(x, 0, sizeof(*x));
-    chunk_init(&x->low, sizeof(int32_t), spill);
-    chunk_init(&x->high, sizeof(int32_t), spill);
+    for (int r = 0; r < 2; r++) chunk_init(&x->dense[r], sizeof(int32_t), spill);
 }
 static inline int32_t id_index_get(const IdIndex *x, i64 id) {
-    int high = id >= HIGH_IDS;
-    i64 slot = high ? id - HIGH_IDS : id;
-    const ChunkVec *dense = high ? &x->high : &x->low;
+    i64 slot;
+    const ChunkVec *dense = &x->dense[id_region(id, &slot)];
     if (slot >= 0 && slot < chunk_cap(dense)) return *(int32_t *)chunk_at(dense, slot) - 1;
     i64 value;
     return map_get(&x->sparse, id, &value) ? (int32_t)value : -1;
 }
 /* Set id -> value (value >= 0). */
 static inline int id_index_set(IdIndex *x, i64 id, int32_t value) {
-    int high;
-    i64 slot = id_slot(id, &high, x->n, chunk_cap(&x->low), chunk_cap(&x->high));
-    if (slot >= 0) {
-        ChunkVec *dense = high ? &x->high : &x->low;
+    i64 slot;
+    ChunkVec *dense = &x->dense[id_region(id, &slot)];
+    if (id_dense_fits(slot, chunk_cap(dense), x->n)) {
         if (chunk_reserve(dense, slot + 1)) return -1;
         int32_t *at = chunk_at(dense, slot);
         x->n += *at == 0;
@@ -311,9 +311,8 @@ static inline int id_index_set(IdIndex *x, i64 id, int32_t value) {
 }
 /* Drop id (absent already: nothing). */
 static inline void id_index_clear_one(IdIndex *x, i64 id) {
-    int high = id >= HIGH_IDS;
-    i64 slot = high ? id - HIGH_IDS : id;
-    ChunkVec *dense = high ? &x->high : &x->low;
+    i64 slot;
+    ChunkVec *dense = &x->dense[id_region(id, &slot)];
     if (slot >= 0 && slot < chunk_cap(dense)) {
         int32_t *at = chunk_at(dense, slot);
         x->n -= *at != 0;
@@ -327,32 +326,28 @@ static inline void id_index_clear_one(IdIndex *x, i64 id) {
     }
 }
 static inline void id_index_clear(IdIndex *x) {
-    chunk_free(&x->low);
-    chunk_free(&x->high);
+    for (int r = 0; r < 2; r++) chunk_free(&x->dense[r]);
     map_clear(&x->sparse);
     x->n = 0;
 }
 
-typedef struct { ChunkVec low, high; i64 n; Map sparse; } IdSet;  /* dense: bits, 64 a word */
+typedef struct { ChunkVec dense[2]; i64 n; Map sparse; } IdSet;  /* dense: bits, 64 a word */
 
 static inline void id_set_init(IdSet *x, Spill *spill) {
     memset(x, 0, sizeof(*x));
-    chunk_init(&x->low, sizeof(uint64_t), spill);
-    chunk_init(&x->high, sizeof(uint64_t), spill);
+    for (int r = 0; r < 2; r++) chunk_init(&x->dense[r], sizeof(uint64_t), spill);
 }
 static inline int id_set_has(const IdSet *x, i64 id) {
-    int high = id >= HIGH_IDS;
-    i64 slot = high ? id - HIGH_IDS : id;
-    const ChunkVec *dense = high ? &x->high : &x->low;
+    i64 slot;
+    const ChunkVec *dense = &x->dense[id_region(id, &slot)];
     if (slot >= 0 && slot < 64 * chunk_cap(dense))
         return (*(uint64_t *)chunk_at(dense, slot >> 6) >> (slot & 63)) & 1;
     return map_find(&x->sparse, id) >= 0;
 }
 static inline int id_set_add(IdSet *x, i64 id) {
-    int high;
-    i64 slot = id_slot(id, &high, x->n, 64 * chunk_cap(&x->low), 64 * chunk_cap(&x->high));
-    if (slot >= 0) {
-        ChunkVec *dense = high ? &x->high : &x->low;
+    i64 slot;
+    ChunkVec *dense = &x->dense[id_region(id, &slot)];
+    if (id_dense_fits(slot, 64 * chunk_cap(dense), x->n)) {
         if (chunk_reserve(dense, (slot >> 6) + 1)) return -1;
         uint64_t *word = chunk_at(dense, slot >> 6), bit = (uint64_t)1 << (slot & 63);
         x->n += !(*word & bit);
@@ -364,8 +359,7 @@ static inline int id_set_add(IdSet *x, i64 id) {
     return map_set(&x->sparse, id, 1);
 }
 static inline void id_set_clear(IdSet *x) {
-    chunk_free(&x->low);
-    chunk_free(&x->high);
+    for (int r = 0; r < 2; r++) chunk_free(&x->dense[r]);
     map_clear(&x->sparse);
     x->n = 0;
 }
