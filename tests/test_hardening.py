@@ -855,19 +855,32 @@ def test_r4_sweep_workers_stop_with_the_sweep(tmp_path, mooncake_workload, stop,
 
 
 @pytest.mark.slow
-def test_r4_sweep_on_a_local_ray_stops_with_its_instance(tmp_path):
+@pytest.mark.parametrize("when", ["connecting", "running"])
+def test_r4_sweep_on_a_local_ray_stops_with_its_instance(tmp_path, when):
+    """A SIGTERM while Ray's driver connected (just after "Started a local Ray instance") was
+    raised inside ``ray.init``: the sweep said "stopped by SIGTERM", then died of SIGABRT
+    (absl's alarm) or SIGSEGV (a timer of the half-built core worker)."""
     pytest.importorskip("ray", reason="Ray is optional (pip install 'kvtrace[ray]')")
     source = trace(tmp_path / "big.kvtrace", requests(3000))
     process = sweep_process(source, tmp_path / "sweep", "--ray", "local", "-j", "2")
-    deadline = time.monotonic() + 300
-    while not any("raylet" in command_line(pid) for pid in _descendants(process.pid)):
-        assert process.poll() is None and time.monotonic() < deadline, process.stderr.read()
-        time.sleep(0.2)
-    time.sleep(2)  # Ray still starting (its handler in place), or running the tasks
+    said = []
+    if when == "connecting":
+        for line in iter(process.stderr.readline, ""):
+            said.append(line)
+            if "Started a local Ray instance" in line:
+                break
+        assert "Started a local Ray instance" in said[-1], "".join(said)
+        time.sleep(0.1)
+    else:
+        deadline = time.monotonic() + 300
+        while not any("raylet" in command_line(pid) for pid in _descendants(process.pid)):
+            assert process.poll() is None and time.monotonic() < deadline, process.stderr.read()
+            time.sleep(0.2)
+        time.sleep(2)  # Ray still starting, or running the tasks
     ray_processes = _descendants(process.pid)
     process.send_signal(signal.SIGTERM)
-    assert process.wait(60) == 128 + signal.SIGTERM  # Ray's own handler exited 15
-    assert "kvtrace: stopped by SIGTERM" in process.stderr.read()
+    assert process.wait(60) == 128 + signal.SIGTERM
+    assert "kvtrace: stopped by SIGTERM" in "".join(said) + process.stderr.read()
     assert gone(ray_processes, within=30), "the local Ray instance outlived the sweep"
 
 

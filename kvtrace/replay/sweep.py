@@ -416,9 +416,10 @@ def _run_on_ray(plan: SweepPlan, address: str, jobs: int,
                            "pip install 'kvtrace[ray]', or drop --ray to use local processes."
                            ) from None
     started_here = not ray.is_initialized()
+    done_with_ray = threading.Event()
     try:
         if started_here:
-            _connect_to_ray(ray, address, jobs)
+            _connect_to_ray(ray, address, jobs, done_with_ray)
         with open(plan.source, "rb") as file:
             data = ray.put(file.read())
         remote = ray.remote(num_cpus=1)(run_configuration)
@@ -445,13 +446,53 @@ def _run_on_ray(plan: SweepPlan, address: str, jobs: int,
     finally:
         if started_here:  # an instance started here, even half-way, is shut down
             _shut_down_ray(ray)
+            done_with_ray.set()
 
 
-def _connect_to_ray(ray: Any, address: str, jobs: int) -> None:
-    """``ray.init`` for ``address``, leaving this process's stop handlers as they were: Ray's
-    driver takes SIGTERM for itself (``sys.exit(15)``, its instance left running a minute)."""
-    handlers = {signum: signal.getsignal(signum) for signum in STOP_SIGNALS}
-    main_thread = threading.current_thread() is threading.main_thread()
+RAY_START_GRACE = 30.0  # seconds a stop heard while Ray starts waits for the start to end
+
+
+def _connect_to_ray(ray: Any, address: str, jobs: int, done_with_ray: threading.Event) -> None:
+    """``ray.init`` for ``address``, in a thread of its own while this one holds the stop
+    signals until it returns. Ray's driver takes SIGTERM for itself in the main thread
+    (``sys.exit(15)``, its instance left running a minute), and a stop raised inside
+    ``ray.init`` leaves its core worker half-built: the process then died of SIGSEGV (a timer
+    of that worker) or SIGABRT (absl's SIGTERM hook arms a 3 s alarm that aborts), after
+    saying "stopped by SIGTERM". A stop waits for the start up to ``RAY_START_GRACE``
+    seconds, or until a second stop. The starting thread lives until ``done_with_ray`` is
+    set: the processes of a local instance die with the thread that started them
+    (PR_SET_PDEATHSIG)."""
+    if threading.current_thread() is not threading.main_thread():
+        _ray_init(ray, address, jobs)  # Ray leaves the stop handlers alone there
+        return
+    failure: list[BaseException] = []
+    started = threading.Event()
+
+    def start_and_hold() -> None:
+        try:
+            _ray_init(ray, address, jobs)
+        except BaseException as error:  # noqa: BLE001 - handed to the waiting thread
+            failure.append(error)
+        finally:
+            started.set()
+        done_with_ray.wait()
+
+    alarm = signal.getsignal(signal.SIGALRM)
+    with _stop_signals_deferred(), _ray_thread_warning_muted():
+        threading.Thread(target=start_and_hold, name="kvtrace-ray", daemon=True).start()
+        heard_at = None
+        while not started.wait(0.1) and len(_deferred_signals) < 2 and (
+                heard_at is None or time.monotonic() - heard_at < RAY_START_GRACE):
+            if _deferred_signals and heard_at is None:
+                heard_at = time.monotonic()
+        signal.signal(signal.SIGTERM, _defer)  # unhooks absl, then its alarm is undone
+        signal.alarm(0)
+        _restore({signal.SIGALRM: alarm})
+    if failure:
+        raise failure[0]
+
+
+def _ray_init(ray: Any, address: str, jobs: int) -> None:
     try:
         if address == "local":
             ray.init(num_cpus=jobs, include_dashboard=False, log_to_driver=False)
@@ -462,15 +503,22 @@ def _connect_to_ray(ray: Any, address: str, jobs: int) -> None:
         raise KvtraceError(f"cannot connect to Ray at {address}: {error}",
                            "Start a cluster (ray start --head), give its address, or use "
                            "--ray local.") from None
-    except SystemExit as stop:  # a SIGTERM that Ray's handler heard while starting
-        if stop.code != signal.SIGTERM or not main_thread:
-            raise
-        _restore(handlers)
-        signal.raise_signal(signal.SIGTERM)  # to the handler it was meant for
-        raise
+
+
+@contextlib.contextmanager
+def _ray_thread_warning_muted() -> Iterator[None]:
+    """Ray warns that it set no SIGTERM handler outside the main thread: by design here."""
+    import logging
+
+    def keep(record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("SIGTERM handler is not set")
+
+    logger = logging.getLogger("ray._private.worker")
+    logger.addFilter(keep)
+    try:
+        yield
     finally:
-        if main_thread:
-            _restore(handlers)
+        logger.removeFilter(keep)
 
 
 def _restore(handlers: dict[int, Any]) -> None:
