@@ -292,3 +292,78 @@ def test_a_worker_s_error_reaches_the_command_with_its_hint():
     error = pickle.loads(pickle.dumps(sweep_module.SweepTaskError("fixed at 60 blocks: dry",
                                                                   "Give it more blocks.")))
     assert (str(error), error.hint) == ("fixed at 60 blocks: dry", "Give it more blocks.")
+
+
+class _Stopped(Exception):
+    pass
+
+
+@pytest.fixture()
+def sigterm_raises():
+    """SIGTERM raises ``_Stopped`` in this (main) thread, as the CLI's handler raises."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        pytest.skip("signal handlers can only be set in the main thread")
+
+    def stop(signum, frame):
+        raise _Stopped(signum)
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    yield
+    signal.signal(signal.SIGTERM, previous)
+
+
+def _slow_ray(seconds: float, calls: list[str]):
+    """Stands in for ``ray`` whose ``init`` takes ``seconds``: only the holding of stops while
+    it starts is under test here (the real Ray's: tests/test_hardening.py, r4)."""
+    import time
+    from types import SimpleNamespace
+
+    def init(**_options):
+        calls.append("init")
+        time.sleep(seconds)
+        calls.append("started")
+
+    return SimpleNamespace(init=init)
+
+
+def _sigterm_after(seconds: float, times: int = 1):
+    import os
+    import signal
+    import threading
+    import time
+
+    def send():
+        for _ in range(times):
+            time.sleep(seconds)
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=send, daemon=True).start()
+
+
+def test_a_stop_while_ray_starts_is_raised_once_it_has_started(sigterm_raises):
+    import threading
+
+    calls: list[str] = []
+    done = threading.Event()
+    _sigterm_after(0.2)
+    with pytest.raises(_Stopped):
+        sweep_module._connect_to_ray(_slow_ray(1.0, calls), "local", 1, done)
+    assert calls == ["init", "started"]  # the stop waited for the start
+    done.set()
+
+
+def test_a_second_stop_does_not_wait_for_a_hung_start(sigterm_raises):
+    import threading
+    import time
+
+    calls: list[str] = []
+    done = threading.Event()
+    _sigterm_after(0.2, times=2)
+    began = time.monotonic()
+    with pytest.raises(_Stopped):
+        sweep_module._connect_to_ray(_slow_ray(30.0, calls), "local", 1, done)
+    assert calls == ["init"] and time.monotonic() - began < 5
+    done.set()
