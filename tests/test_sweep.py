@@ -6,7 +6,12 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
+import signal
+import threading
+import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import duckdb
 import pytest
@@ -301,9 +306,6 @@ class _Stopped(Exception):
 @pytest.fixture()
 def sigterm_raises():
     """SIGTERM raises ``_Stopped`` in this (main) thread, as the CLI's handler raises."""
-    import signal
-    import threading
-
     if threading.current_thread() is not threading.main_thread():
         pytest.skip("signal handlers can only be set in the main thread")
 
@@ -318,9 +320,6 @@ def sigterm_raises():
 def _slow_ray(seconds: float, calls: list[str]):
     """Stands in for ``ray`` whose ``init`` takes ``seconds``: only the holding of stops while
     it starts is under test here (the real Ray's: tests/test_hardening.py, r4)."""
-    import time
-    from types import SimpleNamespace
-
     def init(**_options):
         calls.append("init")
         time.sleep(seconds)
@@ -330,11 +329,6 @@ def _slow_ray(seconds: float, calls: list[str]):
 
 
 def _sigterm_after(seconds: float, times: int = 1):
-    import os
-    import signal
-    import threading
-    import time
-
     def send():
         for _ in range(times):
             time.sleep(seconds)
@@ -344,8 +338,6 @@ def _sigterm_after(seconds: float, times: int = 1):
 
 
 def test_a_stop_while_ray_starts_is_raised_once_it_has_started(sigterm_raises):
-    import threading
-
     calls: list[str] = []
     done = threading.Event()
     _sigterm_after(0.2)
@@ -356,9 +348,6 @@ def test_a_stop_while_ray_starts_is_raised_once_it_has_started(sigterm_raises):
 
 
 def test_a_second_stop_does_not_wait_for_a_hung_start(sigterm_raises):
-    import threading
-    import time
-
     calls: list[str] = []
     done = threading.Event()
     _sigterm_after(0.2, times=2)

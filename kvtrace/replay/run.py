@@ -596,8 +596,8 @@ def _params(settings: SchedulerSettings, mode: str) -> dict[str, str]:
 def _pricing(options: ReplayOptions, header: TraceHeader) -> tuple[CostModel | None, str]:
     """The cost model that prices the replay's lookups (``--model``, else the model the source
     was written for, at its tensor-parallel size), and a warning when the source names a model
-    that cannot be read (the replay then goes on unpriced). A capture names the model as its engine served it
-    (``presets.resolve_model`` takes a preset's Hugging Face repository too)."""
+    that cannot be read (the replay then goes on unpriced). A capture names the model as its
+    engine served it (``presets.resolve_model`` takes a preset's Hugging Face repository too)."""
     gpu = options.execute.gpu if options.execute else DEFAULT_GPU
     if options.model:
         return cost_model(options.model, None, gpu), ""

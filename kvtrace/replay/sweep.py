@@ -487,7 +487,8 @@ def _connect_to_ray(ray: Any, address: str, jobs: int, done_with_ray: threading.
                 heard_at = time.monotonic()
         signal.signal(signal.SIGTERM, _defer)  # unhooks absl, then its alarm is undone
         signal.alarm(0)
-        _restore({signal.SIGALRM: alarm})
+        if alarm is not None:  # None: not set from Python, nothing to put back
+            signal.signal(signal.SIGALRM, alarm)
     if failure:
         raise failure[0]
 
@@ -519,12 +520,6 @@ def _ray_thread_warning_muted() -> Iterator[None]:
         yield
     finally:
         logger.removeFilter(keep)
-
-
-def _restore(handlers: dict[int, Any]) -> None:
-    for signum, handler in handlers.items():
-        if handler is not None:
-            signal.signal(signum, handler)
 
 
 def _shut_down_ray(ray: Any) -> None:
