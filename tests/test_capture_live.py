@@ -223,10 +223,15 @@ def run_cli(*args: str, prefix: list[str] | None = None, **kwargs) -> tuple[int,
 
 
 def sleeper(title: str, user: list[str] | None = None, python: str | None = None) -> subprocess.Popen:
-    """A process whose title is ``title`` (bash ``exec -a``), sleeping in its main thread."""
-    body = (f'exec -a "{title}" {python} -c "import time; time.sleep(600)"' if python
-            else f'exec -a "{title}" sleep 600')
-    process = subprocess.Popen([*(user or []), "bash", "-c", body], cwd=EMPTY_DIR)
+    """A process whose title is ``title`` (bash ``exec -a``), sleeping in its main thread; a
+    Python one once it has started and said so: its title is there at exec, its libpython only
+    once the loader mapped it, and a canary compares that (a race CI lost once)."""
+    body = (f'exec -a "{title}" {python} -c "import time; print(flush=True); time.sleep(600)"'
+            if python else f'exec -a "{title}" sleep 600')
+    process = subprocess.Popen([*(user or []), "bash", "-c", body], cwd=EMPTY_DIR,
+                               stdout=subprocess.PIPE if python else None)
+    if python:
+        process.stdout.readline()
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
         if Path(f"/proc/{process.pid}/cmdline").read_bytes().startswith(title.encode()):
