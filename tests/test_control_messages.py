@@ -6,9 +6,12 @@ classes; the operator side is ``control.request`` over the real Unix socket."""
 
 from __future__ import annotations
 
+import gc
 import os
 import re
 import socket
+import subprocess
+import sys
 import threading
 import time
 
@@ -160,6 +163,41 @@ def test_a_capture_ends_with_its_lease(engine, tmp_path):
     assert status.error.endswith("its controller closed the control connection"), status
     assert patched_functions() == before and hook.active_session() is None
     assert control.request(os.getpid(), PingRequest()).patched == []
+
+
+def test_a_lease_dropped_without_close_ends_its_connection():
+    """A lease collected without ``close`` (an exception on the way) closes the arm's
+    connection, which disarms the engine: its end reads the end of the stream."""
+    ours, engines = socket.socketpair()
+    with engines:
+        engines.settimeout(10)
+        lease = control.Lease(ours, CaptureStatus(pid=os.getpid(), armed=True), lease_s=0.05)
+        del lease
+        gc.collect()
+        while engines.recv(64):  # renewals sent before it went
+            pass
+
+
+def test_a_lease_collected_at_exit_takes_no_lock_its_frozen_renewer_holds():
+    """At interpreter exit a daemon thread is frozen where it stands: the renewing thread, woken
+    by ``close``, can hold its event's lock then. The lease's finaliser called ``close`` again,
+    which waited for that lock forever (`kvtrace capture` hung after "stopped by SIGHUP").
+    Here a thread takes the lock for good, as the frozen one held it, and the process must
+    exit (it hung on the old finaliser)."""
+    script = """
+import os, socket, threading
+from kvtrace.capture import control
+from kvtrace.capture.messages import CaptureStatus
+ours, engines = socket.socketpair()
+lease = control.Lease(ours, CaptureStatus(pid=os.getpid(), armed=True), lease_s=60)
+lease.close()
+holder = threading.Thread(target=lease._closed._cond.acquire)  # and never releases it
+holder.start()
+holder.join()
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=20)
+    assert done.returncode == 0, done.stderr
 
 
 def test_a_silent_controller_loses_its_lease(engine, tmp_path):

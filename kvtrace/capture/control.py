@@ -347,7 +347,12 @@ class Lease:
         self._closed.set()
         self._client.close()
 
-    __del__ = close
+    def __del__(self) -> None:
+        """Collected (dropped without ``close``, or at exit): the connection closed lets the
+        engine go and ends the renewals. No lock is taken: at interpreter exit the renewing
+        daemon thread can be frozen holding the event's, and ``close`` here hung
+        `kvtrace capture` after a stop, forever."""
+        self._client.close()
 
     def __enter__(self) -> Lease:
         return self
