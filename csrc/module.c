@@ -48,7 +48,10 @@ value_named(const RecordType *record, PyObject *name)
 }
 
 /* A Struct's fields (msgspec.structs.fields(type), in __struct_fields__ order) and how many of
- * the first can be passed by position; -1 with a TypeError if `type` is not a msgspec Struct. */
+ * the first can be passed by position; -1 with a TypeError if `type` is not a msgspec Struct.
+ * A stop raised while msgspec's Python code ran (a signal handler's KeyboardInterrupt or
+ * SystemExit) stays as it is: replaced, it was lost, and `kvtrace capture` went on capturing
+ * after its SIGTERM. */
 static int
 struct_fields_of(const RecordType *record, PyObject *type, PyObject *struct_fields,
                  PyObject **fields, Py_ssize_t *num_positional)
@@ -57,8 +60,10 @@ struct_fields_of(const RecordType *record, PyObject *type, PyObject *struct_fiel
     if ((*fields = PyObject_CallOneArg(struct_fields, type)) == NULL
         || (match_args = PyObject_GetAttrString(type, "__match_args__")) == NULL
         || !PyTuple_Check(*fields) || !PyTuple_Check(match_args)) {
-        PyErr_Clear();
-        PyErr_Format(PyExc_TypeError, "%s is not a msgspec Struct", record->name);
+        if (!PyErr_Occurred() || PyErr_ExceptionMatches(PyExc_Exception)) {
+            PyErr_Clear();
+            PyErr_Format(PyExc_TypeError, "%s is not a msgspec Struct", record->name);
+        }
         Py_CLEAR(*fields);
         Py_XDECREF(match_args);
         return -1;

@@ -266,6 +266,32 @@ def test_a_refused_configuration_turns_the_native_core_off(monkeypatch):
     assert native.problem.startswith("kvtrace's native core is off: BlockStored has no field kind")
 
 
+@pytest.mark.parametrize("stop", [KeyboardInterrupt, SystemExit])
+def test_a_stop_while_the_core_is_configured_is_not_swallowed(stop, monkeypatch):
+    """A signal handler's exception raised while msgspec reads a record type's fields (a
+    controller's SIGTERM at start-up, or the engine's own) reaches the caller as it is, and the
+    core stays on: it was replaced by "is not a msgspec Struct", the core turned off and
+    `kvtrace capture` went on capturing after its SIGTERM."""
+    import msgspec.structs
+
+    from kvtrace.probes import wrappers  # imported (and configured) before fields is replaced
+
+    real_fields = msgspec.structs.fields
+
+    def stopped_in(record_type):
+        if record_type is events.BlockStored:
+            raise stop
+        return real_fields(record_type)
+
+    monkeypatch.setattr(msgspec.structs, "fields", stopped_in)
+    monkeypatch.setattr(native, "core", native.built)
+    monkeypatch.setattr(native, "problem", None)
+    with pytest.raises(stop):
+        native.configure(*(getattr(events, name) for name in NATIVE_RECORD_TYPES),
+                         wrappers._NO_REQ, wrappers._STALE_CHECKPOINT, wrappers._LRU_REUSE)
+    assert native.core is native.built and native.problem is None
+
+
 def test_native_wrappers_never_raise_into_vllm_and_count_the_failure(vllm_backend_class):
     """A sink that raises: the engine's answers are unchanged and the failure is counted."""
     from kvtrace.probes import CacheProbes
