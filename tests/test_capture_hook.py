@@ -125,6 +125,27 @@ def test_a_failing_snapshot_stops_the_capture_not_the_engine(vllm_backend_class,
     assert patched_functions() == before
 
 
+@pytest.mark.parametrize("stop", [SystemExit, KeyboardInterrupt])
+def test_the_engines_own_stop_during_the_snapshot_reaches_it(vllm_backend_class, capture,
+                                                              monkeypatch, stop):
+    """vLLM's signal handler raises (SystemExit for SIGTERM) while the start snapshot runs on
+    its scheduler thread: the capture stops, nothing stays patched, and the stop goes on to
+    the engine, which would otherwise not stop when told."""
+    from kvtrace.probes import snapshot
+
+    before = patched_functions()
+
+    def stopped(*args):
+        raise stop(15)
+
+    monkeypatch.setattr(snapshot, "take", stopped)
+    with pytest.raises(stop):
+        run_engine(vllm_backend_class, start_capture=capture)
+    status = hook.status()
+    assert not status.armed and "the engine was stopped during the start snapshot" in status.error
+    assert patched_functions() == before
+
+
 def test_disarm_before_any_step_restores_the_trigger(capture):
     before = patched_functions()
     capture()

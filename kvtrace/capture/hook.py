@@ -393,7 +393,9 @@ class CaptureSession:
     def _begin(self, manager: Any, scheduler: Any) -> None:
         """At the first step after arming, on the scheduler thread: the start snapshot goes
         first (whatever the buffer's room: it is what the rest means), then the probes arm.
-        A failure stops the capture with its error, never the engine."""
+        A failure stops the capture with its error, never the engine. A stop the engine's own
+        signal handler raised meanwhile (SystemExit, KeyboardInterrupt) stops the capture too,
+        and then goes on to vLLM: swallowed, the engine would not stop when told."""
         try:
             if self._stopped:
                 return
@@ -406,10 +408,14 @@ class CaptureSession:
             steps.num_enqueued += len(taken)
             self.snapshot_pause_ns = taken.ended.pause_ns
             self._probes.arm()
-        except BaseException as error:  # noqa: BLE001 - the engine must never see it
+        except BaseException as error:  # noqa: BLE001 - the engine must never see ours
             self._probes.disarm()
-            self.error = f"the start snapshot failed: {error!r}"
+            ours = isinstance(error, Exception)
+            self.error = (f"the start snapshot failed: {error!r}" if ours else
+                          f"the engine was stopped during the start snapshot ({error!r})")
             self._stop.set()
+            if not ours:
+                raise
 
     def _undo_start(self) -> None:
         """Take back a start that failed part way: nothing patched, running or written."""
