@@ -14,7 +14,10 @@
  *
  * Rules kept from the Python side: nothing of ours raises into vLLM (our failures are cleared and
  * counted in num_failures), and the original's result or exception is returned or raised
- * unchanged.
+ * unchanged. The engine's own stop is not ours: an error that is not an Exception (SystemExit
+ * from vLLM's SIGTERM handler, KeyboardInterrupt, GeneratorExit), raised while a probe ran
+ * Python code, is kept (clear_unless_stop), no more of our Python code runs, and the call
+ * returns NULL with it, as the Python wrappers' `except Exception` let it through.
  */
 #include "kvtrace_native.h"
 
@@ -148,12 +151,28 @@ intern_names(void)
 
 /* --- helpers ---------------------------------------------------------------------------------- */
 
-/* A failure of ours: counted, never raised. */
-static void
+/* Clear the pending error unless it is the engine's own stop (not an Exception: a signal
+ * handler's SystemExit or KeyboardInterrupt), which stays pending and must reach vLLM:
+ * swallowed, the engine would not stop when told. 1 when a stop is pending. */
+static int
+clear_unless_stop(void)
+{
+    if (PyErr_Occurred() && !PyErr_ExceptionMatches(PyExc_Exception)) {
+        return 1;
+    }
+    PyErr_Clear();
+    return 0;
+}
+
+/* A failure of ours: counted, never raised; -1 if it was a stop instead (kept, not counted). */
+static int
 count_failure(ProbeState *probe)
 {
-    PyErr_Clear();
+    if (clear_unless_stop()) {
+        return -1;
+    }
     probe->num_failures++;
+    return 0;
 }
 
 /* Replace a slot's value (steals `value`). */
@@ -165,14 +184,14 @@ set_field(PyObject **field, PyObject *value)
     Py_XDECREF(old);
 }
 
-/* The probe set observing `pool`, or NULL (none, not ours, or the lookup failed: error cleared).
- * New reference. */
+/* The probe set observing `pool`, or NULL (none, not ours, or the lookup failed: error cleared
+ * unless a stop). New reference. */
 static ProbeState *
 probe_of_pool(PyObject *pool)
 {
     PyObject *probe;
     if (LOOKUP_ATTR(pool, s_probe_attr, &probe) < 0) {
-        PyErr_Clear();
+        clear_unless_stop();
         return NULL;
     }
     if (probe != NULL && !PyObject_TypeCheck(probe, ProbeStateType)) {
@@ -187,7 +206,7 @@ probe_of_manager(PyObject *manager)
 {
     PyObject *pool = PyObject_GetAttr(manager, s_block_pool);
     if (pool == NULL) {
-        PyErr_Clear();
+        clear_unless_stop();
         return NULL;
     }
     ProbeState *probe = probe_of_pool(pool);
@@ -200,6 +219,9 @@ static void
 flush(ProbeState *probe)
 {
     PyObject *records = probe->records, *result;
+    if (PyErr_Occurred()) {
+        return; /* a stop met earlier in this call: it goes to vLLM first */
+    }
     if (probe->sink_many == NULL || probe->sink_many == Py_None || records == NULL
         || !PyList_CheckExact(records)) {
         result = PyObject_CallMethodNoArgs((PyObject *)probe, s_flush);
@@ -278,6 +300,9 @@ intern_key(ProbeState *probe, PyObject *key, unsigned long *group)
                                         .hash_bytes = hash_bytes));
     }
     Py_DECREF(hash_bytes);
+    if (PyErr_Occurred()) { /* a stop */
+        Py_CLEAR(hash_id);
+    }
     return hash_id;
 }
 
@@ -414,7 +439,10 @@ arg_at(FastWrapper *w, PyObject *const *args, Py_ssize_t nargs, PyObject *kwname
 }
 
 #define CALL_ORIGINAL() PyObject_Vectorcall(w->original, args, nargsf, kwnames)
-#define CALL_SLOW() PyObject_Vectorcall(w->slow, args, nargsf, kwnames)
+/* The Python wrapper does the whole call, unless a stop is pending (any other error of ours was
+ * cleared): then the stop goes to vLLM instead. */
+#define CALL_SLOW() \
+    (PyErr_Occurred() ? NULL : PyObject_Vectorcall(w->slow, args, nargsf, kwnames))
 
 /* KVCacheManager.new_step_starts(self) */
 static PyObject *
@@ -435,6 +463,10 @@ new_step_starts(FastWrapper *w, PyObject *const *args, size_t nargsf, PyObject *
     }
     if (PyList_GET_SIZE(probe->records)) {
         flush(probe); /* the last step's, when held for sink_many */
+        if (PyErr_Occurred()) { /* a stop, before the step */
+            Py_DECREF(probe);
+            return NULL;
+        }
     }
     struct timespec now;
     clock_gettime(CLOCK_REALTIME, &now);
@@ -558,7 +590,14 @@ allocate_slots(FastWrapper *w, PyObject *const *args, size_t nargsf, PyObject *k
     if (!was_held) {
         flush(probe);
     }
-    PyErr_Restore(exc_type, exc_value, exc_tb);
+    if (PyErr_Occurred()) { /* a stop in our code wins over the original's outcome */
+        Py_XDECREF(exc_type);
+        Py_XDECREF(exc_value);
+        Py_XDECREF(exc_tb);
+        Py_CLEAR(result);
+    } else {
+        PyErr_Restore(exc_type, exc_value, exc_tb);
+    }
     Py_DECREF(records);
     Py_DECREF(req);
     Py_DECREF(num_computed);
@@ -567,7 +606,7 @@ allocate_slots(FastWrapper *w, PyObject *const *args, size_t nargsf, PyObject *k
     return result;
 
 slow:
-    PyErr_Clear();
+    clear_unless_stop();
     Py_XDECREF(request_id);
     Py_XDECREF(hashes);
     Py_XDECREF(num_computed);
@@ -624,7 +663,7 @@ insert_block_hash(FastWrapper *w, PyObject *const *args, size_t nargsf, PyObject
     PyObject *block_hash = PyObject_GetAttr(block, s_block_hash);
     Py_XDECREF(block_hash);
     if (block_hash != Py_None) { /* it has one (or it could not be read): the Python wrapper */
-        PyErr_Clear();
+        clear_unless_stop();
         Py_DECREF(probe);
         return CALL_SLOW();
     }
@@ -798,7 +837,7 @@ get_num_blocks_to_allocate(FastWrapper *w, PyObject *const *args, size_t nargsf,
     PyObject *checkpoints = cached_checkpoints(w, args[0]);
     int cap = PyObject_IsTrue(apply_admission_cap);
     if (checkpoints == NULL || cap < 0) {
-        PyErr_Clear();
+        clear_unless_stop();
         Py_XDECREF(checkpoints);
         Py_DECREF(probe);
         return CALL_SLOW();
@@ -811,7 +850,7 @@ get_num_blocks_to_allocate(FastWrapper *w, PyObject *const *args, size_t nargsf,
     PyObject *before = PyDict_CheckExact(checkpoints)
                            ? PyDict_GetItemWithError(checkpoints, request_id) : NULL;
     if (!PyDict_CheckExact(checkpoints) || PyErr_Occurred()) {
-        PyErr_Clear();
+        clear_unless_stop();
         Py_DECREF(checkpoints);
         Py_DECREF(probe);
         return CALL_SLOW();
@@ -853,7 +892,7 @@ allocate_new_blocks(FastWrapper *w, PyObject *const *args, size_t nargsf, PyObje
     }
     Py_ssize_t num_offloads = num_pending_offloads(args[0]);
     if (num_offloads < 0) {
-        PyErr_Clear();
+        clear_unless_stop();
         Py_DECREF(probe);
         return CALL_SLOW();
     }
@@ -908,7 +947,7 @@ cache_blocks(FastWrapper *w, PyObject *const *args, size_t nargsf, PyObject *kwn
     Py_DECREF(probe);
     return result;
 slow:
-    PyErr_Clear();
+    clear_unless_stop();
     Py_XDECREF(checkpoints);
     Py_XDECREF(request_id);
     Py_DECREF(probe);
@@ -1019,7 +1058,7 @@ free_blocks(FastWrapper *w, PyObject *const *args, size_t nargsf, PyObject *kwna
     }
     int outside = PyObject_RichCompareBool(probe->req, NoReq, Py_EQ);
     if (outside < 0) {
-        PyErr_Clear();
+        clear_unless_stop();
         Py_DECREF(probe);
         return CALL_SLOW();
     }
@@ -1053,6 +1092,11 @@ free_blocks(FastWrapper *w, PyObject *const *args, size_t nargsf, PyObject *kwna
         }
         Py_XDECREF(block_ids);
     }
+    if (PyErr_Occurred()) { /* a stop, before the call */
+        Py_DECREF(blocks);
+        Py_DECREF(probe);
+        return NULL;
+    }
     PyObject *call_args[] = {args[0], blocks};
     result = PyObject_Vectorcall(w->original, call_args, 2, NULL);
     if (result != NULL) {
@@ -1070,6 +1114,18 @@ static vectorcallfunc fast_paths[NUM_KINDS] = {
     (vectorcallfunc)cache_blocks, (vectorcallfunc)get_new_blocks, (vectorcallfunc)touch,
     (vectorcallfunc)free_blocks,
 };
+
+/* Every fast path: a stop met by our code after the original returned is raised in place of
+ * the result. */
+static PyObject *
+fast_path(FastWrapper *w, PyObject *const *args, size_t nargsf, PyObject *kwnames)
+{
+    PyObject *result = fast_paths[w->kind](w, args, nargsf, kwnames);
+    if (result != NULL && PyErr_Occurred()) {
+        Py_CLEAR(result);
+    }
+    return result;
+}
 
 static const char *kind_names[NUM_KINDS] = {
     "new_step_starts", "allocate_slots", "_insert_block_hash", "_remove_cached_block_hashes",
@@ -1112,7 +1168,7 @@ wrapper_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
     self->slow = Py_NewRef(slow);
     self->names = Py_NewRef(names);
     self->defaults = Py_NewRef(defaults);
-    self->vectorcall = fast_paths[kind];
+    self->vectorcall = (vectorcallfunc)fast_path;
     return (PyObject *)self;
 }
 
