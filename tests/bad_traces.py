@@ -169,10 +169,16 @@ def ill_typed_traces(directory: Path) -> dict[str, Path]:
 TERMINAL_ESCAPE = "\x1b]0;pwned\x07\x1b]8;;http://x\x1b\\\u202e"
 
 
+# A variant and a file name that forge a line: a heading, a table row, HTML, code and a link.
+MARKUP_INJECTION = "\n# H1 | forged | row |\n<svg onload=alert(1)>`x` *y* [l](http://x) &amp;"
+FORGED_FILE_NAME = "x<svg onload=alert(1)>|\n# H1.kvtrace"
+
+
 def crafted_databases(directory: Path, sound: Path, secret: Path) -> dict[str, Path]:
     """Copies of the sound forensics database ``sound`` changed as an attacker would: table and
     column names that are SQL, a view that reads ``secret``, ``runs.path`` a FIFO or NULL,
-    schema versions newer, older and negative."""
+    schema versions newer, older and negative; strings that drive a terminal or forge
+    Markdown."""
     import shutil
 
     import duckdb
@@ -209,6 +215,10 @@ def crafted_databases(directory: Path, sound: Path, secret: Path) -> dict[str, P
         "runs.path NULL": crafted("runs-null", "UPDATE runs SET path = NULL"),
         "strings that drive a terminal": crafted("escapes",
                                                  *_variants_set_to(sound, TERMINAL_ESCAPE)),
+        "strings that forge markup": crafted(
+            "markup", *_variants_set_to(sound, MARKUP_INJECTION),
+            "UPDATE runs SET variant = variant || run",  # still distinct: the runs pair
+            *_source_names_set_to(directory / FORGED_FILE_NAME)),
         "a newer schema": crafted(
             "schema-99", "UPDATE kvtrace_meta SET value = '99' WHERE key = 'db_schema_version'"),
         "schema v1": crafted(
@@ -234,6 +244,19 @@ def _variants_set_to(db: Path, value: str) -> list[str]:
     return ([f"UPDATE {table} SET variant = '{value}'" for (table,) in tables]
             + [f"CREATE OR REPLACE VIEW {view} AS SELECT * REPLACE ('{value}' AS variant) "
                f"FROM ({sql.split(' AS ', 1)[1].rstrip().rstrip(';')})" for view, sql in views])
+
+
+def _source_names_set_to(path: Path) -> list[str]:
+    """Statements that make every run's trace, and the source a replay names, ``path``."""
+    import json
+
+    def literal(text: str) -> str:
+        return "'" + text.replace("'", "''") + "'"
+
+    patch = literal(json.dumps({"replay": {"source_path": str(path)}}))
+    return [f"UPDATE runs SET path = {literal(str(path))}",
+            f"UPDATE runs SET header_json = json_merge_patch(header_json, {patch}) "
+            "WHERE json_type(header_json, '$.replay') = 'OBJECT'"]
 
 
 SPECIAL_OUTPUTS = ("character device", "link to a file", "link to standard output", "FIFO",
