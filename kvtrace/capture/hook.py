@@ -13,9 +13,9 @@ briefly (with the native core, not at all while it joins, checksums and writes),
 competes with the scheduler thread: encoding there, whole batches of records gone cold, cost the
 engine several times more. Records that do not fit (the capacity counts records) are dropped
 and counted, and an ``EventsDropped`` marker goes where the gap is: the scheduler thread never
-waits for the disk. ``stop()`` disarms
-(restoring every original function object, handing over the last step's records), drains, and
-closes the trace with its drop count.
+waits for the disk. ``stop()`` disarms at a step boundary (the scheduler thread itself, when
+its next step starts, hands over the last whole step and restores every original function
+object; ``_disarm_probes``), drains, and closes the trace with its drop count.
 
 Nothing here may raise into vLLM: the probes swallow their own failures; a writer that fails
 (disk full, a broken sink) disarms the probes from its own thread and records the error for
@@ -60,6 +60,8 @@ WRITER_POLL_S = 0.02
 # Records are encoded in batches of steps: this many records, or the oldest this old.
 ENCODE_BATCH_RECORDS = 256
 ENCODE_MAX_DELAY_S = 0.05
+# How long a stop waits for the engine's next step to disarm there (an idle engine has none).
+DISARM_WAIT_S = 1.0
 
 
 def process_title() -> str:
@@ -310,6 +312,8 @@ class CaptureSession:
         self._next_step: NextStep | None = None
         self._telemetry: Any = None
         self._stopped = False
+        self._scheduler_thread: int | None = None
+        self._disarmed_between_steps = threading.Event()
 
     # --- the hot path: runs on vLLM's scheduler thread ---------------------------------------
 
@@ -407,6 +411,7 @@ class CaptureSession:
             steps.num_buffered += len(taken)
             steps.num_enqueued += len(taken)
             self.snapshot_pause_ns = taken.ended.pause_ns
+            self._scheduler_thread = threading.get_ident()
             self._probes.arm()
         except BaseException as error:  # noqa: BLE001 - the engine must never see ours
             self._probes.disarm()
@@ -471,15 +476,54 @@ class CaptureSession:
         self._steps.num_drained += writer.write_encoded_rows(chunks)
         return True
 
-    def _disarm_probes(self) -> None:
+    def _disarm_probes(self, wait_s: float = 0.0) -> None:
+        """Disarm where the trace holds whole calls only: the probes hand each step's records
+        over when the next step starts, so that hand-over disarms them, on the scheduler thread,
+        between two steps (``_last_step``); this thread waits for it up to ``wait_s`` and never
+        holds the scheduler. Disarmed from here instead (an idle engine, no wait), a step the
+        scheduler is in the middle of is dropped and marked, never cut; one it is not in (an
+        idle engine's last) is kept."""
         if self._next_step is not None:
             self._next_step.cancel()
-        if self._probes is not None:
-            self._probes.disarm()
+        probes = self._probes
+        if probes is None:
+            return
+        # On the scheduler thread itself (a signal handler there), no step can come meanwhile.
+        if wait_s > 0 and probes._armed and threading.get_ident() != self._scheduler_thread:
+            probes.sink_many = self._last_step
+            if self._disarmed_between_steps.wait(wait_s):
+                return
+        if self._scheduler_in_a_call():
+            probes.sink_many = self._drop_step
+        probes.disarm()
+
+    def _last_step(self, records: list[Record]) -> None:
+        """The probes' hand-over once a stop asked for it: the last whole step, then disarm."""
+        self._steps(records)
+        self._probes.disarm()
+        self._disarmed_between_steps.set()
+
+    def _drop_step(self, records: list[Record]) -> None:
+        self._steps.unmarked_drops += len(records)  # the writer marks them
+        self.num_dropped += len(records)
+
+    def _scheduler_in_a_call(self) -> bool:
+        """Whether the scheduler thread is inside a probed method (or our code run by one)."""
+        from kvtrace.probes import probe_targets
+
+        files = {sys.modules[owner.__module__].__file__ for owner, _, _ in probe_targets()}
+        files |= {sys.modules[name].__file__ for name in ("kvtrace.probes.wrappers",
+                                                          "kvtrace.probes.cache_probes")}
+        frame = sys._current_frames().get(self._scheduler_thread)
+        while frame is not None:
+            if frame.f_code.co_filename in files:
+                return True
+            frame = frame.f_back
+        return False
 
     def _shut_down(self, timeout_s: float | None) -> None:
         """Disarm the probes, stop the telemetry, let the writer drain and finish."""
-        self._disarm_probes()
+        self._disarm_probes(min(DISARM_WAIT_S, timeout_s or 0.0))
         if self._telemetry is not None:
             self._telemetry.stop()
         self._stop.set()
