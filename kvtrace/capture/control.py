@@ -5,7 +5,9 @@ Inside the engine, ``start_control_server()`` listens on a Unix socket
 0700 and the engine user's, the socket 0600) on a daemon thread, and answers one request per
 connection (``messages.py``: ping, arm, status, disarm). It also binds SIGUSR1 (arm to a default
 path) and SIGUSR2 (disarm) where nothing else uses them. Starting it twice is a no-op, so the
-plugin and an injected bootstrap can both call it.
+plugin and an injected bootstrap can both call it. The engine removes its socket when it exits
+cleanly, and a server that starts removes the sockets of engines that died without removing
+theirs (killed).
 
 On the operator side, ``request(pid, message)`` sends one request and returns the reply of the
 type that request gets; an error reply is raised as the ``KvtraceError`` the engine raised.
@@ -20,6 +22,8 @@ from __future__ import annotations
 
 import atexit
 import os
+import re
+import select
 import signal
 import socket
 import stat
@@ -27,6 +31,8 @@ import struct
 import threading
 import time
 from pathlib import Path
+
+import msgspec
 
 from kvtrace import __version__
 from kvtrace.capture.messages import (
@@ -48,11 +54,19 @@ from kvtrace.capture.messages import (
     error_reply,
     raise_error,
 )
-from kvtrace.capture.safe_paths import open_private_dir, remove_if_there, runtime_dir
+from kvtrace.capture.safe_paths import (
+    open_private_dir,
+    remove_if_there,
+    remove_own_socket,
+    runtime_dir,
+)
 from kvtrace.errors import KvtraceError, UnsafePathError
 
 ACCEPT_POLL_S = 0.5
 MAX_REQUEST_BYTES = 1 << 16
+# A shorter lease than ``ArmRequest``'s, for the tests that let one lapse; no operator option.
+LEASE_ENV = "KVTRACE_TEST_LEASE_S"
+_SOCKET_NAME = re.compile(r"engine-(\d+)\.sock")
 
 
 class ControlChannelError(KvtraceError):
@@ -69,6 +83,26 @@ class ControlSilentError(ControlChannelError):
 
 def socket_path(pid: int, uid: int | None = None) -> Path:
     return runtime_dir(uid) / f"engine-{pid}.sock"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        pass
+    return True
+
+
+def _remove_dead_sockets(dir_fd: int) -> None:
+    """Remove the sockets this user's engines left in their private directory when they died
+    without removing them (killed, so no exit handler ran). A live pid's socket stays, and so
+    does anything that is not a socket of this user's (``remove_own_socket``)."""
+    for name in os.listdir(dir_fd):
+        match = _SOCKET_NAME.fullmatch(name)
+        if match and not _alive(int(match.group(1))):
+            remove_own_socket(name, dir_fd, os.getuid())
 
 
 def _peer(connection: socket.socket) -> tuple[int, int]:
@@ -99,7 +133,10 @@ def _read_line(connection: socket.socket) -> bytes:
 class LeaseWatch:
     """The engine's side of a controller's lease on its capture: the arm's connection, kept
     open. The capture ends (``hook.end``) when the controller closes it, which its death
-    does whatever killed it, or lets ``lease_s`` pass without writing on it."""
+    does whatever killed it, or lets ``lease_s`` pass without writing on it. Then, before it
+    closes the connection, the engine writes the capture's final status on it: a controller
+    that was stopped or starved reads, once it runs again, that its lease lapsed and what the
+    capture holds (``Lease.lapsed``)."""
 
     def __init__(self, connection: socket.socket, lease_s: float, session) -> None:
         self.connection, self.lease_s, self.session = connection, lease_s, session
@@ -115,7 +152,13 @@ class LeaseWatch:
                 pass
             reason = "its controller closed the control connection"
         except socket.timeout:
-            reason = f"its controller renewed no lease for {self.lease_s:g} s"
+            hook.end(self.session, f"its controller renewed no lease for {self.lease_s:g} s")
+            try:
+                connection.settimeout(ACCEPT_POLL_S)
+                connection.sendall(encode(self.session.status()))
+            except OSError:
+                pass  # the controller is gone as well
+            return
         except OSError as error:
             reason = f"its control connection failed ({error.strerror or error})"
         finally:
@@ -162,6 +205,7 @@ class ControlServer:
         self._socket: socket.socket | None = None
         self._thread: threading.Thread | None = None
         self._dir_fd = -1
+        self.pid = os.getpid()  # a forked child's copy must not remove its parent's socket
 
     def start(self) -> None:
         """Listen in this user's private runtime directory; ``UnsafePathError`` if another user
@@ -171,6 +215,7 @@ class ControlServer:
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             remove_if_there(name, self._dir_fd)  # a stale socket of an earlier process, our pid
+            _remove_dead_sockets(self._dir_fd)
             listener.bind(_in(self._dir_fd, name))
             os.chmod(name, 0o600, dir_fd=self._dir_fd)
             listener.listen(4)
@@ -231,6 +276,8 @@ class ControlServer:
             LeaseWatch(connection, request.lease_s, session)
 
     def stop(self) -> None:
+        if os.getpid() != self.pid:
+            return
         self._stop.set()
         if self._socket is not None:
             self._socket.close()
@@ -248,14 +295,19 @@ _server_lock = threading.Lock()
 
 
 def start_control_server() -> Path:
-    """Start this process's control server once; returns its socket path. The socket file is
-    removed when the process exits normally."""
+    """Start this process's control server once (a forked child starts its own); returns its
+    socket path. The socket file is removed when the process exits normally: at exit, or, in a
+    forked ``multiprocessing`` child (vLLM's engine cores), which ends with ``os._exit``, by
+    multiprocessing's own finalisers."""
     global _server
+    from multiprocessing import util
+
     with _server_lock:
-        if _server is None:
+        if _server is None or _server.pid != os.getpid():
             server = ControlServer(socket_path(os.getpid()))
             server.start()
             atexit.register(server.stop)
+            util.Finalize(server, server.stop, exitpriority=0)
             _server = server
             _install_signal_handlers()
         return _server.path
@@ -324,8 +376,10 @@ class Lease:
     or falls silent for ``lease_s``. ``status`` is the arm's reply."""
 
     def __init__(self, client: socket.socket, status: CaptureStatus, lease_s: float) -> None:
-        self._client, self.status = client, status
+        self._client, self.status, self.lease_s = client, status, lease_s
         self._closed = threading.Event()
+        self._heard = b""  # what the engine wrote on the lease so far: its word when it lapsed
+        self._lapsed: CaptureStatus | None = None
         # The renewing thread holds no reference to the lease: a lease dropped without
         # ``close`` (an exception on the way) is collected, and that closes it.
         threading.Thread(target=_renew, args=(client, self._closed, lease_s / 5),
@@ -335,12 +389,36 @@ class Lease:
     def take(cls, pid: int, arm: ArmRequest, uid: int | None = None,
              timeout_s: float = 30.0) -> Lease:
         """Arm engine ``pid`` (``arm``) and hold the capture."""
+        if os.environ.get(LEASE_ENV):
+            arm = msgspec.structs.replace(arm, lease_s=float(os.environ[LEASE_ENV]))
         client = _connect(pid, uid, timeout_s)
         try:
             return cls(client, _exchange(client, pid, arm), arm.lease_s)
         except BaseException:
             client.close()
             raise
+
+    def lapsed(self, wait_s: float = 0.0) -> CaptureStatus | None:
+        """The capture's final status if the engine ended it because this lease lapsed (this
+        process was stopped or starved past ``lease_s``: ``LeaseWatch`` writes it before it
+        closes the connection); None if it has not said so within ``wait_s``. Kept once read,
+        so it can be asked again after ``close``."""
+        deadline = time.monotonic() + wait_s
+        while self._lapsed is None and self._client.fileno() >= 0:
+            readable, _, _ = select.select([self._client], [], [],
+                                           max(0.0, deadline - time.monotonic()))
+            try:
+                chunk = self._client.recv(MAX_REQUEST_BYTES) if readable else b""
+            except OSError:
+                chunk = b""
+            if not chunk:
+                return None
+            self._heard += chunk
+            if self._heard.endswith(b"\n"):
+                reply = decode_reply(self._heard)
+                self._lapsed = reply if isinstance(reply, CaptureStatus) else None
+                return self._lapsed
+        return self._lapsed
 
     def close(self) -> None:
         """Let go: the engine disarms if it still captures."""

@@ -28,6 +28,7 @@ import stat
 from pathlib import Path
 
 from kvtrace.errors import KvtraceError, UnsafePathError
+from kvtrace.files import planted_link
 
 _DIRECTORY = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
 _NEW_FILE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -48,8 +49,13 @@ def _untrusted_because(info: os.stat_result, uid: int) -> str | None:
 
 def open_trusted_dir(directory: str | os.PathLike, uid: int) -> int:
     """A descriptor of ``directory`` once it and each directory above it (links resolved) are
-    trusted for ``uid``: no other user can add, move or remove what ``uid`` puts there.
-    ``FileNotFoundError`` if it does not exist."""
+    trusted for ``uid``: no other user can add, move or remove what ``uid`` puts there, and no
+    link on the way is one another user could have planted (``files.planted_link``: resolved
+    first, ``/tmp/x`` -> ``/etc`` was a trusted ``/etc``). ``FileNotFoundError`` if it does not
+    exist."""
+    problem = planted_link(directory, uid)
+    if problem:
+        raise UnsafePathError(f"{problem}; kvtrace will not use {directory}")
     real = os.path.realpath(directory)
     current = "/"
     for part in [""] + [p for p in real.split("/") if p]:
@@ -142,6 +148,19 @@ def remove_if_there(name: str, dir_fd: int) -> None:
         os.unlink(name, dir_fd=dir_fd)
     except FileNotFoundError:
         pass
+
+
+def remove_own_socket(name: str, dir_fd: int, uid: int) -> bool:
+    """Remove ``name`` in ``dir_fd`` if it is a socket of ``uid`` (never a link, which is not
+    followed, nor another kind of file or another user's); whether it was removed."""
+    try:
+        info = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+        if not stat.S_ISSOCK(info.st_mode) or info.st_uid != uid:
+            return False
+        os.unlink(name, dir_fd=dir_fd)
+    except FileNotFoundError:
+        return False
+    return True
 
 
 def read_owned_file(name: str, dir_fd: int, path: Path, uid: int, max_bytes: int) -> bytes | None:

@@ -13,6 +13,7 @@ import click
 from kvtrace.errors import KvtraceError
 
 STATUS_INTERVAL_S = 0.5
+LAPSE_WAIT_S = 2.0  # for the engine's word that a lease lapsed, once its capture ended
 PID = click.IntRange(min=1, max=1 << 22)  # Linux's PID_MAX_LIMIT: no process has another
 
 
@@ -113,25 +114,25 @@ def _capture_pid(pid: int, method: str, options, seconds: float | None) -> None:
 
     targets = attach.find_engine_cores(pid)
     sessions: list[tuple] = []  # (target, trace path) of each armed engine core
-    leases = []  # while we hold them, the engines capture; our end, however, ends theirs
+    leases = {}  # pid -> lease: while we hold them, the engines capture; our end ends theirs
     terminated = None
     try:
         for target in targets:
             way_in = attach.ensure_hook(target, method, _log)
             path = _output_path(options.path, target, len(targets))
-            leases.append(attach.arm(target, msgspec.structs.replace(options, path=path)))
+            leases[target.pid] = attach.arm(target, msgspec.structs.replace(options, path=path))
             sessions.append((target, path))
             click.echo(f"kvtrace: capturing pid {target.pid} ({target.title}) via {way_in} "
                        f"-> {path}", err=True)
-        _watch(sessions, seconds)
+        _watch(sessions, seconds, leases)
     except Terminated as signal_:  # SIGTERM or SIGHUP: stop as for Ctrl-C, then say so
         terminated = signal_
     finally:
         # Whatever happened (Ctrl-C included), no engine is left armed by us.
         try:
-            finals, died = _disarm_all(sessions)
+            finals, died = _disarm_all(sessions, leases)
         finally:
-            for lease in leases:
+            for lease in leases.values():
                 lease.close()
     for target, path in sessions:
         final = finals.get(target.pid)
@@ -142,13 +143,17 @@ def _capture_pid(pid: int, method: str, options, seconds: float | None) -> None:
                        f"({final.error or 'kvtrace capture --stop'}) -> {path}")
     if died:
         _raise_died(died)
+    lapsed = [(target, leases[target.pid]) for target, _ in sessions if leases[target.pid].lapsed()]
+    if lapsed:
+        _raise_lapsed(*lapsed[0])
     if terminated is not None:
         raise terminated
 
 
-def _watch(sessions, seconds: float | None) -> None:
-    """Show a status line until Ctrl-C, the duration, or the death of a target; SIGTERM and
-    SIGHUP (``Terminated``) go to the caller, which stops the same way and then says so."""
+def _watch(sessions, seconds: float | None, leases: dict) -> None:
+    """Show a status line until Ctrl-C, the duration, the death of a target or the end of a
+    capture its engine ended as our lease lapsed; SIGTERM and SIGHUP (``Terminated``) go to the
+    caller, which stops the same way and then says so."""
     from kvtrace.capture import attach
     from kvtrace.cli import Terminated
 
@@ -161,6 +166,9 @@ def _watch(sessions, seconds: float | None) -> None:
             if not all(attach.is_alive(target.pid) for target, _ in sessions):
                 return
             statuses = [attach.status(target) for target, _ in sessions]
+            if any(_lapsed(status, leases[target.pid])
+                   for (target, _), status in zip(sessions, statuses)):
+                return  # the caller prints what was captured, then why it ended
             errors = [s.error for s in statuses if s.error]
             if errors:
                 raise KvtraceError(f"the capture stopped inside the engine: {errors[0]}",
@@ -188,19 +196,35 @@ def _watch(sessions, seconds: float | None) -> None:
             click.echo("", err=True)
 
 
-def _disarm_all(sessions) -> tuple[dict, list[tuple]]:
-    """Disarm every armed target; (final status per pid, the (target, path) pairs that died)."""
+def _disarm_all(sessions, leases: dict) -> tuple[dict, list[tuple]]:
+    """Disarm every armed target; (final status per pid, the (target, path) pairs that died).
+    A capture its engine ended as the lease lapsed has the final status the engine sent then."""
     from kvtrace.capture import attach
 
     finals, died = {}, []
     for target, path in sessions:
         try:
-            finals[target.pid] = attach.disarm(target)
+            final = attach.disarm(target)
+            finals[target.pid] = _lapsed(final, leases[target.pid]) or final
         except KvtraceError:
             if _still_alive(target.pid):
                 raise
             died.append((target, path))
     return finals, died
+
+
+def _lapsed(status, lease):
+    """The final status of the capture ``status`` (its engine's) reports ended on its own, if
+    the engine ended it because ``lease`` lapsed; else None."""
+    return lease.lapsed(LAPSE_WAIT_S) if status.path is None and status.error else None
+
+
+def _raise_lapsed(target, lease) -> None:
+    raise KvtraceError(
+        f"pid {target.pid} stopped capturing because kvtrace capture did not renew its lease for "
+        f"{lease.lease_s:g} s (it was stopped or starved of CPU); the trace is valid up to there",
+        "Do not suspend kvtrace capture while it runs (Ctrl-Z, SIGSTOP, a debugger), and check "
+        "the host's load; capture again for more.")
 
 
 def _still_alive(pid: int, grace_s: float = 2.0) -> bool:
