@@ -7,6 +7,8 @@ output appears whole or not at all, and a file that cannot be read or written is
 * ``existing_output(path)``: an output's path holds nothing or a regular file; anything else
   (a link, a device, a FIFO, a socket, a directory) is refused, so that no rename ever replaces
   ``/dev/null`` or a link (``--html /dev/stdout`` as root), and nothing is written through one.
+  A directory on the way there that is a link another user could have planted is refused too
+  (``planted_link``).
 * ``StagedOutput(path)``: a fresh private directory beside ``path`` (``.NAME.XXXX.partial``)
   whose ``path`` the writer fills; ``publish()`` renames it onto ``path``, ``discard()`` (or a
   failure inside ``with``) removes it. Two commands writing one target never share a scratch
@@ -62,12 +64,70 @@ _WRITE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS}
 _WRITE_ERROR_TEXTS = tuple(os.strerror(code) for code in sorted(_WRITE_ERRNOS))
 
 
+def _link_not_followed_because(link: os.stat_result, directory: os.stat_result,
+                                uid: int) -> str | None:
+    """Why a link must not be followed by ``uid``: another user made it, or could have (its
+    directory is another user's, or others may write there and it is not sticky)."""
+    if link.st_uid not in (0, uid):
+        return f"is a link owned by uid {link.st_uid}"
+    mode = stat.S_IMODE(directory.st_mode)
+    if directory.st_uid not in (0, uid) or (mode & 0o022 and not mode & stat.S_ISVTX):
+        return "is a link in a directory other users can change"
+    return None
+
+
+def planted_link(directory: str | os.PathLike, uid: int | None = None) -> str | None:
+    """The first link among ``directory``'s components (the links' own targets included, as
+    the kernel resolves them) that ``uid`` (default: this process's) must not follow, with why;
+    None if there is none. Links that root or ``uid`` made where only they could are followed
+    (``/var/run``, a home directory's own links); a link another user planted in ``/tmp`` is
+    not, as fs.protected_symlinks would refuse it where it is off."""
+    uid = os.geteuid() if uid is None else uid
+    pending = [part for part in os.path.abspath(directory).split("/") if part]
+    current, hops = "/", 0
+    while pending:
+        part = pending.pop(0)
+        if part in (".", ".."):
+            current = current if part == "." else os.path.dirname(current)
+            continue
+        candidate = os.path.join(current, part)
+        try:
+            info = os.lstat(candidate)
+            if stat.S_ISLNK(info.st_mode):
+                problem = _link_not_followed_because(info, os.stat(current), uid)
+                target = os.readlink(candidate)
+        except OSError:
+            return None  # missing or unreadable: opening it says so
+        if not stat.S_ISLNK(info.st_mode):
+            current = candidate
+            continue
+        if problem:
+            return f"{candidate} {problem}"
+        hops += 1
+        if hops > 40:
+            return None  # a loop: opening it says so (ELOOP)
+        current = "/" if target.startswith("/") else current
+        pending[:0] = [part for part in target.split("/") if part]
+    return None
+
+
+def refuse_planted_link(path: str | os.PathLike, label: str) -> None:
+    """Refuse an output whose directory is reached through a planted link (``planted_link``);
+    the output's own name is its opener's to check (``O_NOFOLLOW``, ``existing_output``)."""
+    problem = planted_link(os.path.dirname(os.path.abspath(path)))
+    if problem:
+        raise OutputError(f"cannot write {label}: {problem}; kvtrace does not follow it",
+                          "Give the path without that link (the directory it points to, if "
+                          "you trust it), or remove the link.")
+
+
 def existing_output(path: str | os.PathLike, option: str = "") -> os.stat_result | None:
     """What an output's path holds now: nothing (None) or a regular file (its ``lstat``).
     Anything else is refused: kvtrace replaces only regular files, so that a rename never
     replaces a device node, a link, a FIFO or a socket (as root, ``-o /dev/null`` would replace
     the host's /dev/null), and it never writes through one."""
     label = f"{option} {os.fspath(path)}" if option else os.fspath(path)
+    refuse_planted_link(path, label)
     try:
         info = os.lstat(path)
     except FileNotFoundError:
