@@ -16,6 +16,8 @@ from pathlib import Path
 import pytest
 
 SYSTEM_PYTHON = os.path.realpath(sys.executable)  # the interpreter behind the venv: no kvtrace
+needs_ptrace = pytest.mark.skipif(
+    os.uname().machine != "x86_64", reason="kvtrace's own injector runs on x86-64 Linux only")
 needs_gdb = pytest.mark.skipif(shutil.which("gdb") is None, reason="gdb is not installed")
 needs_lldb = pytest.mark.skipif(
     shutil.which("lldb") is None,
@@ -29,7 +31,10 @@ CALL_GETPID = {"gdb": ["-batch", "-nx", "-ex", "call (long)getpid()"],
 def can_call(debugger: str) -> bool:
     """Whether ``debugger`` calls ``getpid()`` in a sleeping Python and leaves it alive: the
     check issue 21 gives for any host (`gdb -p PID -batch -ex 'call (long)getpid()'`), which
-    fails on AMX hosts with gdb 13 and kills the sleeper."""
+    fails on AMX hosts with gdb 13 and kills the sleeper. kvtrace's own injector (``ptrace``)
+    runs wherever it is built for: x86-64 Linux."""
+    if debugger == "ptrace":
+        return os.uname().machine == "x86_64" and sys.platform.startswith("linux")
     sleeper = subprocess.Popen([SYSTEM_PYTHON, "-c", "import time; time.sleep(120)"], cwd="/")
     try:
         time.sleep(0.5)
@@ -60,7 +65,8 @@ BEHAVIOURS = {
               'kill -9 "$pid"'),
     "does-nothing": ("it attaches, detaches and calls nothing", "exit 0"),
 }
-VERSIONS = {"gdb": "GNU gdb (stand-in) 0.1", "lldb": "lldb version 0.1 (stand-in)"}
+VERSIONS = {"gdb": "GNU gdb (stand-in) 0.1", "lldb": "lldb version 0.1 (stand-in)",
+            "ptrace": "kvtrace's injector (stand-in)"}
 
 
 def stand_in(directory: Path, name: str, behaviour: str) -> Path:

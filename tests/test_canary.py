@@ -17,14 +17,16 @@ from debugger_support import (
     can_call,
     needs_gdb,
     needs_lldb,
+    needs_ptrace,
     path_with,
     pids_in,
     stand_in,
 )
 from test_capture_live import run_cli, sleeper
 
+import kvtrace
 from kvtrace.capture import attach, canary, control
-from kvtrace.capture.debuggers import Gdb, Lldb
+from kvtrace.capture.debuggers import Gdb, Lldb, Ptrace
 from kvtrace.errors import UnsafePathError
 
 OTHER = {"gdb": "lldb", "lldb": "gdb"}
@@ -73,16 +75,24 @@ def test_a_debugger_that_kills_its_target_is_stopped_by_its_canary(engine_like, 
     assert engine_like.poll() is None, "the engine lives on"
 
 
-def test_auto_tries_each_debugger_and_touches_nothing_when_none_passes(engine_like, tmp_path):
-    logs = [stand_in(tmp_path / "bin", name, "kills") for name in ("gdb", "lldb")]
-    code, err = run_cli("capture", "--pid", str(engine_like.pid), "-o",
-                        str(tmp_path / "x.kvtrace"), env=path_with(tmp_path / "bin"))
-    assert code == 1
-    assert ("kvtrace: error: no debugger can safely inject here (gdb 0.1 failed its canary: it "
-            "died (killed by SIGKILL)") in err
-    assert "; lldb 0.1 failed its canary: it died (killed by SIGKILL)" in err
-    assert f"kvtrace did not touch pid {engine_like.pid}" in err
-    assert "kvtrace: hint: Install kvtrace into vLLM's environment and restart vLLM" in err
+def test_auto_tries_each_injector_and_touches_nothing_when_none_passes(engine_like, tmp_path,
+                                                                        runtime_dir,
+                                                                        monkeypatch):
+    """kvtrace's injector first, then gdb, then lldb: each kills its canary (stand-ins; the
+    injector's command is pointed at one), so none touches the engine."""
+    logs = [stand_in(tmp_path / "bin", name, "kills") for name in ("ptrace", "gdb", "lldb")]
+    monkeypatch.setenv("PATH", path_with(tmp_path / "bin")["PATH"])
+    monkeypatch.setattr(Ptrace, "_pending_call_command",
+                        lambda self, pid, code: [str(tmp_path / "bin" / "ptrace"), "-p", str(pid)])
+    with pytest.raises(attach.AttachError) as error:
+        attach.ensure_hook(attach.describe(engine_like.pid), "auto", lambda message: None)
+    assert str(error.value).startswith(
+        f"no debugger can safely inject here (kvtrace's injector {kvtrace.__version__} failed "
+        "its canary: it died (killed by SIGKILL); gdb 0.1 failed its canary: it died (killed "
+        "by SIGKILL)")
+    assert "; lldb 0.1 failed its canary: it died (killed by SIGKILL)" in str(error.value)
+    assert str(error.value).endswith(f"kvtrace did not touch pid {engine_like.pid}")
+    assert error.value.hint.startswith("Install kvtrace into vLLM's environment and restart")
     for log in logs:
         assert pids_in(log) and engine_like.pid not in pids_in(log)
     assert engine_like.poll() is None
@@ -172,7 +182,8 @@ def test_a_target_that_dies_during_injection_is_said_to_have_died(engine_like, t
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", [pytest.param(Gdb, marks=needs_gdb),
+@pytest.mark.parametrize("kind", [pytest.param(Ptrace, marks=needs_ptrace),
+                                  pytest.param(Gdb, marks=needs_gdb),
                                   pytest.param(Lldb, marks=needs_lldb)])
 def test_the_canary_agrees_with_the_issues_check_on_this_host(engine_like, runtime_dir, kind):
     """The real debugger: its canary passes exactly where issue 21's check finds it can make a
@@ -182,5 +193,8 @@ def test_the_canary_agrees_with_the_issues_check_on_this_host(engine_like, runti
     assert verdict.passed == can_call(kind.name), verdict
     assert verdict.age_s is None and any(m.startswith("canary: pid ") for m in messages)
     assert engine_like.poll() is None
-    if verdict.passed:
+    if verdict.passed and kind.wakes:
+        assert verdict.detail == ("its main thread ran a pending call woken from a lock and one "
+                                  "busy, and a direct call asleep, and it lived on")
+    elif verdict.passed:
         assert verdict.detail == "it answered a direct call and a pending call and lived on"

@@ -95,7 +95,8 @@ def test_s1_links_in_the_targets_runtime_dir_are_never_followed(shared):
     report_victim = root_file(shared / "victim.json", report_secret)
     target = sleeper("VLLM::EngineCore", user=ATTACKER, python=PLAIN_PYTHON)
     private = shared / f"kvtrace-{ATTACKER_UID}"
-    usable = [name for name in ("gdb", "lldb") if shutil.which(name) and can_call(name)]
+    usable = [name for name in ("ptrace", "gdb", "lldb")
+              if (name == "ptrace" or shutil.which(name)) and can_call(name)]
     try:
         as_attacker("mkdir", "-m", "0700", str(private))
         as_attacker("ln", "-s", str(victim), str(private / f"inject-{target.pid}.py"))

@@ -6,9 +6,10 @@ Ways in, best first (``--method auto`` tries them in this order):
   point already started a dormant control server in each engine core. No ptrace needed.
 * ``remote-exec`` - PEP 768 ``sys.remote_exec`` runs a bootstrap in the target when both sides
   run Python >= 3.14.
-* ``gdb`` or ``lldb`` - for older Pythons, whichever passes its canary first (``canary.py``:
-  the same injection on a throw-away process of the engine's interpreter, which on some hosts
-  gdb kills). The debugger schedules the bootstrap as a pending call, or runs it directly in a
+* ``ptrace``, ``gdb`` or ``lldb`` - for older Pythons, the first that passes its canary
+  (``canary.py``: the same injection on a throw-away process of the engine's interpreter, which
+  on some hosts gdb kills). ``ptrace``, kvtrace's own injector (``ptrace.py``), holds the main
+  thread alone for milliseconds; a debugger stops every thread for seconds. It schedules the bootstrap as a pending call, or runs it directly in a
   parked main thread outside the allocator (``inject.py``, ``debuggers.py``). The bootstrap is
   idempotent, so running twice is harmless.
 
@@ -52,9 +53,10 @@ from kvtrace.capture.messages import (
     options_from,
 )
 from kvtrace.capture.safe_paths import check_not_in_runtime_dir
+from kvtrace.capture.stalls import StallSampler
 
 ENGINE_CORE_TITLE = "::EngineCore"
-METHODS = ("auto", "plugin", "remote-exec", "gdb", "lldb")
+METHODS = ("auto", "plugin", "remote-exec", *DEBUGGERS)
 
 
 @dataclass(frozen=True)
@@ -244,10 +246,12 @@ def ensure_hook(target: Target, method: str, log: Callable[[str], None]) -> WayI
                          f"{sys.version.split()[0]} has sys.remote_exec")
         debugger, why = _proven_debugger(target, method, log)
         bootstrap.write()
-        how = run_in_main_thread(debugger, target.pid, bootstrap.run_string,
-                                 lambda seconds: _wait_for_bootstrap(target, bootstrap, seconds),
-                                 log)
-        return WayIn(debugger.name, f"{why}; the bootstrap ran by a {how}")
+        with StallSampler(target.pid) as sampler:
+            how = run_in_main_thread(
+                debugger, target.pid, bootstrap.run_string,
+                lambda seconds: _wait_for_bootstrap(target, bootstrap, seconds), log)
+        return WayIn(debugger.name, f"{why}; the bootstrap ran by a {how}; "
+                                    f"{sampler.stalls.describe()}")
     finally:
         bootstrap.close()
 
@@ -280,6 +284,8 @@ def _proven_debugger(target: Target, method: str, log: Callable[[str], None]):
 
 
 OTHER_WAYS_IN = {
+    "ptrace": "Use --method lldb or --method gdb (each stops the engine for seconds), or the "
+              "plugin (install kvtrace into vLLM's environment and restart vLLM).",
     "gdb": "Use --method lldb (apt-get install lldb), the plugin (install kvtrace into vLLM's "
            "environment and restart vLLM), or a newer gdb.",
     "lldb": "Use --method gdb, the plugin (install kvtrace into vLLM's environment and restart "

@@ -8,7 +8,10 @@ touches an engine, ``prove`` starts a canary: the engine's own interpreter binar
 idle engine core, its main thread in ``queue.get()`` and two more threads asleep, one in
 ``time.sleep`` and one in ``select``. The same debugger then runs the same sequence on it as it
 would on the engine (``inject.run_in_main_thread``: the pending call, then, the main thread
-being parked, the direct call) on a bootstrap file written the same way. The canary passes when
+being parked, the direct call; kvtrace's own injector wakes the parked thread instead, then
+queues a call while the woken main thread is busy hashing and adding, checked, as a serving
+engine's is, and runs its direct call once it sleeps in ``time.sleep``) on a bootstrap file
+written the same way. The canary passes when
 both calls ran its answering script and it, and every thread of it, lives on; a thread that
 meets an error (``OSError: [Errno 514]``, a futex failure) ends it.
 
@@ -53,8 +56,9 @@ SURVIVAL_S = 0.3  # how long the canary must live on after its last answer
 MAX_CACHE_BYTES = 1 << 16
 
 CANARY_PROGRAM = r'''
-import os, queue, select, threading, time
+import hashlib, os, queue, select, threading, time
 ANSWER_FD = 1
+BUSY_S = 3.0  # after each wake-up: longer than an injection takes
 WAKE = queue.Queue()
 def broken(where, error):
     os.write(1, ("broken: " + where + ": " + repr(error) + "\n").encode())
@@ -71,15 +75,28 @@ def polling(fd):
         broken("a thread in select", "woken with nothing to read")
     except BaseException as error:
         broken("a thread in select", error)
+def busy(seconds):
+    # Hashing (vector registers) and float arithmetic, each checked: an injection that does
+    # not put the interrupted state back shows here.
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        if hashlib.sha256(b"kvtrace canary" * 64).hexdigest() != DIGEST:
+            broken("the main thread, busy", "a wrong digest")
+        if sum(i * 0.5 for i in range(100)) != 2475.0:
+            broken("the main thread, busy", "a wrong sum")
+DIGEST = hashlib.sha256(b"kvtrace canary" * 64).hexdigest()
 quiet, _kept_open = os.pipe()
 threading.Thread(target=sleeping, daemon=True).start()
 threading.Thread(target=polling, args=(quiet,), daemon=True).start()
 os.write(1, b"ready\n")
 try:
-    while True:
-        WAKE.get()
+    WAKE.get()  # parked on a lock: each injector's first call meets it
+    busy(BUSY_S)  # after the first answer
+    WAKE.get()
+    while True:  # after the second: asleep
+        time.sleep(3600)
 except BaseException as error:
-    broken("the main thread in queue.get", error)
+    broken("the main thread", error)
 '''
 
 # What the injected line runs in the canary (with the same exec as kvtrace's bootstrap): answer,
@@ -300,11 +317,22 @@ def _run_canary(debugger, target, executable: str, library: dict | None, log) ->
             log(message)
 
         try:
-            run_in_main_thread(debugger, canary.pid, bootstrap.run_string, canary.answered,
-                               record, named_pid=target.pid, grace_s=GRACE_S,
-                               timeout_s=DEBUGGER_TIMEOUT_S)
-            if not canary.answered(ANSWER_TIMEOUT_S):
+            how = run_in_main_thread(debugger, canary.pid, bootstrap.run_string,
+                                     canary.answered, record, named_pid=target.pid,
+                                     grace_s=GRACE_S, timeout_s=DEBUGGER_TIMEOUT_S)
+            if how == "direct call" and not canary.answered(ANSWER_TIMEOUT_S):
                 return Verdict(False, "it ran the direct call but never its pending call")
+            if debugger.wakes:  # its other paths: a busy main thread, then a sleeping one
+                run_in_main_thread(debugger, canary.pid, bootstrap.run_string,
+                                   canary.answered, record, named_pid=target.pid,
+                                   grace_s=GRACE_S, timeout_s=DEBUGGER_TIMEOUT_S)
+                _wait_until_parked(canary.pid)
+                if run_in_main_thread(debugger, canary.pid, bootstrap.run_string,
+                                      canary.answered, record, named_pid=target.pid,
+                                      grace_s=GRACE_S,
+                                      timeout_s=DEBUGGER_TIMEOUT_S) != "direct call":
+                    return Verdict(False, "its sleeping main thread ran a pending call, not "
+                                          "the direct call")
             time.sleep(SURVIVAL_S)
             if not is_alive(canary.pid):
                 raise InjectionError("the canary ended after answering")
@@ -313,6 +341,9 @@ def _run_canary(debugger, target, executable: str, library: dict | None, log) ->
             what = ("it did not run the injected code" if is_alive(canary.pid)
                     else f"it died ({canary.how_it_ended()})")
             return Verdict(False, what + (f"; {debugger.name} said: {said}" if said else ""))
+        if debugger.wakes:
+            return Verdict(True, "its main thread ran a pending call woken from a lock and one "
+                                 "busy, and a direct call asleep, and it lived on")
         return Verdict(True, "it answered a direct call and a pending call and lived on")
     finally:
         canary.stop()

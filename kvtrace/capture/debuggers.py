@@ -1,6 +1,10 @@
-"""The debuggers kvtrace injects with, gdb and lldb, under the same safety rules.
+"""The injectors kvtrace gets its hook in with when no plugin runs: its own (``ptrace``), gdb
+and lldb, under the same safety rules.
 
-Each makes the target run one line of Python (``code``) in one of two ways, and nothing else:
+Each makes the target run one line of Python (``code``) in one of two ways, and nothing else.
+``ptrace`` (``ptrace.py``) holds the main thread alone, for milliseconds, and its pending call
+wakes a main thread parked in a futex wait; a debugger stops every thread for seconds while it
+attaches. The two ways:
 
 * ``schedule_pending_call``: call ``mmap`` for a fresh page, write ``code`` into it, and call
   ``Py_AddPendingCall(PyRun_SimpleString, page)``. CPython runs it at its next safe point in
@@ -8,7 +12,8 @@ Each makes the target run one line of Python (``code``) in one of two ways, and 
 * ``run_directly``: only for a main thread parked in a blocking syscall (the caller checks
   ``/proc``). The debugger first walks the main thread's stack and refuses, touching nothing,
   when it is inside the allocator (running Python there deadlocked a target for good,
-  reference/environment-notes.md section 3a); otherwise it calls ``PyGILState_Ensure``,
+  reference/environment-notes.md section 3a; ``ptrace``, which walks no stack, refuses every
+  futex wait instead); otherwise it calls ``PyGILState_Ensure``,
   ``PyRun_SimpleString(code)`` and ``PyGILState_Release`` in the main thread.
 
 During a call every thread of the target runs (gdb's default; lldb's ``SetStopOthers(False)``),
@@ -30,6 +35,7 @@ import re
 import shlex
 import shutil
 import subprocess
+import sys
 from functools import cached_property
 from pathlib import Path
 from typing import Callable
@@ -55,6 +61,7 @@ class Debugger:
 
     name = ""
     install_hint = ""
+    wakes = False  # whether its pending call wakes a main thread parked in a futex wait
     failure_line: re.Pattern  # a line of its output saying that a call or the attach failed
 
     def __init__(self, binary: str) -> None:
@@ -319,4 +326,51 @@ def _kvtrace(pid, mode, code, call_code):
 _kvtrace({{pid}}, {{mode!r}}, {{code!r}}, {{call!r}})
 """
 
-DEBUGGERS: dict[str, type[Debugger]] = {"gdb": Gdb, "lldb": Lldb}
+class Ptrace(Debugger):
+    """kvtrace's own injector (``ptrace.py``), run as ``python -I -m kvtrace.capture.ptrace``
+    in a session of its own, like a debugger. Its pending call wakes a main thread parked in a
+    futex wait; its direct call runs only in one parked in another blocking syscall, and does
+    nothing, saying so, elsewhere (the pending call then runs when the thread wakes)."""
+
+    name = "ptrace"
+    wakes = True
+    failure_line = re.compile(rf"^({CALL_FAILED}|ptrace:)")
+
+    @classmethod
+    def find(cls) -> "Ptrace":
+        if os.uname().machine != "x86_64" or not sys.platform.startswith("linux"):
+            raise AttachError("kvtrace's own injector runs on x86-64 Linux only",
+                              "Use --method lldb or --method gdb, or the plugin.")
+        return cls(sys.executable)
+
+    @cached_property
+    def version(self) -> str:
+        import kvtrace
+
+        return kvtrace.__version__
+
+    @property
+    def label(self) -> str:
+        return f"kvtrace's injector {self.version}"
+
+    def identity(self) -> dict:
+        """Its interpreter and the source of the sequence it runs."""
+        from kvtrace.capture import elf_symbols, ptrace
+
+        source = b"".join(Path(module.__file__).read_bytes() for module in (ptrace, elf_symbols))
+        real = os.path.realpath(self.binary)
+        return {"path": real, "inode": os.stat(real).st_ino, "version": self.version,
+                "sequence": hashlib.sha256(source).hexdigest()}
+
+    def _pending_call_command(self, pid: int, code: str) -> list[str]:
+        return [self.binary, "-I", "-m", "kvtrace.capture.ptrace", str(pid), "pending", code]
+
+    def _direct_command(self, pid: int, code: str) -> list[str]:
+        return [self.binary, "-I", "-m", "kvtrace.capture.ptrace", str(pid), "direct", code]
+
+    def _no_symbols(self, output: str) -> bool:
+        return bool(re.search(r"exports no .*(Py_AddPendingCall|PyRun_SimpleString)", output))
+
+
+# In the order --method auto tries them: the one that stops the engine least first.
+DEBUGGERS: dict[str, type[Debugger]] = {"ptrace": Ptrace, "gdb": Gdb, "lldb": Lldb}

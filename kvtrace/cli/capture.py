@@ -31,12 +31,17 @@ def parse_duration(text: str | None) -> float | None:
     return seconds
 
 
+# attach.METHODS, spelled out so that `kvtrace --help` imports no capture code (a test holds
+# the two equal).
+METHODS = ("auto", "plugin", "remote-exec", "ptrace", "gdb", "lldb")
+
+
 @click.command("capture")
 @click.option("--pid", type=PID, help="vLLM engine-core pid, or the API-server pid above it.")
-@click.option("--method", type=click.Choice(["auto", "plugin", "remote-exec", "gdb", "lldb"]),
-              default="auto", show_default=True,
+@click.option("--method", type=click.Choice(METHODS), default="auto", show_default=True,
               help="How to get kvtrace's hook into the engine: auto takes the plugin, then "
-                   "remote-exec (Python 3.14), then whichever debugger passes its canary.")
+                   "remote-exec (Python 3.14), then the first of kvtrace's own injector "
+                   "(ptrace), gdb and lldb that passes its canary.")
 @click.option("--duration", help="Stop after this long (30s, 10m, 1h); default: until Ctrl-C.")
 @click.option("-o", "--output", type=click.Path(dir_okay=False), help="Trace file to write.")
 @click.option("--no-hash-bytes", is_flag=True, help="Leave hash bytes out (ids only): a trace to share.")
