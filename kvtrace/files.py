@@ -114,7 +114,13 @@ def planted_link(directory: str | os.PathLike, uid: int | None = None) -> str | 
 def refuse_planted_link(path: str | os.PathLike, label: str) -> None:
     """Refuse an output whose directory is reached through a planted link (``planted_link``);
     the output's own name is its opener's to check (``O_NOFOLLOW``, ``existing_output``)."""
-    problem = planted_link(os.path.dirname(os.path.abspath(path)))
+    refuse_planted_dir(os.path.dirname(os.path.abspath(path)), label)
+
+
+def refuse_planted_dir(directory: str | os.PathLike, label: str) -> None:
+    """Refuse an output directory (made if missing, e.g. replay's ``-o``) reached through a
+    planted link, the directory's own name included."""
+    problem = planted_link(directory)
     if problem:
         raise OutputError(f"cannot write {label}: {problem}; kvtrace does not follow it",
                           "Give the path without that link (the directory it points to, if "

@@ -72,3 +72,23 @@ def test_ordinary_directories_and_own_links_still_work(tmp_path):
         trace.publish()
         trace.close()
         assert (real / "out.kvtrace").exists() or (shared / "out.kvtrace").exists()
+
+
+def test_replay_and_export_directories_through_a_planted_link_are_refused(planted, tmp_path):
+    """Replay's -o and export's -o are directories kvtrace makes: no directory is made, and
+    nothing written, through the link (the directory under it included)."""
+    from click.testing import CliRunner
+    from test_replay_cli import hot_prefix_workload
+
+    from kvtrace.cli import cli
+
+    link, target = planted
+    workload = hot_prefix_workload(tmp_path / "w.kvtrace", num_gpu_blocks=64)
+    db = tmp_path / "w.duckdb"
+    assert CliRunner().invoke(cli, ["load", str(workload), "-o", str(db)]).exit_code == 0
+    for args in (["replay", str(workload), "--variant", "fixed", "-o", str(link / "runs")],
+                 ["export", str(db), "--parquet", str(link / "parquet")]):
+        result = CliRunner().invoke(cli, args)
+        assert result.exit_code == 1, result.output
+        assert "is a link owned by uid 4242" in result.stderr
+        assert list(target.iterdir()) == []

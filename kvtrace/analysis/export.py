@@ -29,7 +29,7 @@ import msgspec
 from kvtrace.analysis.database import ROWS_SCHEMA, open_database
 from kvtrace.analysis.sql_access import sql_identifier, sql_string
 from kvtrace.errors import KvtraceError
-from kvtrace.files import OutputError, cannot_write, write_failure
+from kvtrace.files import OutputError, cannot_write, refuse_planted_dir, write_failure
 
 MANIFEST = "_kvtrace_export.json"
 # Partition column by table kind, in order of preference.
@@ -69,6 +69,7 @@ def export_parquet(db_path: str, outdir: str, *, overwrite: bool = False) -> Exp
     started = time.perf_counter()
     target = Path(os.path.abspath(outdir))
     _check_target(db_path, outdir, target, overwrite)
+    refuse_planted_dir(target, f"--parquet {outdir}")
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
         partial = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".partial",

@@ -39,7 +39,13 @@ from kvtrace.engine_config import (
     derive,
 )
 from kvtrace.errors import ConfigError, KvtraceError
-from kvtrace.files import StagedOutput, cannot_write, file_digest, require_regular_file
+from kvtrace.files import (
+    StagedOutput,
+    cannot_write,
+    file_digest,
+    refuse_planted_dir,
+    require_regular_file,
+)
 from kvtrace.events import (
     BlockRemoved,
     BlockState,
@@ -407,6 +413,7 @@ def replay(options: ReplayOptions,
     if options.write_traces:
         if outdir.exists() and not outdir.is_dir():
             raise ConfigError(f"output directory {outdir} is a file", "Give -o a directory.")
+        refuse_planted_dir(outdir, f"-o {outdir}")
         try:
             outdir.mkdir(parents=True, exist_ok=True)
         except OSError as error:
