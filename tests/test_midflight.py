@@ -19,10 +19,18 @@ import time
 from pathlib import Path
 
 import pytest
-from test_capture_live import kvtrace, lockstep_verify, wait_for_stderr_line
+from debugger_support import needs_ptrace
+from test_capture_live import (
+    MAX_INJECTOR_STOP_MS,
+    kvtrace,
+    lockstep_verify,
+    longest_stop_ms,
+    wait_for_stderr_line,
+)
 
 from kvtrace.capture import control
 from kvtrace.capture.messages import PingRequest, StatusRequest
+from kvtrace.capture.stalls import StallSampler
 from kvtrace.cli.demo import BUSY_ENGINE
 from kvtrace.engine.process import EngineProcess
 from kvtrace.geometry.presets import preset_names
@@ -46,11 +54,12 @@ def documents_workload(path: Path, model: str, num_requests: int = 600) -> Path:
     return path
 
 
-def serving_engine(workload: Path, *extra: str) -> EngineProcess:
-    """A `kvtrace engine` (plugin on) that has started serving its workload (``extra``: more of
-    its options, e.g. ``--variant upstream --vllm 0.30.0``; else the variant is unfixed)."""
+def serving_engine(workload: Path, *extra: str, plugin: bool = True) -> EngineProcess:
+    """A `kvtrace engine` (plugin on, unless ``plugin`` is False) that has started serving its
+    workload (``extra``: more of its options, e.g. ``--variant upstream --vllm 0.30.0``; else
+    the variant is unfixed)."""
     engine = EngineProcess([str(workload), "--variant", "unfixed", "--speed", SPEED, *extra],
-                           {"KVTRACE_PLUGIN": "1", **_environment()})
+                           {**_environment(), "KVTRACE_PLUGIN": "1" if plugin else "0"})
     engine.wait_ready()
     engine.send("start")
     engine.expect("kvtrace engine: running")
@@ -71,14 +80,14 @@ def first_lookup_hit_rate(trace: Path) -> dict:
     return summary.to_dict()
 
 
-def capture_mid_flight(engine: EngineProcess, trace: Path) -> None:
+def capture_mid_flight(engine: EngineProcess, trace: Path, method: str = "auto") -> str:
     """Capture ``engine`` (a ``serving_engine``) from 4 s to 10 s after `start`, and check the
     trace is a mid-flight one: it starts with a snapshot of requests that were running, and it
-    stopped before they all ended. The engine is stopped afterwards."""
+    stopped before they all ended. The engine is stopped afterwards. The capture's stderr."""
     try:
         time.sleep(4)
-        capture = kvtrace("capture", "--pid", str(engine.pid), "--duration", "6s", "-o",
-                          str(trace))
+        capture = kvtrace("capture", "--pid", str(engine.pid), "--method", method,
+                          "--duration", "6s", "-o", str(trace))
         out, err = capture.communicate(timeout=120)
         assert capture.returncode == 0, err
         assert "the start snapshot held its scheduler" in out
@@ -90,6 +99,7 @@ def capture_mid_flight(engine: EngineProcess, trace: Path) -> None:
     # Mid-flight: requests were running when it armed, and it stopped before they all ended.
     assert kinds["snapshot_started"] == 1 and kinds["request_state"] > 0, kinds
     assert kinds["request_arrived"] > kinds["request_finished"] - kinds["request_state"], kinds
+    return err
 
 
 @pytest.mark.parametrize("model", preset_names())
@@ -109,6 +119,24 @@ def test_a_capture_armed_mid_flight_replays_from_its_snapshot(tmp_path, model):
     rescheduled = json.loads(summary_path.read_text())["variants"]["unfixed"]
     assert rescheduled["requests"] == captured["requests"] > 0
     assert abs(rescheduled["hit_rate"] - captured["hit_rate"]) <= 0.02, (rescheduled, captured)
+
+
+@needs_ptrace
+def test_an_engine_without_the_plugin_is_attached_mid_flight_without_a_stall(tmp_path):
+    """Issue 30: kvtrace's own injector gets the hook into a serving engine with no thread of it
+    stopped longer than 0.2 s (what the capture reports, and an independent sampler here),
+    and the capture verifies in lockstep."""
+    workload = documents_workload(tmp_path / "w.kvtrace", "nemotron-h-8b")
+    engine = serving_engine(workload, plugin=False)
+    trace = tmp_path / "cap.kvtrace"
+    with StallSampler(engine.pid) as sampler:
+        err = capture_mid_flight(engine, trace, method="ptrace")
+    line = next(line for line in err.splitlines() if "kvtrace: capturing pid" in line)
+    assert "via ptrace (--method ptrace; kvtrace's injector" in line
+    assert longest_stop_ms(line) <= MAX_INJECTOR_STOP_MS, line
+    assert sampler.stalls.longest_s * 1000 <= MAX_INJECTOR_STOP_MS, sampler.stalls.describe()
+    fidelity = lockstep_verify(trace, tmp_path / "fidelity")
+    assert fidelity["matched"] == fidelity["total"] > 1000, fidelity
 
 
 def _kvtrace() -> list[str]:
