@@ -404,3 +404,24 @@ def wait_for_status(pid: int, armed: bool, timeout: float = 30):
             return status
         time.sleep(0.05)
     raise AssertionError(f"pid {pid} never became {'armed' if armed else 'disarmed'}: {status}")
+
+
+def test_a_capture_of_an_idle_engine_is_said_to_have_caught_no_call(workload, tmp_path):
+    """An engine that served nothing while armed: lockstep says so, not that the trace is a
+    workload (what it said before)."""
+    engine = start_engine(workload)
+    trace = tmp_path / "idle.kvtrace"
+    try:
+        capture = kvtrace("capture", "--pid", str(engine.pid), "--duration", "1s", "-o",
+                          str(trace))
+        _, err = capture.communicate(timeout=120)
+        assert capture.returncode == 0, err
+    finally:
+        engine.stop()
+    result = CliRunner().invoke(cli, ["replay", str(trace), "--lockstep", "--verify", "-o",
+                                      str(tmp_path / "runs")])
+    assert result.exit_code == 1
+    assert (f"kvtrace: error: {trace} is a capture of an engine that made no allocate_slots "
+            "call while it was armed") in result.stderr
+    assert "kvtrace: hint: Capture while the engine serves" in result.stderr
+    assert "a workload" not in result.stderr

@@ -577,6 +577,12 @@ def _variants_for(options: ReplayOptions, engine_variant: str) -> list[str]:
 
 
 def _check_lockstep_source(options: ReplayOptions, source: Source) -> None:
+    if not source.num_captured_calls and source.header.source == "capture":
+        raise ConfigError(
+            f"{options.source} is a capture of an engine that made no allocate_slots call "
+            "while it was armed (it served nothing then), so there is nothing to re-issue in "
+            "lockstep",
+            "Capture while the engine serves, or for longer (--duration).")
     if not source.num_captured_calls:
         raise ConfigError(
             f"{options.source} holds no captured allocate_slots calls (a workload, not a "
