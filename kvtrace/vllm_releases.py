@@ -5,9 +5,10 @@ kvtrace supports the releases with #56794's checkpoint path (``probes.signatures
 project's environment has one of them; the others are installed on demand, each into its own
 directory under ``$KVTRACE_VLLM_RELEASES`` (default ``~/.cache/kvtrace/vllm``) with
 ``pip install --no-deps --target``: the wheel is 315-327 MB and installs to about 800 MB. A
-process runs a release with that directory first on ``PYTHONPATH``, so the release's ``vllm``
-shadows the project's and everything else (torch, transformers, kvtrace) comes from the
-project's environment, which every supported release imports and runs with. Where a release
+process runs a release with that directory first on ``PYTHONPATH`` (which kvtrace's own child
+Pythons, isolated, take explicitly: ``kvtrace.children``), so the release's ``vllm`` shadows
+the project's and everything else (torch, transformers, kvtrace) comes from the project's
+environment, which every supported release imports and runs with. Where a release
 declares a transformers range the project's is outside and a version inside it works with the
 project's other packages, that version is installed beside it (``PINS``).
 
@@ -21,12 +22,12 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-import sys
 import tempfile
 from importlib.metadata import PackageNotFoundError, version as package_version
 from pathlib import Path
 from typing import Callable
 
+from kvtrace.children import python_child
 from kvtrace.errors import KvtraceError
 from kvtrace.probes.signatures import SUPPORTED_VLLM_VERSIONS, check_supported
 
@@ -129,10 +130,10 @@ def install(version: str, say: Callable[[str], None]) -> None:
     say(plan(version))
     staging = tempfile.mkdtemp(prefix=f".{version}.", suffix=".partial", dir=home)
     try:
-        command = [sys.executable, "-m", "pip", "install", "--no-deps",
-                   "--disable-pip-version-check", "--target", staging, f"vllm=={version}",
-                   *PINS.get(version, ())]
-        if subprocess.run(command, stdin=subprocess.DEVNULL, check=False).returncode:
+        command, env = python_child("pip", "install", "--no-deps", "--disable-pip-version-check",
+                                    "--target", staging, f"vllm=={version}",
+                                    *PINS.get(version, ()))
+        if subprocess.run(command, env=env, stdin=subprocess.DEVNULL, check=False).returncode:
             raise ReleaseError(f"pip could not install vLLM {version} (its output is above)",
                                "Check that PyPI (or your pip index) is reachable, and retry.")
         Path(staging, MARKER).write_text(version + "\n")

@@ -54,6 +54,7 @@ def command(workload: str, variant: str, num_gpu_blocks: int | None, retention: 
     """
     import msgspec
 
+    from kvtrace.children import isolated_children
     from kvtrace.cli.common import write_atomically
     from kvtrace.engine.core import EngineOptions, run_engine
     from kvtrace.engine_config import KEEP, Overrides, parse_retention
@@ -76,20 +77,22 @@ def command(workload: str, variant: str, num_gpu_blocks: int | None, retention: 
         write_atomically(summary_json, msgspec.json.format(msgspec.json.encode(summary),
                                                             indent=2) + b"\n")
 
-    run_engine(options, autostart=autostart, on_done=write_summary if summary_json else None)
+    with isolated_children():  # vLLM's own (its model registry runs python -m vllm...)
+        run_engine(options, autostart=autostart,
+                   on_done=write_summary if summary_json else None)
 
 
 def _run_on(release: str, workload: str, **options) -> None:
     """Become ``kvtrace engine WORKLOAD ... --vllm RELEASE`` with the release first on
     ``sys.path`` (exec: the same pid); return at once when this process already runs it."""
+    from kvtrace.children import python_child
     from kvtrace.cli import verbosity
     from kvtrace.vllm_releases import environment, running_vllm_version
 
     if release == running_vllm_version():
         return
-    env = environment(release)  # refuses one that is not supported or not installed
-    argv = [sys.executable, "-m", "kvtrace", *["-v"] * verbosity(), "engine", workload,
-            "--vllm", release]
+    argv, env = python_child("kvtrace", *["-v"] * verbosity(), "engine", workload, "--vllm",
+                             release, env=environment(release))  # refuses one not installed
     for name, value in options.items():
         flag = "--" + name.replace("_", "-")
         if value is True:
@@ -98,4 +101,4 @@ def _run_on(release: str, workload: str, **options) -> None:
             argv += [flag, str(value)]
     sys.stdout.flush()
     sys.stderr.flush()
-    os.execve(sys.executable, argv, env)
+    os.execve(argv[0], argv, env)

@@ -12,10 +12,10 @@ import queue
 import re
 import signal
 import subprocess
-import sys
 import threading
 import time
 
+from kvtrace.children import python, python_child
 from kvtrace.errors import KvtraceError
 
 READY_TIMEOUT_S = 180
@@ -32,9 +32,9 @@ class EngineProcess:
 
     def __init__(self, args: list[str], env: dict[str, str] | None = None, *,
                  parent: bool = False, cwd: str | None = None) -> None:
-        command = [sys.executable, "-m", "kvtrace", "engine", *args]
+        command, env = python_child("kvtrace", "engine", *args, env=env)
         if parent:
-            command = [sys.executable, "-c", _PARENT, *command]
+            command = python("-c", _PARENT, *command)
         self.process = subprocess.Popen(
             command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
             text=True, env=env, cwd=cwd)

@@ -3,11 +3,16 @@
 Each variant runs on one release's code (``on_release``): a ``vllm-X`` variant on release X; in
 lockstep, every other variant on the release the trace was recorded on, so that a capture is
 re-issued against the same code that made it; otherwise on this process's vLLM. A variant
-whose release is not this process's runs in a worker, ``python -m kvtrace.replay.release_worker``,
-started with the release's directory first on ``PYTHONPATH`` (``kvtrace.vllm_releases``). The
-worker runs the same ``replay`` on that one variant, writing its trace where the parent staged
-it, and hands back the result (or the ``KvtraceError`` it raised) in a file: vLLM logs to
-stdout, which the parent keeps for a failure.
+whose release is not this process's runs in a worker, ``python -m kvtrace.replay.release_worker``
+(isolated: ``kvtrace.children``), started with the release's directory first on ``PYTHONPATH``
+(``kvtrace.vllm_releases``). The worker runs the same ``replay`` on that
+one variant, writing its trace where the parent staged it, and hands back the result (or the
+``KvtraceError`` it raised; a full disk is one too) in a file: vLLM logs to stdout, which the
+parent keeps for a failure.
+
+A worker dies with its replay, even a SIGKILLed one: the kernel sends it SIGTERM then
+(PR_SET_PDEATHSIG), and a worker whose replay is gone removes what that replay staged for it
+(its job's directory, the directory its trace was going into), which nobody else would.
 """
 
 from __future__ import annotations
@@ -15,15 +20,19 @@ from __future__ import annotations
 import dataclasses
 import os
 import pickle
+import shutil
+import signal
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from kvtrace.children import die_with_parent, python_child
 from kvtrace.engine_config import KEEP
 from kvtrace.errors import ConfigError, KvtraceError, error_class
 from kvtrace.events import TraceHeader
+from kvtrace.files import OutputError, write_failure
 from kvtrace.probes.signatures import SUPPORTED_VLLM_VERSIONS
 
 if TYPE_CHECKING:
@@ -60,10 +69,22 @@ def on_release(variant, header: TraceHeader, mode: str, backend: str) -> str:
     return recorded
 
 
+@dataclasses.dataclass(frozen=True)
+class _Job:
+    """What a worker runs, the replay's pid (it dies with it), the ``-o`` directory the
+    operator gave (its messages name it) and what it removes should the replay die first."""
+
+    options: ReplayOptions
+    parent: int
+    outdir: str
+    leftovers: tuple[str, ...]
+
+
 def run_variant(release: str, options: ReplayOptions, variant: str, outdir: str,
                 verify: bool) -> ReplayResult:
     """``replay`` of ``variant`` alone on ``release``, in a worker; its trace goes into
-    ``outdir``. ``verify``: compare it with the captured effects there."""
+    ``outdir``, the directory staged for it when traces are written, which the worker removes
+    should this process die meanwhile. ``verify``: compare it with the captured effects there."""
     from kvtrace.vllm_releases import environment
 
     env = environment(release)  # refuses a release that is not installed, before any work
@@ -73,12 +94,13 @@ def run_variant(release: str, options: ReplayOptions, variant: str, outdir: str,
         job = dataclasses.replace(job, overrides=dataclasses.replace(
             job.overrides, retention_interval=_KEEP_MARK))
     with tempfile.TemporaryDirectory(prefix="kvtrace-release-worker-") as work:
-        job_path, result_path = Path(work, "job.pickle"), Path(work, "result.pickle")
-        job_path.write_bytes(pickle.dumps(job))
-        worker = subprocess.run(
-            [sys.executable, "-m", "kvtrace.replay.release_worker", str(job_path),
-             str(result_path)], env=env, stdin=subprocess.DEVNULL, capture_output=True,
-            text=True, check=False)
+        staged = (outdir,) if options.write_traces else ()
+        Path(work, "job.pickle").write_bytes(pickle.dumps(
+            _Job(job, os.getpid(), options.outdir, (work, *staged))))
+        command, env = python_child("kvtrace.replay.release_worker", work, env=env)
+        worker = subprocess.run(command, env=env, stdin=subprocess.DEVNULL,
+                                capture_output=True, text=True, check=False)
+        result_path = Path(work, "result.pickle")
         if not result_path.exists():
             said = (worker.stderr.strip() or worker.stdout.strip()).splitlines()[-1:]
             raise KvtraceError(f"the worker running vLLM {release} for variant {variant} "
@@ -93,19 +115,42 @@ def run_variant(release: str, options: ReplayOptions, variant: str, outdir: str,
     return outcome[1]
 
 
-def main(job_path: str, result_path: str) -> None:
+def main(work: str) -> None:
+    job: _Job = pickle.loads(Path(work, "job.pickle").read_bytes())
+    signal.signal(signal.SIGTERM, lambda signum, _frame: _stop(job, signum))
+    if not die_with_parent(job.parent, signal.SIGTERM):
+        _stop(job, signal.SIGTERM)
     from kvtrace.replay.run import replay
 
-    options = pickle.loads(Path(job_path).read_bytes())
+    options = job.options
     if options.overrides.retention_interval == _KEEP_MARK:
         options = dataclasses.replace(options, overrides=dataclasses.replace(
             options.overrides, retention_interval=KEEP))
     try:
         outcome = ("ok", replay(options))
     except KvtraceError as error:
-        outcome = ("error", type(error).__name__, str(error), error.hint)
+        outcome = _error(error)
+    except OSError as error:
+        if write_failure(error) is None:
+            raise
+        written = error.filename or f"the {options.variants[0]} trace in {job.outdir}"
+        outcome = _error(OutputError(f"cannot write {written}: {error.strerror}"))
+    result_path = os.path.join(work, "result.pickle")
     with open(os.open(result_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb") as file:
         pickle.dump(outcome, file)
+
+
+def _error(error: KvtraceError) -> tuple:
+    return "error", type(error).__name__, str(error), error.hint
+
+
+def _stop(job: _Job, signum: int) -> None:
+    """SIGTERM, sent by the kernel when the replay died or by anyone: a worker whose replay is
+    gone removes what the replay staged for it first."""
+    if os.getppid() != job.parent:
+        for path in job.leftovers:
+            shutil.rmtree(path, ignore_errors=True)
+    os._exit(128 + signum)
 
 
 if __name__ == "__main__":

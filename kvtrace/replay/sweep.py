@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from math import ceil
 from typing import Any
 
+from kvtrace.children import die_with_parent
 from kvtrace.engine_config import (
     KEEP,
     Overrides,
@@ -366,21 +367,8 @@ def _become_worker(parent: int) -> None:
     if signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN:
         signal.signal(signal.SIGHUP, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    _die_with_parent()
-    if _deferred_signals or os.getppid() != parent:  # stopped, or orphaned, while forked
+    if not die_with_parent(parent) or _deferred_signals:  # orphaned, or stopped, while forked
         os._exit(1)
-
-
-def _die_with_parent() -> None:
-    """Linux's PR_SET_PDEATHSIG: SIGKILL this process when its parent exits."""
-    import ctypes
-
-    pr_set_pdeathsig = 1
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(pr_set_pdeathsig, int(signal.SIGKILL), 0, 0, 0)
-    except (OSError, AttributeError):
-        pass  # not Linux: the pool still stops its workers when the sweep ends or fails
 
 
 def _warm_up(plan: SweepPlan) -> None:
