@@ -40,6 +40,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Callable
 
+from kvtrace import children
 from kvtrace.capture.inject import AttachError, InjectionError
 
 # Frame-name prefixes of glibc's allocator: a main thread stopped under one of them is refused.
@@ -327,8 +328,8 @@ _kvtrace({{pid}}, {{mode!r}}, {{code!r}}, {{call!r}})
 """
 
 class Ptrace(Debugger):
-    """kvtrace's own injector (``ptrace.py``), run as ``python -I -m kvtrace.capture.ptrace``
-    in a session of its own, like a debugger. Its pending call wakes a main thread parked in a
+    """kvtrace's own injector (``ptrace.py``), run as an isolated ``python -m
+    kvtrace.capture.ptrace`` (``kvtrace.children``) in a session of its own, like a debugger. Its pending call wakes a main thread parked in a
     futex wait; its direct call runs only in one parked in another blocking syscall, and does
     nothing, saying so, elsewhere (the pending call then runs when the thread wakes)."""
 
@@ -363,10 +364,13 @@ class Ptrace(Debugger):
                 "sequence": hashlib.sha256(source).hexdigest()}
 
     def _pending_call_command(self, pid: int, code: str) -> list[str]:
-        return [self.binary, "-I", "-m", "kvtrace.capture.ptrace", str(pid), "pending", code]
+        return children.python("-m", "kvtrace.capture.ptrace", str(pid), "pending", code)
 
     def _direct_command(self, pid: int, code: str) -> list[str]:
-        return [self.binary, "-I", "-m", "kvtrace.capture.ptrace", str(pid), "direct", code]
+        return children.python("-m", "kvtrace.capture.ptrace", str(pid), "direct", code)
+
+    def _environment(self) -> dict[str, str]:
+        return children.child_environment()
 
     def _no_symbols(self, output: str) -> bool:
         return bool(re.search(r"exports no .*(Py_AddPendingCall|PyRun_SimpleString)", output))

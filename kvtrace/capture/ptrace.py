@@ -1,5 +1,6 @@
 """kvtrace's own injector: have one line of Python run in a process's main thread, holding that
-one thread for milliseconds (``python -I -m kvtrace.capture.ptrace PID pending|direct CODE``).
+one thread for milliseconds (``python -m kvtrace.capture.ptrace PID pending|direct CODE``,
+isolated as ``kvtrace.children`` starts every child Python).
 
 A debugger stops every thread of the target while it loads symbols and compiles its
 expressions: lldb held a serving ``kvtrace engine`` 4.6 s and a real ``vllm serve`` 4.9 s. This
