@@ -20,17 +20,23 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvtrace.events import SlotsAllocated, StepStarted
+from kvtrace.replay.snapshot_checks import StatePlacement
 from kvtrace.traceio import RecordBatch
 
 
 class CaptureEnds:
     """How far each request of a capture got: the tokens it held after its last successful
-    chunk (``SlotsAllocated``; a chunk that reaches the last token samples one more)."""
+    chunk (``SlotsAllocated``; a chunk that reaches the last token samples one more).
+
+    Reading every batch of a source once, it also refuses a start snapshot that does not open
+    the trace (``StatePlacement``), before any backend could start from it."""
 
     def __init__(self) -> None:
         self._num_tokens = np.zeros(0, dtype=np.int64)  # by req
+        self._placement = StatePlacement()
 
     def add_batch(self, batch: RecordBatch) -> None:
+        self._placement.add_batch(batch)
         for record_type, columns in zip(batch.types, batch.columns):
             if record_type is SlotsAllocated:
                 self._add_allocations(columns)

@@ -12,7 +12,6 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from kvtrace.errors import KvtraceError
 from kvtrace.events import (
     BlockState,
     EngineConfig,
@@ -25,19 +24,10 @@ from kvtrace.events import (
     SnapshotEnded,
     SnapshotStarted,
 )
+from kvtrace.replay.snapshot_checks import SnapshotError, check_snapshot
 
-# vLLM's ``RequestStatus`` names of a request the scheduler holds, unfinished.
-IN_FLIGHT_STATUSES = ("WAITING", "WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR", "WAITING_FOR_REMOTE_KVS",
-                      "WAITING_FOR_STREAMING_REQ", "RUNNING", "PREEMPTED")
 STATE_TYPES = (SnapshotStarted, FreeQueueState, BlockState, KeyCached, RequestState,
                RequestBlocksState, SnapshotEnded)
-
-
-class SnapshotError(KvtraceError):
-    """A start snapshot that no engine could have had."""
-
-    default_hint = ("The trace's snapshot is damaged or was edited; capture again, or replay "
-                    "the workload without it.")
 
 
 @dataclass
@@ -68,101 +58,33 @@ class StartSnapshot:
         return [r for r in self.requests if r.queue == RequestQueue.WAITING]
 
     def check(self, config: EngineConfig, source: str) -> None:
-        """Refuse what the engine of ``config`` could not hold; ``source`` names the trace."""
-        num_blocks = config.num_gpu_blocks
-        num_groups = len(config.kv_cache_groups)
-
-        def refuse(what: str) -> None:
-            raise SnapshotError(f"{source}: the start snapshot {what}")
-
-        if self.ended is None:
-            refuse("is incomplete (the trace was cut inside it)")
-        if self.started.num_blocks != num_blocks:
-            refuse(f"describes {self.started.num_blocks} blocks, the engine has {num_blocks}")
-
-        def check_block(block_id: int, null_ok: bool = False) -> None:
-            if not (0 if null_ok else 1) <= block_id < num_blocks:
-                refuse(f"names block {block_id}, outside the pool of {num_blocks}")
-
-        def check_group(group: int) -> None:
-            if not 0 <= group < num_groups:
-                refuse(f"names KV-cache group {group}; the engine has {num_groups}")
-
-        if len(set(self.free_queue)) != len(self.free_queue):
-            refuse("lists a block twice in the free queue")
-        free = set(self.free_queue)
-        for block_id in self.free_queue:
-            check_block(block_id)
-        held = set()
-        for block in self.blocks:
-            check_block(block.block_id)
-            if block.ref_cnt < 0 or (block.ref_cnt > 0) == (block.block_id in free):
-                refuse(f"has block {block.block_id} with {block.ref_cnt} references "
-                       f"{'in' if block.block_id in free else 'outside'} the free queue")
-            if block.ref_cnt:
-                held.add(block.block_id)
-            if block.hash_id >= 0:
-                check_group(block.group)
-        missing = set(range(1, num_blocks)) - free - held
-        if missing:
-            refuse(f"leaves block {min(missing)} neither free nor held")
-        keyed = {b.block_id for b in self.blocks if b.hash_id >= 0}
-        for key in self.keys:
-            check_group(key.group)
-            if not key.block_ids:
-                refuse(f"caches hash {key.hash_id} on no block")
-            for block_id in key.block_ids:
-                check_block(block_id)
-                if block_id not in keyed:
-                    refuse(f"caches hash {key.hash_id} on block {block_id}, which has no key")
-        reqs = {r.req for r in self.requests}
-        if len(reqs) != len(self.requests):
-            refuse("lists a request twice")
-        unit = config.hash_block_size
-        for request in self.requests:
-            if (request.status not in IN_FLIGHT_STATUSES
-                    or (request.queue == RequestQueue.RUNNING) != (request.status == "RUNNING")):
-                refuse(f"has request {request.req} {request.status!r} in the "
-                       f"{getattr(request.queue, 'name', request.queue)} queue")
-            if not (0 < request.prompt_len <= request.num_tokens
-                    and 0 <= request.num_computed_tokens <= request.num_tokens
-                    and len(request.hash_ids) <= request.num_tokens // unit):
-                refuse(f"has request {request.req} with inconsistent lengths")
-        for state in self.request_blocks:
-            if state.req not in reqs:
-                refuse(f"gives blocks to request {state.req}, which it does not list")
-            check_group(state.group)
-            for block_id in state.block_ids:
-                check_block(block_id, null_ok=True)
-                if block_id and block_id not in held:
-                    refuse(f"gives request {state.req} block {block_id}, which nobody holds")
-            _check_fields(state, refuse)
-
-
-def _check_fields(state: RequestBlocksState, refuse) -> None:
-    from kvtrace.probes.snapshot import field_size
-
-    for name, values in state.fields.items():
-        size = field_size(name)
-        if size is None:
-            refuse(f"has unknown per-request state {name!r}")
-        if len(values) != size:
-            refuse(f"has {name} = {values} for request {state.req}, not {size} values")
+        """Refuse what the engine of ``config`` could not hold (``snapshot_checks``); ``source``
+        names the trace."""
+        check_snapshot(self, config, source)
 
 
 def snapshot_of(records: Iterable[Record]) -> StartSnapshot | None:
     """The start snapshot at the head of ``records`` (None: the trace has none). Reads no further
-    than its end, so a whole trace can be passed."""
+    than the first call, so a whole trace can be passed. A second snapshot, or a state record
+    outside one, is refused: a capture writes one snapshot, whole, before any call."""
     snapshot = None
     for record in records:
         kind = type(record)
+        if record.family in ("input", "effect"):
+            break  # none (an idle arm or a workload), or the end of it (or it was cut short)
+        if record.family != "state":
+            continue
+        if snapshot is not None and snapshot.ended is not None:
+            raise SnapshotError(f"the trace holds a second start snapshot (a "
+                                f"{kind.__struct_config__.tag} record after snapshot_ended)")
         if kind is SnapshotStarted:
             if snapshot is not None:
-                raise SnapshotError("the trace holds a second start snapshot")
+                raise SnapshotError("the trace holds a second start snapshot (a "
+                                    "snapshot_started record before snapshot_ended)")
             snapshot = StartSnapshot(record)
         elif snapshot is None:
-            if record.family in ("input", "effect"):
-                return None  # calls before any snapshot: an idle arm or a workload
+            raise SnapshotError(f"the trace has a {kind.__struct_config__.tag} record before "
+                                "any snapshot_started")
         elif kind is FreeQueueState:
             snapshot.free_queue.extend(record.block_ids)
         elif kind is BlockState:
@@ -175,7 +97,4 @@ def snapshot_of(records: Iterable[Record]) -> StartSnapshot | None:
             snapshot.request_blocks.append(record)
         elif kind is SnapshotEnded:
             snapshot.ended = record
-            return snapshot
-        elif record.family in ("input", "effect"):
-            break  # the snapshot was cut short
     return snapshot
