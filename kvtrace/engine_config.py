@@ -266,10 +266,17 @@ def blocks_needed(config: EngineConfig, num_tokens: int) -> int:
     return need
 
 
-def check_request(req: int | str, prompt_len: int, max_tokens: int, num_hash_ids: int,
+# Hash ids for units no workload named (decode past the known ones) are made up from here,
+# far above any workload's ids, so a made-up unit never equals a unit of a later request; a
+# trace's own ids lie below it (and are never negative: a hash id is a hash's bytes).
+FIRST_MADE_UP_HASH_ID = 1 << 62
+
+
+def check_request(req: int | str, prompt_len: int, max_tokens: int, hash_ids: Sequence[int],
                   hash_unit: int) -> None:
-    """A request a replay can run: a prompt with one hash id per full hash unit, no negative
-    output, and at most ``MAX_REQUEST_TOKENS`` in all."""
+    """A request a replay can run: a prompt with one hash id per full hash unit, each from 0
+    up to ``FIRST_MADE_UP_HASH_ID``, no negative output, and at most ``MAX_REQUEST_TOKENS`` in
+    all."""
     if prompt_len < 1 or max_tokens < 0:
         raise ConfigError(f"request {req} has {prompt_len} prompt and {max_tokens} output "
                           "tokens; a request has a prompt, and no negative output",
@@ -278,17 +285,22 @@ def check_request(req: int | str, prompt_len: int, max_tokens: int, num_hash_ids
         raise ConfigError(f"request {req} has {prompt_len + max_tokens:,} tokens, more than the "
                           f"{MAX_REQUEST_TOKENS:,} kvtrace replays (longer than any model's "
                           "context)", "Check the request's prompt and output lengths.")
-    if num_hash_ids != prompt_len // hash_unit:
-        raise ConfigError(f"request {req}: {num_hash_ids} hash ids for a {prompt_len}-token "
+    if len(hash_ids) != prompt_len // hash_unit:
+        raise ConfigError(f"request {req}: {len(hash_ids)} hash ids for a {prompt_len}-token "
                           f"prompt (hash unit {hash_unit} needs {prompt_len // hash_unit})",
                           "Each full hash unit of the prompt needs exactly one hash id.")
+    for hash_id in (min(hash_ids, default=0), max(hash_ids, default=0)):
+        if not 0 <= hash_id < FIRST_MADE_UP_HASH_ID:
+            raise ConfigError(f"request {req} has hash id {hash_id}; hash ids run from 0 to "
+                              "below 2^62", "The trace is damaged or was written wrongly; "
+                              "check its source.")
 
 
 def check_added_request(config: EngineConfig, req: int, prompt_len: int, hash_ids: Sequence[int],
                         max_tokens: int, known: bool) -> None:
     """Refuse a request a backend is given as both backends do: ``check_request``, a new
     number (``known``: added before), a sequence the pool can hold."""
-    check_request(req, prompt_len, max_tokens, len(hash_ids), config.hash_block_size)
+    check_request(req, prompt_len, max_tokens, hash_ids, config.hash_block_size)
     if known:
         raise ConfigError(f"request {req} was added twice",
                           "Request numbers must be unique within a trace.")

@@ -31,13 +31,13 @@ from kvtrace.analysis.load import load_traces
 from kvtrace.analysis.queries import QueryError, run_query
 from kvtrace.analysis.report import report_database
 from kvtrace.cli import cli
-from kvtrace.engine_config import SchedulerSettings
+from kvtrace.engine_config import FIRST_MADE_UP_HASH_ID, SchedulerSettings
 from kvtrace.errors import TraceFormatError
 from kvtrace.events import (BlockRemoved, ComputedBlocksFound, RemoveReason, ReplayInfo,
                             TraceHeader)
 from kvtrace.replay.run import ReplayOptions, replay
 from kvtrace.replay.scheduler import Arrival, Scheduler
-from kvtrace.replay.vllm_backend import FIRST_MADE_UP_HASH_ID, VllmBackend
+from kvtrace.replay.vllm_backend import VllmBackend
 from kvtrace.traceio import TraceWriter, read_records, write_trace
 from kvtrace.workloads.mooncake import import_mooncake
 from kvtrace.workloads.synth import synthesize

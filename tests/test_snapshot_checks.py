@@ -201,3 +201,22 @@ def test_a_sound_snapshot_still_replays_in_lockstep_to_identical(mid_flight_trac
     assert "identical" in result.output and "kvtrace: error" not in result.output
     result = run("replay", mid_flight_trace, "--variant", "fixed", "-o", tmp_path / "fixed")
     assert result.exit_code == 0, result.output
+
+
+@pytest.mark.parametrize("hash_id", [-5, 1 << 62], ids=["negative", "2^62"])
+@pytest.mark.parametrize("backend", ["vllm", "model"])
+def test_an_arrival_with_a_hash_id_out_of_range_is_one_error(tmp_path, hash_id, backend):
+    """The same rule for an arriving request as for one in the snapshot: a negative id was an
+    OverflowError traceback in the vllm backend's hash bytes."""
+    from kvtrace.events import RequestArrived
+
+    workload = tmp_path / "chat.kvtrace"
+    assert run("synth", "--preset", "chat", "--requests", 5, "-o", workload).exit_code == 0
+    change = edit_nth(RequestArrived, 0, lambda r: replace(r, hash_ids=[hash_id,
+                                                                        *r.hash_ids[1:]]))
+    path = tmp_path / "arrival.kvtrace"
+    with TraceWriter(path, TraceReader(str(workload)).header) as writer:
+        writer.write_many(change(record) for record in TraceReader(str(workload)))
+    outdir = tmp_path / "runs"
+    assert_error(run("replay", path, "--variant", "fixed", "--backend", backend, "-o", outdir),
+                 f"has hash id {hash_id}; hash ids run from 0 to below 2^62")

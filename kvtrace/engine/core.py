@@ -100,8 +100,8 @@ def load_workload(options: EngineOptions) -> EngineWorkload:
         raise KvtraceError(f"{options.source} has no requests (no request_arrived records)",
                            "Run a workload (kvtrace synth / import) or a captured trace.")
     for arrival in arrivals:  # vLLM's scheduler would wait forever for a request that never fits
-        check_request(arrival.req, arrival.prompt_len, arrival.max_tokens,
-                      len(arrival.hash_ids), config.hash_block_size)
+        check_request(arrival.req, arrival.prompt_len, arrival.max_tokens, arrival.hash_ids,
+                      config.hash_block_size)
         check_fits_model_len(settings, arrival.req, arrival.prompt_len)
         check_pool_fits(config, arrival.req, arrival.prompt_len + arrival.max_tokens)
     return EngineWorkload(config, settings, arrivals, reader.header.params.get("model", ""))

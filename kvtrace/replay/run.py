@@ -209,8 +209,8 @@ def read_source(path: str) -> Source:
         arrivals = [dataclasses.replace(a, max_tokens=ends.decode_length(a.req, a.prompt_len)
                                         or a.max_tokens) for a in arrivals]
     for arrival in arrivals if config else ():
-        check_request(arrival.req, arrival.prompt_len, arrival.max_tokens,
-                      len(arrival.hash_ids), config.hash_block_size)
+        check_request(arrival.req, arrival.prompt_len, arrival.max_tokens, arrival.hash_ids,
+                      config.hash_block_size)
     return Source(path, reader.header, arrivals, reader.truncated,
                   reader.num_dropped or counts["dropped"], counts["calls"], file_digest(path),
                   snapshot, ends if counts["calls"] else None,

@@ -15,11 +15,10 @@ from __future__ import annotations
 from collections import Counter
 from typing import TYPE_CHECKING, NoReturn
 
-from kvtrace.engine_config import MAX_REQUEST_TOKENS, check_pool_fits
+from kvtrace.engine_config import FIRST_MADE_UP_HASH_ID, MAX_REQUEST_TOKENS, check_pool_fits
 from kvtrace.errors import ConfigError, KvtraceError
 from kvtrace.events import EngineConfig, RequestBlocksState, RequestQueue, RequestState
 from kvtrace.probes.snapshot import field_size
-from kvtrace.replay.vllm_backend import FIRST_MADE_UP_HASH_ID
 
 if TYPE_CHECKING:
     from kvtrace.replay.snapshot import StartSnapshot

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from kvtrace.engine_config import check_added_request, validate
+from kvtrace.engine_config import FIRST_MADE_UP_HASH_ID, check_added_request, validate
 from kvtrace.errors import ConfigError, KvtraceError
 from kvtrace.events import EngineConfig, FinishStatus, HashInterner
 from kvtrace.probes import CacheProbes
@@ -40,10 +40,6 @@ class EncodedHashIds:
     def intern(self, hash_bytes: bytes) -> tuple[int, bool]:
         return int.from_bytes(hash_bytes, "big"), False
 
-
-# Hash ids for units no workload named (decode past the known ones) are made up far above any
-# workload's ids, so a made-up unit never equals a unit of a request that arrives later.
-FIRST_MADE_UP_HASH_ID = 1 << 62
 
 
 class MadeUpHashIds:

@@ -322,7 +322,7 @@ def _check_requests(workload: Workload, shape: EngineShape) -> None:
     that alone needs a pool this machine cannot hold."""
     for request in workload.requests:
         check_request(request.request_id, request.prompt_len, request.max_tokens,
-                      len(request.hash_ids), workload.hash_unit)
+                      request.hash_ids, workload.hash_unit)
         if not 0 <= request.arrival_ns <= MAX_INT64:
             raise ConfigError(
                 f"request {request.request_id} arrives at {request.arrival_ns} ns, outside a "
