@@ -434,3 +434,31 @@ def test_the_cli_prints_the_figures_and_says_what_it_assumed(tmp_path):
     assert "(assumed; --non-kv-memory-gib)" in result.output
     unknown = runner.invoke(cli, ["geometry", "--model", "no-such-model"])
     assert unknown.exit_code == 1 and "kimi-linear-48b-a3b" in unknown.output
+
+
+def test_a_nemotron_h_config_saved_by_transformers_5_reads_as_its_preset(tmp_path):
+    """transformers 5 saves Nemotron-H with ``layers_block_type`` and no
+    ``hybrid_override_pattern`` (kvtrace refused it: "give --model"): the installed
+    transformers round-trips the preset's config, and its layout, weights and cost model are
+    the preset's."""
+    from transformers import NemotronHConfig
+
+    preset = resolve_model("nemotron-h-8b")
+    saved = NemotronHConfig(**preset.config).to_dict()
+    assert "hybrid_override_pattern" not in saved and saved["layers_block_type"]
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**saved, "architectures": preset.config["architectures"]}))
+    read = resolve_model(path)
+    family = family_of(read.architecture)
+    assert ([p.kind for p in family.layers(read.text_config)]
+            == [p.kind for p in family.layers(preset.text_config)])
+    assert (model_weights(read.architecture, read.config).parameters
+            == model_weights(preset.architecture, preset.config).parameters)
+
+
+def test_a_layer_type_nemotron_h_does_not_have_is_one_error():
+    from kvtrace.geometry.families import nemotron_h_pattern
+
+    assert nemotron_h_pattern({"layers_block_type": ["mamba", "attention", "mlp", "moe"]}) == "M*-E"
+    with pytest.raises(ConfigError, match="layers_block_type has a block 'sliding'"):
+        nemotron_h_pattern({"layers_block_type": ["linear_attention", "sliding"]})

@@ -225,16 +225,36 @@ class Qwen3NextFamily(Family):
         return MambaCheckpointing(FLASHINFER_GDN_CHECKPOINT_ALIGNMENT, 1, GRID, "flashinfer")
 
 
+# transformers 5's layer types (``layers_block_type``, and the legacy names it remaps) as
+# ``hybrid_override_pattern`` symbols.
+NEMOTRON_H_SYMBOLS = {"linear_attention": "M", "mamba": "M", "full_attention": "*",
+                      "attention": "*", "mlp": "-", "moe": "E"}
+
+
+def nemotron_h_pattern(text: dict[str, Any]) -> str:
+    """A Nemotron-H config's ``hybrid_override_pattern``; configs that transformers 5 saves
+    have only ``layers_block_type``, one type a block, from which it is spelled here."""
+    if text.get("hybrid_override_pattern") is not None or text.get("layers_block_type") is None:
+        return _field(text, "hybrid_override_pattern", "Nemotron-H")
+    types = text["layers_block_type"]
+    unknown = sorted({str(t) for t in types} - NEMOTRON_H_SYMBOLS.keys())
+    if unknown:
+        raise ConfigError(f"layers_block_type has a block {unknown[0]!r} that the Nemotron-H "
+                          f"layout does not know ({', '.join(NEMOTRON_H_SYMBOLS)})",
+                          "Give the model's config.json as Hugging Face publishes it.")
+    return "".join(NEMOTRON_H_SYMBOLS[t] for t in types)
+
+
 class NemotronHFamily(Family):
     """Nemotron-H (``vllm/model_executor/models/nemotron_h.py``)."""
 
     def blocks(self, text: dict[str, Any]) -> list[Block]:
-        """``hybrid_override_pattern``, one block per symbol: M = Mamba2 mixer, * = attention,
-        - = MLP (squared ReLU, no gate), E = MoE (``NemotronHMoE``: routed and shared experts,
-        squared ReLU)."""
+        """``hybrid_override_pattern`` (``nemotron_h_pattern``), one block per symbol: M =
+        Mamba2 mixer, * = attention, - = MLP (squared ReLU, no gate), E = MoE
+        (``NemotronHMoE``: routed and shared experts, squared ReLU)."""
         name = "Nemotron-H"
         blocks = []
-        for i, symbol in enumerate(_field(text, "hybrid_override_pattern", name)):
+        for i, symbol in enumerate(nemotron_h_pattern(text)):
             if symbol == "M":
                 blocks.append(Block(i, Mamba2(
                     heads=_field(text, "mamba_num_heads", name),

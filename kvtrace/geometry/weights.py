@@ -13,6 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from kvtrace.geometry.families import nemotron_h_pattern
+
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 MXFP4_GROUP = 32  # compressed-tensors mxfp4-pack-quantized: one uint8 scale per 32 weights
 
@@ -184,7 +186,7 @@ def _nemotron_h(c: _Counter, t: dict[str, Any]) -> None:
     mamba_inner = t["mamba_num_heads"] * t["mamba_head_dim"]
     groups_state = t["n_groups"] * t["ssm_state_size"]
     conv_dim = mamba_inner + 2 * groups_state
-    for symbol in t["hybrid_override_pattern"]:
+    for symbol in nemotron_h_pattern(t):
         c.dense(hidden)  # the block's norm
         if symbol == "M":
             c.dense(2 * mamba_inner + 2 * groups_state + t["mamba_num_heads"], hidden)
