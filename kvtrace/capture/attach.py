@@ -9,9 +9,10 @@ Ways in, best first (``--method auto`` tries them in this order):
 * ``ptrace``, ``gdb`` or ``lldb`` - for older Pythons, the first that passes its canary
   (``canary.py``: the same injection on a throw-away process of the engine's interpreter, which
   on some hosts gdb kills). ``ptrace``, kvtrace's own injector (``ptrace.py``), holds the main
-  thread alone for milliseconds; a debugger stops every thread for seconds. It schedules the bootstrap as a pending call, or runs it directly in a
-  parked main thread outside the allocator (``inject.py``, ``debuggers.py``). The bootstrap is
-  idempotent, so running twice is harmless.
+  thread alone for milliseconds; a debugger stops every thread for seconds. Each schedules the
+  bootstrap as a pending call, or runs it directly in a parked main thread outside the
+  allocator (``inject.py``, ``debuggers.py``). The bootstrap is idempotent, so running twice
+  is harmless.
 
 Every way in ends the same: the bootstrap starts the control server (``kvtrace.capture.control``)
 and the CLI arms the capture over its socket. The bootstrap reports its own failure (e.g. kvtrace

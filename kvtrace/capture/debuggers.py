@@ -329,9 +329,10 @@ _kvtrace({{pid}}, {{mode!r}}, {{code!r}}, {{call!r}})
 
 class Ptrace(Debugger):
     """kvtrace's own injector (``ptrace.py``), run as an isolated ``python -m
-    kvtrace.capture.ptrace`` (``kvtrace.children``) in a session of its own, like a debugger. Its pending call wakes a main thread parked in a
-    futex wait; its direct call runs only in one parked in another blocking syscall, and does
-    nothing, saying so, elsewhere (the pending call then runs when the thread wakes)."""
+    kvtrace.capture.ptrace`` (``kvtrace.children``) in a session of its own, like a debugger.
+    Its pending call wakes a main thread parked in a futex wait; its direct call runs only in
+    one parked in another blocking syscall, and does nothing, saying so, elsewhere (the
+    pending call then runs when the thread wakes)."""
 
     name = "ptrace"
     wakes = True

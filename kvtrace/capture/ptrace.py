@@ -4,9 +4,9 @@ isolated as ``kvtrace.children`` starts every child Python).
 
 A debugger stops every thread of the target while it loads symbols and compiles its
 expressions: lldb held a serving ``kvtrace engine`` 5-9 s and a real ``vllm serve`` about 7 s
-(docs/performance.md). This needs neither. The addresses of ``mmap`` and of CPython's C API are read from the mapped ELF
-files first, while the target runs (``elf_symbols``). Then, on the main thread alone
-(``PTRACE_SEIZE`` + ``PTRACE_INTERRUPT``; every other thread keeps running):
+(docs/performance.md). This needs neither. The addresses of ``mmap`` and of CPython's C API
+are read from the mapped ELF files first, while the target runs (``elf_symbols``). Then, on
+the main thread alone (``PTRACE_SEIZE`` + ``PTRACE_INTERRUPT``; every other thread runs on):
 
 1. its registers and its whole extended (x87/SSE/AVX/AMX) state are saved;
 2. ``mmap`` gives a fresh page, which the line is written into through ``/proc/PID/mem``;
