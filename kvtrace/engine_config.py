@@ -289,6 +289,12 @@ def check_request(req: int | str, prompt_len: int, max_tokens: int, hash_ids: Se
         raise ConfigError(f"request {req}: {len(hash_ids)} hash ids for a {prompt_len}-token "
                           f"prompt (hash unit {hash_unit} needs {prompt_len // hash_unit})",
                           "Each full hash unit of the prompt needs exactly one hash id.")
+    check_hash_ids(req, hash_ids)
+
+
+def check_hash_ids(req: int | str, hash_ids: Sequence[int]) -> None:
+    """A request's hash ids (its prompt's, or the output units a later turn names) all from 0
+    to below ``FIRST_MADE_UP_HASH_ID``: a backend turns each into hash bytes."""
     for hash_id in (min(hash_ids, default=0), max(hash_ids, default=0)):
         if not 0 <= hash_id < FIRST_MADE_UP_HASH_ID:
             raise ConfigError(f"request {req} has hash id {hash_id}; hash ids run from 0 to "

@@ -220,3 +220,18 @@ def test_an_arrival_with_a_hash_id_out_of_range_is_one_error(tmp_path, hash_id, 
     outdir = tmp_path / "runs"
     assert_error(run("replay", path, "--variant", "fixed", "--backend", backend, "-o", outdir),
                  f"has hash id {hash_id}; hash ids run from 0 to below 2^62")
+
+
+@pytest.mark.parametrize("hash_id", [-5, 1 << 62], ids=["negative", "2^62"])
+def test_an_output_unit_with_a_hash_id_out_of_range_is_one_error(mid_flight_trace, tmp_path,
+                                                                 hash_id):
+    """The output units a later turn names (``hashes_extended``), for a request in flight at
+    the snapshot: the same rule, before a backend turns them into hash bytes."""
+    from kvtrace.events import HashesExtended
+
+    change = edit_nth(HashesExtended, 0, lambda r: replace(r, hash_ids=[hash_id]))
+    path = tmp_path / "extended.kvtrace"
+    with TraceWriter(path, TraceReader(str(mid_flight_trace)).header) as writer:
+        writer.write_many(change(record) for record in TraceReader(str(mid_flight_trace)))
+    for mode in MODES:
+        assert_refused(str(path), tmp_path, mode, f"has hash id {hash_id}; hash ids run from 0")

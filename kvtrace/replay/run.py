@@ -34,6 +34,7 @@ from kvtrace import __version__
 from kvtrace.engine_config import (
     Overrides,
     SchedulerSettings,
+    check_hash_ids,
     check_possible,
     check_request,
     derive,
@@ -204,6 +205,8 @@ def read_source(path: str) -> Source:
     snapshot = snapshot_of(state)
     if snapshot is not None and config is not None:
         snapshot.check(config, path)
+        for req, output_hash_ids in in_flight_outputs.items():
+            check_hash_ids(req, output_hash_ids)
         snapshot.output_hash_ids = in_flight_outputs
     if counts["calls"]:  # a capture: each request decodes as far as it was seen to
         arrivals = [dataclasses.replace(a, max_tokens=ends.decode_length(a.req, a.prompt_len)
@@ -211,6 +214,7 @@ def read_source(path: str) -> Source:
     for arrival in arrivals if config else ():
         check_request(arrival.req, arrival.prompt_len, arrival.max_tokens, arrival.hash_ids,
                       config.hash_block_size)
+        check_hash_ids(arrival.req, arrival.output_hash_ids or ())
     return Source(path, reader.header, arrivals, reader.truncated,
                   reader.num_dropped or counts["dropped"], counts["calls"], file_digest(path),
                   snapshot, ends if counts["calls"] else None,
