@@ -186,6 +186,8 @@ def capture_and_verify(workload: Path, engine: EngineProcess, target_pid: int, m
     reader = TraceReader(str(trace))
     assert reader.header.source == "capture" and reader.header.process_title == "VLLM::EngineCore"
     assert reader.header.params["variant"] == variant
+    assert (reader.header.params["scheduler"], reader.header.params["async_scheduling"]) == (
+        "Scheduler", "false"), "kvtrace engine runs vLLM's synchronous scheduler"
     # The scheduler's limits are read off vLLM's own scheduler: the workload's, which it ran.
     ran = TraceReader(str(workload)).header.config
     assert ran.max_num_seqs and ran.max_num_batched_tokens  # the workload sets them

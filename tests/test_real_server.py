@@ -1,5 +1,5 @@
 """A real ``vllm serve`` (vLLM's CPU build 0.32.0, a tiny Qwen3-Next built locally, prefix
-caching, vLLM's defaults: async scheduling on) captured while it serves four clients, the way an
+caching, vLLM's defaults) captured while it serves four clients, the way an
 operator does, and verified: through kvtrace's plugin by the API server's pid, and, with the
 plugin off, through kvtrace's own injector, which must stop no engine thread longer than 0.2 s.
 Each trace names the release it ran (0.32.0), and lockstep re-issues its calls on that
@@ -48,9 +48,15 @@ def capture(server: VllmServe, trace, *options: str) -> str:
 
 
 def check_trace(trace, tmp_path) -> None:
-    """The trace names the release, holds calls, and verifies in lockstep on that release."""
+    """The trace names the release and how the engine scheduled, holds calls, and verifies in
+    lockstep on that release. vLLM turns async scheduling on by default, but its CPU platform
+    turns it off again (``vllm/platforms/cpu.py``: "async scheduling is not required on CPU"),
+    so this server runs the synchronous ``Scheduler``, and the header says so."""
     reader = TraceReader(str(trace))
     assert reader.header.vllm_version == RELEASE
+    assert {key: reader.header.params[key] for key in ("scheduler", "async_scheduling",
+                                                       "num_speculative_tokens")} == {
+        "scheduler": "Scheduler", "async_scheduling": "false", "num_speculative_tokens": "0"}
     assert reader.header.process_title.startswith("VLLM::EngineCore")
     assert count_kinds(trace)["slots_allocated"] > 100
     fidelity = lockstep_verify(trace, tmp_path / "fidelity")

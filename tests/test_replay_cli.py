@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import msgspec
 import pytest
 from click.testing import CliRunner
 from third_party_data import MOONCAKE_SYNTHETIC
@@ -18,7 +19,7 @@ from kvtrace.events import (
     RequestArrived,
     TraceHeader,
 )
-from kvtrace.traceio import TraceReader, read_records, write_trace
+from kvtrace.traceio import TraceReader, TraceWriter, read_records, write_trace
 
 
 # Hot-prefix workload: 6 system prompts of 256 tokens, used round-robin, each followed by
@@ -220,3 +221,25 @@ def test_db_loads_every_variant_for_the_forensics_queries(tmp_path):
         variants = connection.execute("SELECT variant FROM runs ORDER BY variant").fetchall()
         removals = connection.execute("SELECT count(*) FROM block_removed").fetchone()[0]
     assert variants == [("fixed",), ("unfixed",)] and removals > 0
+
+
+@pytest.mark.parametrize("params, said", [
+    ({"scheduler": "AsyncScheduler", "async_scheduling": "true"},
+     "with async scheduling (AsyncScheduler); the rescheduled replay models vLLM's synchronous"),
+    ({"num_speculative_tokens": "2", "speculative_method": "mtp"},
+     "drafts 2 tokens a step (mtp); the rescheduled replay does not model speculative"),
+])
+def test_a_source_from_an_engine_that_scheduled_otherwise_is_said_to(tmp_path, params, said):
+    """What a capture records of its engine's scheduling that the rescheduled replay does not
+    model is said in a warning, not passed over (a synchronous engine's capture says nothing)."""
+    source = hot_prefix_workload(tmp_path / "w.kvtrace", num_gpu_blocks=64)
+    reader = TraceReader(str(source))
+    path = tmp_path / "scheduled.kvtrace"
+    header = msgspec.structs.replace(reader.header, params={**reader.header.params, **params})
+    with TraceWriter(path, header) as writer:
+        writer.write_many(TraceReader(str(source)))
+    for trace, warned in ((path, True), (source, False)):
+        result = CliRunner().invoke(cli, ["replay", str(trace), "--variant", "fixed", "-o",
+                                          str(tmp_path / f"runs-{warned}")])
+        assert result.exit_code == 0, result.output
+        assert (said in result.stderr) == warned, result.stderr

