@@ -86,14 +86,19 @@ def socket_path(pid: int, uid: int | None = None) -> Path:
     return runtime_dir(uid) / f"engine-{pid}.sock"
 
 
-def _alive(pid: int) -> bool:
+def is_alive(pid: int) -> bool:
+    """Whether ``pid`` runs; a zombie (killed, not yet reaped by its parent) does not."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:  # another user's process
+    except PermissionError:
         pass
-    return True
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
 
 
 def _remove_dead_sockets(dir_fd: int) -> None:
@@ -102,7 +107,7 @@ def _remove_dead_sockets(dir_fd: int) -> None:
     does anything that is not a socket of this user's (``remove_own_socket``)."""
     for name in os.listdir(dir_fd):
         match = _SOCKET_NAME.fullmatch(name)
-        if match and not _alive(int(match.group(1))):
+        if match and not is_alive(int(match.group(1))):
             remove_own_socket(name, dir_fd, os.getuid())
 
 

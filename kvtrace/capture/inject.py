@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Callable
 
 from kvtrace.capture import control
+from kvtrace.capture.control import is_alive
 from kvtrace.capture.safe_paths import (
     open_private_dir,
     read_owned_file,
@@ -45,21 +46,6 @@ class AttachError(KvtraceError):
 class InjectionError(AttachError):
     """The debugger ran, but the process did not run the code: it died, never answered, or the
     debugger never finished (what a canary is run to find out)."""
-
-
-def is_alive(pid: int) -> bool:
-    """Whether ``pid`` runs; a zombie (killed, not yet reaped by its parent) does not."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
 
 
 def main_thread_parked(pid: int) -> bool:
