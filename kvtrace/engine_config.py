@@ -292,14 +292,20 @@ def check_request(req: int | str, prompt_len: int, max_tokens: int, hash_ids: Se
     check_hash_ids(req, hash_ids)
 
 
+def hash_id_out_of_range(hash_ids: Sequence[int]) -> int | None:
+    """The lowest or highest of ``hash_ids`` if it lies outside 0 to below
+    ``FIRST_MADE_UP_HASH_ID`` (a backend turns each id into hash bytes); None if none does."""
+    return next((hash_id for hash_id in (min(hash_ids, default=0), max(hash_ids, default=0))
+                 if not 0 <= hash_id < FIRST_MADE_UP_HASH_ID), None)
+
+
 def check_hash_ids(req: int | str, hash_ids: Sequence[int]) -> None:
-    """A request's hash ids (its prompt's, or the output units a later turn names) all from 0
-    to below ``FIRST_MADE_UP_HASH_ID``: a backend turns each into hash bytes."""
-    for hash_id in (min(hash_ids, default=0), max(hash_ids, default=0)):
-        if not 0 <= hash_id < FIRST_MADE_UP_HASH_ID:
-            raise ConfigError(f"request {req} has hash id {hash_id}; hash ids run from 0 to "
-                              "below 2^62", "The trace is damaged or was written wrongly; "
-                              "check its source.")
+    """A request's hash ids (its prompt's, or the output units a later turn names) all in
+    range (``hash_id_out_of_range``)."""
+    hash_id = hash_id_out_of_range(hash_ids)
+    if hash_id is not None:
+        raise ConfigError(f"request {req} has hash id {hash_id}; hash ids run from 0 to below "
+                          "2^62", "The trace is damaged or was written wrongly; check its source.")
 
 
 def check_added_request(config: EngineConfig, req: int, prompt_len: int, hash_ids: Sequence[int],

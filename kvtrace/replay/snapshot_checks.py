@@ -13,9 +13,10 @@ writes its snapshot before its first call, once. docs/trace-format.md lists the 
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, NoReturn
 
-from kvtrace.engine_config import FIRST_MADE_UP_HASH_ID, MAX_REQUEST_TOKENS, check_pool_fits
+from kvtrace.engine_config import MAX_REQUEST_TOKENS, check_pool_fits, hash_id_out_of_range
 from kvtrace.errors import ConfigError, KvtraceError
 from kvtrace.events import EngineConfig, RequestBlocksState, RequestQueue, RequestState
 from kvtrace.probes.snapshot import field_size
@@ -84,8 +85,9 @@ class _Check:
         if not 0 <= group < len(self.groups):
             self.refuse(f"names KV-cache group {group}; the engine has {len(self.groups)}")
 
-    def check_hash_id(self, record: str, hash_id: int) -> None:
-        if not 0 <= hash_id < FIRST_MADE_UP_HASH_ID:
+    def check_hash_ids(self, record: str, hash_ids: Sequence[int]) -> None:
+        hash_id = hash_id_out_of_range(hash_ids)
+        if hash_id is not None:
             self.refuse(f"{record} has hash id {hash_id}; a capture numbers hashes from 0, "
                         f"below 2^62")
 
@@ -121,7 +123,7 @@ class _Check:
             if block.ref_cnt:
                 self.held.add(block_id)
             if block.hash_id != -1:
-                self.check_hash_id(f"block_state of block {block_id}", block.hash_id)
+                self.check_hash_ids(f"block_state of block {block_id}", [block.hash_id])
                 self.check_group(block.group)
                 self.keyed.add(block_id)
             if block.num_tokens < -1:
@@ -135,7 +137,7 @@ class _Check:
         holders: dict[tuple[int, int], list[int]] = {}
         for key in self.snapshot.keys:
             name = (key.hash_id, key.group)
-            self.check_hash_id(f"key_cached of group {key.group}", key.hash_id)
+            self.check_hash_ids(f"key_cached of group {key.group}", [key.hash_id])
             self.check_group(key.group)
             if name in holders:
                 self.refuse(f"has two key_cached records of hash {key.hash_id} in group "
@@ -177,8 +179,7 @@ class _Check:
                 self.refuse(f"{record} has {len(request.hash_ids)} hash_ids for its "
                             f"{request.num_tokens} tokens; hash unit {unit} makes "
                             f"{request.num_tokens // unit}")
-            for hash_id in (min(request.hash_ids, default=0), max(request.hash_ids, default=0)):
-                self.check_hash_id(record, hash_id)
+            self.check_hash_ids(record, request.hash_ids)
             if status in UNADMITTED_STATUSES and request.num_computed_tokens:
                 self.refuse(f"{record} has num_computed_tokens {request.num_computed_tokens}, "
                             f"but vLLM holds nothing of a {status} request")
