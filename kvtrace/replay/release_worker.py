@@ -120,6 +120,13 @@ def main(work: str) -> None:
     signal.signal(signal.SIGTERM, lambda signum, _frame: _stop(job, signum))
     if not die_with_parent(job.parent, signal.SIGTERM):
         _stop(job, signal.SIGTERM)
+    try:
+        _run(job, work)
+    finally:  # however it ends: once its replay died, vLLM's next log line to the replay's
+        _remove_if_orphaned(job)  # pipe raises BrokenPipeError, maybe before the SIGTERM
+
+
+def _run(job: _Job, work: str) -> None:
     from kvtrace.replay.run import replay
 
     options = job.options
@@ -145,12 +152,16 @@ def _error(error: KvtraceError) -> tuple:
 
 
 def _stop(job: _Job, signum: int) -> None:
-    """SIGTERM, sent by the kernel when the replay died or by anyone: a worker whose replay is
-    gone removes what the replay staged for it first."""
+    """SIGTERM, sent by the kernel when the replay died or by anyone."""
+    _remove_if_orphaned(job)
+    os._exit(128 + signum)
+
+
+def _remove_if_orphaned(job: _Job) -> None:
+    """A worker whose replay is gone removes what the replay staged for it."""
     if os.getppid() != job.parent:
         for path in job.leftovers:
             shutil.rmtree(path, ignore_errors=True)
-    os._exit(128 + signum)
 
 
 if __name__ == "__main__":
