@@ -10,7 +10,8 @@
  * The checkpoint decision is the shared Python table: Variant.checkpoint_action is
  * called back with a CheckpointFacts. Built only where a C compiler is found (setup.py, optional);
  * kvtrace.replay.model uses it unless KVTRACE_NATIVE=0. tests/test_model_backend.py holds both
- * twins to vLLM record for record.
+ * twins to vLLM record for record. A start snapshot is restored by model_restore.c, included
+ * below (tests/test_native_snapshot.py).
  *
  * Python's floor division is spelled out (floordiv) where an operand can be negative.
  */
@@ -30,7 +31,7 @@ enum {
     T_SLOTS_ALLOCATED, T_REQUEST_FINISHED, T_REQUEST_PREEMPTED, T_BLOCKS_RELEASED,
     T_BLOCK_ALLOCATED, T_BLOCK_STORED, T_BLOCK_REMOVED, T_BLOCK_TOUCHED, T_BLOCK_FREED,
     T_BOUNDARY_STATE_OFFLOADED, T_CHECKPOINT_RECORDED, T_CHECKPOINT_SUPPRESSED, T_STALE_KEY_LEFT,
-    T_CHECKPOINT_FACTS, T_KVTRACE_ERROR,
+    T_CHECKPOINT_FACTS, T_KVTRACE_ERROR, T_SNAPSHOT_ERROR,
     /* enum members */
     E_FULL, E_PARTIAL, E_CHECKPOINT, E_LRU_REUSE, E_STALE_CHECKPOINT, E_REKEY, E_TRANSIENT,
     E_PROMPT_END, E_JUNCTION, E_FINISHED, E_ABORTED, E_STRIP, E_KEEP_LOCAL,
@@ -41,7 +42,7 @@ static const char *configured_names[NUM_CONFIGURED] = {
     "SlotsAllocated", "RequestFinished", "RequestPreempted", "BlocksReleased",
     "BlockAllocated", "BlockStored", "BlockRemoved", "BlockTouched", "BlockFreed",
     "BoundaryStateOffloaded", "CheckpointRecorded", "CheckpointSuppressed", "StaleKeyLeft",
-    "CheckpointFacts", "KvtraceError",
+    "CheckpointFacts", "KvtraceError", "SnapshotError",
     "FULL", "PARTIAL", "CHECKPOINT", "LRU_REUSE", "STALE_CHECKPOINT", "REKEY", "TRANSIENT",
     "PROMPT_END", "JUNCTION", "FINISHED", "ABORTED", "STRIP", "KEEP_LOCAL",
 };
@@ -215,6 +216,11 @@ static int make_record(Core *c, int type, const char *spec, va_list ap) {
     return rc;
 }
 
+/* A request's first arrival in the Tally: its prompt length counts once. */
+static int tally_arrival(Tally *t, i64 req, i64 prompt_len) {
+    return map_find(&t->arrived, req) >= 0 ? 0 : map_set(&t->arrived, req, prompt_len);
+}
+
 /* Count a report as ReplaySummary counts its record (reports.Tally does the same). */
 static int count_report(Core *c, int type, const char *spec, va_list ap) {
     i64 v[12];
@@ -255,7 +261,7 @@ static int count_report(Core *c, int type, const char *spec, va_list ap) {
         t->hit_tokens += value;
         return map_set(&t->admitted, v[0], 1);
     case T_REQUEST_ARRIVED:  /* req, prompt_len, ... */
-        return map_find(&t->arrived, v[0]) >= 0 ? 0 : map_set(&t->arrived, v[0], v[1]);
+        return tally_arrival(t, v[0], v[1]);
     case T_REQUEST_PREEMPTED: t->preemptions++; return 0;
     case T_CHECKPOINT_SUPPRESSED: t->suppressed++; return 0;
     case T_STALE_KEY_LEFT: t->stale++; return 0;
@@ -583,6 +589,28 @@ static int map_block(Core *c, i64 hash_id, int group, int32_t block) {
     return 0;
 }
 
+/* A secondary key on ``block`` (one beside its primary). */
+static int add_extra_key(Core *c, int32_t block, i64 hash_id, int group) {
+    Extra *extra = c->extra[block];
+    if (!extra) {
+        extra = c->extra[block] = PyMem_Calloc(1, sizeof(Extra));
+        if (!extra) { PyErr_NoMemory(); return -1; }
+    }
+    if (extra->n == extra->cap) {
+        int size = extra->cap ? extra->cap * 2 : 2;
+        i64 *hashes = PyMem_Realloc(extra->hash, (size_t)size * sizeof(i64));
+        if (!hashes) { PyErr_NoMemory(); return -1; }
+        extra->hash = hashes;
+        int32_t *groups = PyMem_Realloc(extra->group, (size_t)size * sizeof(int32_t));
+        if (!groups) { PyErr_NoMemory(); return -1; }
+        extra->group = groups;
+        extra->cap = size;
+    }
+    extra->hash[extra->n] = hash_id;
+    extra->group[extra->n++] = group;
+    return 0;
+}
+
 static int insert_key(Core *c, i64 hash_id, int group, int32_t block, i64 num_tokens,
                       int kind, i64 req) {
     if (c->has_key[block] && c->key_hash[block] == hash_id && c->key_group[block] == group)
@@ -593,24 +621,8 @@ static int insert_key(Core *c, i64 hash_id, int group, int32_t block, i64 num_to
         c->key_hash[block] = hash_id;
         c->key_group[block] = group;
         c->key_tokens[block] = num_tokens;
-    } else {
-        Extra *extra = c->extra[block];
-        if (!extra) {
-            extra = c->extra[block] = PyMem_Calloc(1, sizeof(Extra));
-            if (!extra) { PyErr_NoMemory(); return -1; }
-        }
-        if (extra->n == extra->cap) {
-            int size = extra->cap ? extra->cap * 2 : 2;
-            i64 *hashes = PyMem_Realloc(extra->hash, (size_t)size * sizeof(i64));
-            if (!hashes) { PyErr_NoMemory(); return -1; }
-            extra->hash = hashes;
-            int32_t *groups = PyMem_Realloc(extra->group, (size_t)size * sizeof(int32_t));
-            if (!groups) { PyErr_NoMemory(); return -1; }
-            extra->group = groups;
-            extra->cap = size;
-        }
-        extra->hash[extra->n] = hash_id;
-        extra->group[extra->n++] = group;
+    } else if (add_extra_key(c, block, hash_id, group)) {
+        return -1;
     }
     if (map_block(c, hash_id, group, block)) return -1;
     return emit(c, T_BLOCK_STORED, "dqdqeq", block, hash_id, group,
@@ -1261,6 +1273,13 @@ static void drop_request(Core *c, Request *r) {
     PyMem_Free(r);
 }
 
+/* The prefix lengths the records report hash units ``start..stop`` of ``r`` at. */
+static int set_depths(Core *c, Request *r, i64 start, i64 stop) {
+    for (i64 i = start; i < stop; i++)
+        if (map_set(&c->depth, r->hash_ids.v[i], (i + 1) * c->hash_block_size)) return -1;
+    return 0;
+}
+
 static int report_request(Core *c, Request *r) {
     i64 unit = c->hash_block_size;
     if (r->num_reported < 0) {
@@ -1269,8 +1288,7 @@ static int report_request(Core *c, Request *r) {
         if (emit(c, T_REQUEST_ARRIVED, "qqLqddr", r->req, r->prompt_len, r->hash_ids.v,
                  (Py_ssize_t)units, r->max_tokens, 0, 0, r->req))
             return -1;
-        for (i64 i = 0; i < units; i++)
-            if (map_set(&c->depth, r->hash_ids.v[i], (i + 1) * unit)) return -1;
+        if (set_depths(c, r, 0, units)) return -1;
         r->num_reported = units;
     }
     if (r->num_hashes > r->num_reported) {
@@ -1278,8 +1296,7 @@ static int report_request(Core *c, Request *r) {
         if (emit(c, T_HASHES_EXTENDED, "qL", r->req, r->hash_ids.v + start,
                  (Py_ssize_t)(stop - start)))
             return -1;
-        for (i64 i = start; i < stop; i++)
-            if (map_set(&c->depth, r->hash_ids.v[i], (i + 1) * unit)) return -1;
+        if (set_depths(c, r, start, stop)) return -1;
         r->num_reported = stop;
     }
     return 0;
@@ -1495,18 +1512,25 @@ static int allocate(Core *c, Request *r, i64 num_new, i64 num_new_computed, int 
 
 /* --- the Python type -------------------------------------------------------------------------- */
 
-static int set_kvtrace_error(const char *hint, const char *format, ...) {
-    va_list ap;
-    va_start(ap, format);
+/* Raise the configured KvtraceError class ``type`` (T_KVTRACE_ERROR, T_SNAPSHOT_ERROR) with
+   a message and a hint (NULL: the class's own). Returns -1. */
+static int set_error_v(int type, const char *hint, const char *format, va_list ap) {
     PyObject *message = PyUnicode_FromFormatV(format, ap);
-    va_end(ap);
     if (!message) return -1;
-    PyObject *error = PyObject_CallFunction(configured[T_KVTRACE_ERROR], "Os", message, hint);
+    PyObject *error = PyObject_CallFunction(configured[type], "Oz", message, hint);
     Py_DECREF(message);
     if (error) {
         PyErr_SetObject((PyObject *)Py_TYPE(error), error);
         Py_DECREF(error);
     }
+    return -1;
+}
+
+static int set_kvtrace_error(const char *hint, const char *format, ...) {
+    va_list ap;
+    va_start(ap, format);
+    set_error_v(T_KVTRACE_ERROR, hint, format, ap);
+    va_end(ap);
     return -1;
 }
 
@@ -1787,20 +1811,19 @@ static PyObject *Core_new_step(Core *c, PyObject *const *args, Py_ssize_t nargs,
     return Core_flushed(c, Py_None);
 }
 
-/* _add(req, prompt_len, max_tokens, hash_ids): the request, validated by the Python side. */
-static PyObject *Core_add(Core *c, PyObject *args) {
-    long long req, prompt_len, max_tokens;
-    PyObject *hash_ids;
-    if (!PyArg_ParseTuple(args, "LLLO", &req, &prompt_len, &max_tokens, &hash_ids)) return NULL;
+/* A new request, known from now on, its hash ids (known ones) taken from a sequence; NULL on
+   error. Made-up ids continue past them. */
+static Request *new_request(Core *c, i64 req, i64 prompt_len, i64 max_tokens,
+                            PyObject *hash_ids) {
     Request *r = PyMem_Calloc(1, sizeof(Request));
-    if (!r) return PyErr_NoMemory();
+    if (!r) return (Request *)PyErr_NoMemory();
     r->groups = PyMem_Calloc((size_t)c->num_groups, sizeof(GroupState));
     r->pending = PyMem_Calloc((size_t)c->num_groups, sizeof(IVec));
     if (!r->groups || !r->pending) {
         PyMem_Free(r->groups);
         PyMem_Free(r->pending);
         PyMem_Free(r);
-        return PyErr_NoMemory();
+        return (Request *)PyErr_NoMemory();
     }
     r->req = req;
     r->prompt_len = prompt_len;
@@ -1827,7 +1850,7 @@ static PyObject *Core_add(Core *c, PyObject *args) {
         if (c->num_requests == c->cap_requests) {
             Py_ssize_t size = c->cap_requests ? c->cap_requests * 2 : 64;
             Request **requests = PyMem_Realloc(c->requests, (size_t)size * sizeof(Request *));
-            if (!requests) { drop_request(c, r); return PyErr_NoMemory(); }
+            if (!requests) { drop_request(c, r); return (Request *)PyErr_NoMemory(); }
             c->requests = requests;
             c->cap_requests = size;
         }
@@ -1835,6 +1858,16 @@ static PyObject *Core_add(Core *c, PyObject *args) {
     }
     c->requests[index] = r;
     if (map_set(&c->request_slots, req, index)) return NULL;
+    return r;
+}
+
+/* _add(req, prompt_len, max_tokens, hash_ids): the request, validated by the Python side. */
+static PyObject *Core_add(Core *c, PyObject *args) {
+    long long req, prompt_len, max_tokens;
+    PyObject *hash_ids;
+    if (!PyArg_ParseTuple(args, "LLLO", &req, &prompt_len, &max_tokens, &hash_ids)
+        || !new_request(c, req, prompt_len, max_tokens, hash_ids))
+        return NULL;
     Py_RETURN_NONE;
 }
 
@@ -2054,18 +2087,25 @@ static PyObject *Core_sync_request(Core *c, PyObject *const *args, Py_ssize_t na
     Py_RETURN_NONE;
 }
 
-/* _release(block_ids): the engine frees blocks itself (checked by the Python side). */
-static PyObject *Core_release(Core *c, PyObject *ids) {
-    IVec blocks = {0};
+/* A sequence of block ids appended to ``out``. */
+static int block_ids_of(PyObject *ids, IVec *out) {
     Py_ssize_t n = PySequence_Length(ids);
+    if (n < 0) return -1;
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *item = PySequence_GetItem(ids, i);
         long block = item ? PyLong_AsLong(item) : -1;
         Py_XDECREF(item);
-        if (PyErr_Occurred() || ivec_push(&blocks, (int32_t)block)) {
-            ivec_free(&blocks);
-            return NULL;
-        }
+        if (PyErr_Occurred() || ivec_push(out, (int32_t)block)) return -1;
+    }
+    return 0;
+}
+
+/* _release(block_ids): the engine frees blocks itself (checked by the Python side). */
+static PyObject *Core_release(Core *c, PyObject *ids) {
+    IVec blocks = {0};
+    if (block_ids_of(ids, &blocks)) {
+        ivec_free(&blocks);
+        return NULL;
     }
     int rc = free_blocks(c, blocks.v, blocks.n, 1);
     ivec_free(&blocks);
@@ -2139,6 +2179,10 @@ static PyObject *Core_close(Core *c, PyObject *unused) {
     Py_RETURN_NONE;
 }
 
+/* --- a start snapshot (Core_restore) --------------------------------------------------------- */
+
+#include "model_restore.c"
+
 #define FAST(function) (PyCFunction)(void (*)(void))function, METH_FASTCALL | METH_KEYWORDS
 
 static PyMethodDef Core_methods[] = {
@@ -2157,6 +2201,7 @@ static PyMethodDef Core_methods[] = {
     {"cached_block_id", FAST(Core_cached_block_id), NULL},
     {"_request_counters", (PyCFunction)Core_request_counters, METH_O, NULL},
     {"_counts", (PyCFunction)Core_counts, METH_NOARGS, NULL},
+    {"_restore", (PyCFunction)Core_restore, METH_VARARGS, NULL},
     {"close", (PyCFunction)Core_close, METH_NOARGS, NULL},
     {NULL, NULL, 0, NULL},
 };

@@ -48,14 +48,29 @@ def workload(tmp_path_factory):
     return load_workload(EngineOptions(str(path), variant="unfixed"))
 
 
-def serving(workload, steps: int) -> VllmScheduler:
-    """vLLM's scheduler on the workload, every request arrived, ``steps`` steps in."""
-    engine = VllmScheduler(workload.config, workload.settings, "unfixed")
+def serving(workload, steps: int, variant: str = "unfixed") -> VllmScheduler:
+    """vLLM's scheduler on the workload under ``variant``, every request arrived, ``steps``
+    steps in."""
+    engine = VllmScheduler(workload.config, workload.settings, variant)
     for arrival in workload.arrivals:
         engine.add_request(arrival)
     for _ in range(steps):
         engine.step()
     return engine
+
+
+def capture_steps(engine: VllmScheduler, trace, steps: int):
+    """A capture of ``engine`` armed now (its start snapshot taken at the next step) and
+    disarmed ``steps`` steps later, the engine still busy then; ``trace``."""
+    hook.arm(hook.CaptureOptions(path=str(trace), gpu_interval_ms=0))
+    try:
+        for _ in range(steps):
+            engine.step()
+        assert engine.has_requests()
+    finally:
+        final = hook.disarm()
+    assert final.error is None and final.dropped == 0 and final.snapshot_pause_ns > 0
+    return trace
 
 
 def state_records(records) -> list:
@@ -98,17 +113,8 @@ def test_a_snapshot_rebuilt_into_a_fresh_cache_reads_back_the_same(workload):
 def mid_flight_trace(workload, tmp_path_factory):
     """A capture armed 300 steps into the workload and disarmed 600 steps later, the engine
     busy throughout."""
-    engine = serving(workload, steps=300)
-    trace = tmp_path_factory.mktemp("mid-flight") / "cap.kvtrace"
-    hook.arm(hook.CaptureOptions(path=str(trace), gpu_interval_ms=0))
-    try:
-        for _ in range(600):
-            engine.step()
-        assert engine.has_requests()
-    finally:
-        final = hook.disarm()
-    assert final.error is None and final.dropped == 0 and final.snapshot_pause_ns > 0
-    return trace
+    return capture_steps(serving(workload, steps=300),
+                         tmp_path_factory.mktemp("mid-flight") / "cap.kvtrace", 600)
 
 
 @pytest.mark.parametrize("backend", ["vllm", "model"])

@@ -80,7 +80,7 @@ from kvtrace.replay.execute import ExecuteOptions
 from kvtrace.replay.captured import CaptureEnds, StepCosts, StepFit
 from kvtrace.replay.release_worker import on_release, run_variant
 from kvtrace.replay.scheduler import Arrival, InFlight, Scheduler, arrivals_of
-from kvtrace.replay.snapshot import STATE_TYPES, StartSnapshot, snapshot_of
+from kvtrace.replay.snapshot import STATE_TYPES, StartSnapshot, never_admitted, snapshot_of
 from kvtrace.replay.variants import get_variant
 from kvtrace.traceio import TraceReader, TraceWriter
 from kvtrace.vllm_releases import running_vllm_version
@@ -143,7 +143,7 @@ class Source:
             spec = Arrival(r.req, r.prompt_len, r.hash_ids[:num_prompt_units],
                            ends.decode_length(r.req, r.prompt_len, r.num_tokens) or r.max_tokens,
                            r.arrival_ns,
-                           [*r.hash_ids[num_prompt_units:], *snapshot.output_hash_ids.get(r.req, ())])
+                           snapshot.known_hash_ids(r)[num_prompt_units:])
             in_flight.append(InFlight(spec, r.queue == RequestQueue.RUNNING,
                                       r.num_computed_tokens, r.num_tokens,
                                       r.shared_prefix_boundary))
@@ -285,7 +285,7 @@ class ReplaySummary:
         elif kind is RequestArrived:
             self.prompt_tokens.setdefault(record.req, record.prompt_len)
         elif kind is RequestState:
-            if record.status == "WAITING" and not record.num_preemptions:
+            if never_admitted(record.status, record.num_preemptions):
                 self.prompt_tokens.setdefault(record.req, record.prompt_len)
             else:
                 self._admitted.add(record.req)

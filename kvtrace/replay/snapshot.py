@@ -51,6 +51,11 @@ class StartSnapshot:
                 *self.requests, *self.request_blocks,
                 *([self.ended] if self.ended is not None else [])]
 
+    def known_hash_ids(self, state: RequestState) -> list[int]:
+        """The hash ids a request in flight is known by: its units so far, then the output
+        units its decode completes after the snapshot (made-up ids follow them)."""
+        return [*state.hash_ids, *self.output_hash_ids.get(state.req, ())]
+
     def running(self) -> list[RequestState]:
         return [r for r in self.requests if r.queue == RequestQueue.RUNNING]
 
@@ -61,6 +66,13 @@ class StartSnapshot:
         """Refuse what the engine of ``config`` could not hold (``snapshot_checks``); ``source``
         names the trace."""
         check_snapshot(self, config, source)
+
+
+def never_admitted(status: str, num_preemptions: int) -> bool:
+    """Whether a request in flight at a snapshot (its ``RequestState``) was never admitted: its
+    first lookup falls inside the trace, so the summaries count it as an arrival; any other was
+    admitted before, and its lookups count as resumed."""
+    return status == "WAITING" and not num_preemptions
 
 
 def snapshot_of(records: Iterable[Record]) -> StartSnapshot | None:

@@ -260,7 +260,7 @@ class ModelBackend:
         unit = self.hash_block_size
         depth = self.depth
         for state in snapshot.requests:
-            known_ids = [*state.hash_ids, *snapshot.output_hash_ids.get(state.req, ())]
+            known_ids = snapshot.known_hash_ids(state)
             if known_ids:
                 self.made_up_hash_id.skip_past(max(known_ids))
             request = Request(state.req, state.prompt_len, max(1, state.max_tokens), known_ids,

@@ -3,16 +3,19 @@
 ``core`` is the ``kvtrace._model_core`` module, or None: not built (``setup.py`` makes the build
 optional: no C compiler) or turned off with ``KVTRACE_NATIVE=0``. ``NativeModelBackend`` checks
 and derives everything in Python, as the pure-Python ``ModelBackend`` does (the same functions),
-and leaves the cache itself to the C core; the checkpoint decision stays the shared Python
-table (the core calls ``Variant.checkpoint_action``). Counting a summary, the core makes no
-record and keeps the counters in C (``_counts()``, in the shape of ``reports.Counts``); given a
-trace writer as well, it writes the records' column batches itself (``TraceWriter.write_batch``).
+and leaves the cache itself to the C core, a start snapshot's state included; the checkpoint
+decision stays the shared Python table (the core calls ``Variant.checkpoint_action``). Counting
+a summary, the core makes no record and keeps the counters in C (``_counts()``, in the shape of
+``reports.Counts``); given a trace writer as well, it writes the records' column batches itself
+(``TraceWriter.write_batch``).
 """
 
 from __future__ import annotations
 
 import os
 from typing import TYPE_CHECKING
+
+import msgspec
 
 from kvtrace import events
 from kvtrace.engine_config import check_added_request, validate
@@ -26,12 +29,14 @@ from kvtrace.replay.model.backend import (
     check_vllm_accepts,
 )
 from kvtrace.replay.model.reports import Counts
+from kvtrace.replay.snapshot import SnapshotError, never_admitted
 from kvtrace.replay.variants import get_variant
 from kvtrace.replay.vllm_backend import UNLIMITED_MODEL_LEN
 from kvtrace.traceio import TraceWriter
 
 if TYPE_CHECKING:
     from kvtrace.replay.run import ReplaySummary
+    from kvtrace.replay.snapshot import StartSnapshot
 
 try:
     from kvtrace import _model_core as built
@@ -46,6 +51,7 @@ def _configure(module) -> None:
     objects = {cls.__name__: cls for cls in events.RECORD_TYPES}
     objects["CheckpointFacts"] = variants.CheckpointFacts
     objects["KvtraceError"] = KvtraceError
+    objects["SnapshotError"] = SnapshotError
     for enum_type in (events.StoreKind, events.RemoveReason, events.CheckpointClass,
                       events.FinishStatus, variants.CheckpointAction):
         objects.update(enum_type.__members__)
@@ -124,6 +130,21 @@ if built is not None:
         def release_blocks(self, block_ids: list[int]) -> None:
             check_release(block_ids, self.num_gpu_blocks, self._ref_count)
             self._release(block_ids)
+
+        def restore(self, snapshot: StartSnapshot) -> None:
+            """As ``ModelBackend.restore``, in the core (``csrc/model_restore.c``): the
+            snapshot's records handed over as tuples, each request with its known hash ids and
+            whether it was ever admitted (what a counting core's figures start from)."""
+            astuple = msgspec.structs.astuple
+            self._restore(
+                [(state.req, state.prompt_len, max(1, state.max_tokens),
+                  snapshot.known_hash_ids(state), len(state.hash_ids), state.num_tokens,
+                  state.num_computed_tokens, state.shared_prefix_boundary,
+                  never_admitted(state.status, state.num_preemptions))
+                 for state in snapshot.requests],
+                [astuple(block) for block in snapshot.blocks],
+                [astuple(key) for key in snapshot.keys], snapshot.free_queue,
+                [astuple(table) for table in snapshot.request_blocks])
 
         def request(self, req: int) -> RequestCounters:
             """A request's counters (``num_tokens``, ``num_computed_tokens``...)."""

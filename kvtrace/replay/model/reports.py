@@ -30,6 +30,7 @@ from kvtrace.events import (
     StaleKeyLeft,
     StoreKind,
 )
+from kvtrace.replay.snapshot import never_admitted
 
 if TYPE_CHECKING:
     from kvtrace.replay.run import ReplaySummary
@@ -159,8 +160,7 @@ class Tally(Counts):
                       *fields: object) -> None:
         """A request in flight at a start snapshot: never admitted yet, it counts as an
         arrival; else its first admission was before (``ReplaySummary`` alike)."""
-        num_preemptions = fields[4]
-        if status == "WAITING" and not num_preemptions:
+        if never_admitted(status, fields[4]):  # fields[4]: num_preemptions
             self.prompt_tokens.setdefault(req, prompt_len)
         else:
             self.admitted.add(req)
