@@ -6,7 +6,12 @@ faster than the vllm backend per variant, with identical summaries. Checked here
 record streams are equal record for record (else the first divergence is printed).
 
 The trace is imported as ``kvtrace import mooncake`` does (the default model's geometry), or
-given ready with ``--trace`` (a workload imported with other engine flags, e.g. a finer one).
+given ready with ``--trace`` (a workload imported with other engine flags, e.g. a finer one, or
+a capture), or captured mid-flight with ``--midflight``: ``kvtrace demo`` runs in the scratch
+directory (a serving ``kvtrace engine``, captured from 3 s to 8 s after its start; about a
+minute) and its capture is measured. A capture that starts from a snapshot is replayed from it,
+as ``kvtrace replay`` does: every backend restores the snapshot's cache and continues the
+requests in flight (the restore is outside the timings, which time the replay itself).
 
 Figures per variant and backend, median (min-max) over ``--repeats`` runs, the two backends
 alternating within a repeat so both see the same machine load:
@@ -31,7 +36,7 @@ and two floors, measured in the same repeats, that bound what any backend can re
   backend still pays).
 
     .venv/bin/python benchmarks/replay_backends.py [--variant unfixed --variant fixed]
-        [--repeats 3] [--mode replay] [--requests N | --trace WORKLOAD] [--json]
+        [--repeats 3] [--mode replay] [--requests N | --trace TRACE | --midflight] [--json]
 
 Exit status 1 if the streams or summaries differ (the speed target is reported, not enforced).
 """
@@ -42,6 +47,7 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -49,7 +55,7 @@ from pathlib import Path
 
 from kvtrace.engine_config import derive
 from kvtrace.replay.backend import open_backend
-from kvtrace.replay.run import ReplayOptions, ReplaySummary, replay
+from kvtrace.replay.run import ReplayOptions, ReplaySummary, RunStart, read_source, replay
 from kvtrace.replay.scheduler import Scheduler, arrivals_of
 from kvtrace.traceio import TraceWriter, read_records, write_trace
 from kvtrace.workloads.mooncake import import_mooncake
@@ -72,6 +78,15 @@ def import_trace(log: Path, directory: Path, num_requests: int | None) -> Path:
         kept = set(sorted(r.req for r in arrivals_of(records))[:num_requests])
         write_trace(path, reader.header, [r for r in records if r.req in kept])
     return path
+
+
+def capture_demo(directory: Path) -> Path:
+    """``kvtrace demo``'s capture of its serving engine, mid-flight (its start snapshot holds
+    the requests in flight then)."""
+    workdir = directory / "demo"
+    subprocess.run([sys.executable, "-m", "kvtrace", "demo", "--workdir", str(workdir)],
+                   check=True, stdout=subprocess.DEVNULL)
+    return workdir / "capture.kvtrace"
 
 
 class Recorder:
@@ -102,22 +117,28 @@ class Answers:
             setattr(self, name, lambda *args, **kwargs: answer())
 
 
-def cache_run(backend: str, config, settings, variant: str, arrivals,
+def schedule(cache, config, settings, start: RunStart) -> None:
+    """The scheduler model driving ``cache`` from ``start`` (a snapshot's requests in flight)."""
+    Scheduler(cache, config, settings).run(start.arrivals, None, start.in_flight, start.start_ns)
+
+
+def cache_run(backend: str, config, settings, variant: str, start: RunStart,
               wrap=None) -> tuple[float, list, object]:
     """(seconds, records, the cache it drove) of the scheduler model driving ``backend``
-    (``wrap``ped)."""
+    (``wrap``ped), started from ``start``'s snapshot if it has one."""
     records: list = []
-    with open_backend(backend, config, variant, records.append) as cache:
+    with open_backend(backend, config, variant, records.append, start.snapshot) as cache:
         driven = cache if wrap is None else wrap(cache)
         started = time.perf_counter()
-        Scheduler(driven, config, settings).run(arrivals)
+        schedule(driven, config, settings, start)
         seconds = time.perf_counter() - started
     return seconds, records, driven
 
 
-def summary_of(config, records: list) -> dict:
+def summary_of(config, start: RunStart, records: list) -> dict:
+    """The summary of a cache run, as ``kvtrace replay``'s: from its snapshot's records on."""
     summary = ReplaySummary(config)
-    for record in records:
+    for record in [*(start.snapshot.records() if start.snapshot else ()), *records]:
         summary(record)
     return summary.to_dict()
 
@@ -142,7 +163,7 @@ def text(figure: dict, unit: str = "s") -> str:
             f"{figure['median']:.1f}x ({figure['min']:.1f}-{figure['max']:.1f})")
 
 
-def measure_variant(variant: str, trace: Path, config, settings, arrivals, repeats: int,
+def measure_variant(variant: str, trace: Path, config, settings, start: RunStart, repeats: int,
                     outdir: Path, modes: tuple[str, ...] = MODES) -> dict:
     """Each repeat runs both backends and the floors back to back, so every ratio (and every
     ceiling) compares runs under the same machine load."""
@@ -150,13 +171,13 @@ def measure_variant(variant: str, trace: Path, config, settings, arrivals, repea
                                      for backend in BACKENDS}
     times.update(scheduler=[], sink=[])
     problems: list[str] = []
-    answers = cache_run("model", config, settings, variant, arrivals, Recorder)[2].answers
+    answers = cache_run("model", config, settings, variant, start, Recorder)[2].answers
     header = read_records(trace)[0].header
     records: dict[str, list] = {}
     cache_repeats = repeats if "cache" in modes else 1  # else once, for the records
     for repeat in range(cache_repeats):
         for backend in BACKENDS:
-            seconds, kept, _ = cache_run(backend, config, settings, variant, arrivals)
+            seconds, kept, _ = cache_run(backend, config, settings, variant, start)
             if "cache" in modes:
                 times[f"cache {backend}"].append(seconds)
             records[backend] = kept if repeat == cache_repeats - 1 else []
@@ -164,7 +185,7 @@ def measure_variant(variant: str, trace: Path, config, settings, arrivals, repea
     divergence = first_divergence(records["vllm"], records["model"])
     if divergence:
         problems.append(f"record streams differ: {divergence}")
-    summaries = {backend: summary_of(config, records[backend]) for backend in BACKENDS}
+    summaries = {backend: summary_of(config, start, records[backend]) for backend in BACKENDS}
     if summaries["vllm"] != summaries["model"]:
         problems.append("cache-run summaries differ")
     model_records = records.pop("model")
@@ -181,7 +202,7 @@ def measure_variant(variant: str, trace: Path, config, settings, arrivals, repea
                 times[f"{mode} {backend}"].append(result.variants[0].wall_s)
                 replay_summaries[mode, backend] = result.variants[0].summary
         started = time.perf_counter()
-        Scheduler(Answers(answers, config.num_gpu_blocks), config, settings).run(arrivals)
+        schedule(Answers(answers, config.num_gpu_blocks), config, settings, start)
         times["scheduler"].append(time.perf_counter() - started)
         started = time.perf_counter()  # the per-record sink alone
         with open(os.devnull, "wb") as devnull:
@@ -228,7 +249,11 @@ def main() -> int:
     parser.add_argument("--requests", type=int, default=None,
                         help="only the first N requests (a quick look; the target is the full)")
     parser.add_argument("--trace", type=Path, default=None,
-                        help="a workload trace to replay instead of importing --log")
+                        help="a workload or capture to replay instead of importing --log (a "
+                        "capture from its start snapshot)")
+    parser.add_argument("--midflight", action="store_true",
+                        help="capture `kvtrace demo`'s engine mid-flight (about a minute) and "
+                        "replay that capture from its start snapshot")
     parser.add_argument("--mode", dest="modes", action="append", choices=MODES,
                         help="a figure to measure; repeat (default: all three)")
     parser.add_argument("--json", action="store_true", help="print the results as JSON too")
@@ -238,15 +263,20 @@ def main() -> int:
     results = []
     with tempfile.TemporaryDirectory() as scratch:
         directory = Path(scratch)
-        trace = args.trace or import_trace(args.log, directory, args.requests)
-        reader, records = read_records(trace)
-        config, settings = derive(reader.header.config, str(trace))
-        arrivals = arrivals_of(records)
-        print(f"{trace.name}: {len(arrivals)} requests, {config.num_gpu_blocks} blocks, "
-              f"groups {[(g.kind, g.block_size) for g in config.kv_cache_groups]}, hash unit "
+        trace = (args.trace or (capture_demo(directory) if args.midflight
+                                else import_trace(args.log, directory, args.requests)))
+        source = read_source(str(trace))  # as `kvtrace replay` reads and starts it
+        config, settings = derive(source.header.config, str(trace))
+        settings = source.scheduler_settings(settings)
+        start = source.start(warm=True)
+        snapshot = (f", {len(start.in_flight)} in flight at its start snapshot "
+                    f"({len(start.snapshot.keys)} keys)" if start.snapshot else "")
+        print(f"{trace.name}: {len(start.arrivals)} requests arriving{snapshot}, "
+              f"{config.num_gpu_blocks} blocks, groups "
+              f"{[(g.kind, g.block_size) for g in config.kv_cache_groups]}, hash unit "
               f"{config.hash_block_size}; {args.repeats} repeats", flush=True)
         for variant in args.variants or ["unfixed", "fixed"]:
-            result = measure_variant(variant, trace, config, settings, arrivals, args.repeats,
+            result = measure_variant(variant, trace, config, settings, start, args.repeats,
                                      directory / variant, tuple(args.modes or MODES))
             results.append(result)
             figures = result["figures"]

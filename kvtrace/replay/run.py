@@ -126,6 +126,14 @@ class Source:
     ends: CaptureEnds | None = None  # how far a capture's requests got (a capture only)
     step_fit: StepFit | None = None  # how long the captured engine's steps took
 
+    def scheduler_settings(self, settings: SchedulerSettings) -> SchedulerSettings:
+        """``settings`` for a run of this source: a capture's arrivals are on its engine's
+        clock, so its steps cost what the engine's did (``step_fit``)."""
+        if self.step_fit is None:
+            return settings
+        return dataclasses.replace(settings, step_overhead_ns=self.step_fit.overhead_ns,
+                                   ns_per_token=self.step_fit.ns_per_token)
+
     def start(self, warm: bool) -> RunStart:
         """What a run of this source starts from. A capture that armed mid-flight starts from
         its snapshot: the cache as it was, and the requests in flight, each continuing as far
@@ -398,9 +406,7 @@ def replay(options: ReplayOptions,
         raise ConfigError(f"unknown backend {options.backend!r}",
                           f"Known backends: {', '.join(BACKENDS)}.")
     source = source or read_source(options.source)
-    if source.step_fit is not None:  # a capture: its arrivals are on the engine's clock
-        settings = dataclasses.replace(settings, step_overhead_ns=source.step_fit.overhead_ns,
-                                       ns_per_token=source.step_fit.ns_per_token)
+    settings = source.scheduler_settings(settings)
     if mode == "lockstep":
         _check_lockstep_source(options, source)
     records = _CapturedRecords(options.source)  # re-read by lockstep, never held
