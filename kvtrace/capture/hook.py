@@ -160,12 +160,22 @@ def _scheduler_limits(scheduler_config: Any) -> dict[str, Any]:
 
 def served_model(scheduler: Any) -> dict[str, str]:
     """The model the engine serves, by the name it serves it as (vLLM's ``served_model_name``;
-    a replay prices recomputed tokens with it when it names a model kvtrace knows)."""
+    a replay prices recomputed tokens with it when it names a model kvtrace knows), with the
+    ``--hf-overrides`` the engine applied to its config, as ``presets.model_spec`` writes them
+    (``NAME --hf-overrides JSON``), which every reader of a model applies again."""
+    from kvtrace.geometry.presets import model_spec
+
     model_config = getattr(getattr(scheduler, "vllm_config", None), "model_config", None)
     name = getattr(model_config, "served_model_name", None) or getattr(model_config, "model", "")
     if isinstance(name, list):
         name = name[0] if name else ""
-    return {"model": name} if isinstance(name, str) and name else {}
+    if not isinstance(name, str) or not name:
+        return {}
+    overrides = getattr(model_config, "hf_overrides", None)  # a dict, or a function (Python)
+    try:
+        return {"model": model_spec(name, overrides if isinstance(overrides, dict) else {})}
+    except (TypeError, ValueError):  # overrides given in Python that are no JSON
+        return {"model": name}
 
 
 def scheduling(scheduler: Any) -> dict[str, str]:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import click
 
+from kvtrace.cli.model_options import hf_overrides_option
+
 GIB = 1 << 30
 
 
@@ -11,6 +13,7 @@ GIB = 1 << 30
 @click.option("--model", "model", required=True, metavar="NAME|CONFIG.json",
               help="A preset (kimi-linear-48b-a3b, qwen3-next-80b-a3b, nemotron-h-8b, kimi-k3) "
                    "or a Hugging Face config.json (or its folder).")
+@hf_overrides_option
 @click.option("--gpu-memory-gib", type=float, default=None,
               help="Memory of one GPU, as CUDA reports it [default: this host's GPU as NVML "
                    "sees it, else an H200's 139.8].")

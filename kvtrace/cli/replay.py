@@ -6,6 +6,8 @@ import sys
 
 import click
 
+from kvtrace.cli.model_options import hf_overrides_option
+
 
 @click.command("replay")
 @click.argument("source", type=click.Path(dir_okay=False))
@@ -43,6 +45,7 @@ import click
                    "re-executes): a preset of `kvtrace geometry` or a config.json  [default: "
                    "the model the source was written for; for a capture, the one its engine "
                    "served, when it names a preset or its Hugging Face repository].")
+@hf_overrides_option
 @click.option("--execute", is_flag=True,
               help="Also re-execute the recurrent state in torch: check every Mamba hit "
                    "against a recomputed state, time the recomputed prefill, price it in GPU "

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import click
 
+from kvtrace.cli.model_options import hf_overrides_option
+
 
 @click.command("report")
 @click.argument("db", type=click.Path(dir_okay=False))
@@ -18,6 +20,7 @@ import click
               help="The model that prices the runs whose header names none (a capture of a "
                    "model kvtrace could not resolve, replayed without --model): a preset of "
                    "`kvtrace geometry` or a config.json.")
+@hf_overrides_option
 @click.option("--bucket-steps", type=click.IntRange(min=1), default=10, show_default=True,
               help="Scheduler steps per point of the time plots.")
 @click.option("--min-hits", type=click.IntRange(min=0), default=2, show_default=True,

@@ -67,9 +67,13 @@ def engine_options() -> list[click.Option]:
             options.append(click.Option([flag, spec.name], type=value_type, default=None,
                                         help=ENGINE_HELP[spec.name]))
         elif spec.name == "model":
+            from kvtrace.cli.model_options import HF_OVERRIDES_HELP
+
             options.append(click.Option([flag, spec.name], metavar="NAME|CONFIG.json",
                                         default=spec.default, show_default=True,
                                         help=ENGINE_HELP[spec.name]))
+            options.append(click.Option(["--hf-overrides", "hf_overrides"], metavar="JSON",
+                                        default=None, help=HF_OVERRIDES_HELP))
         else:
             options.append(click.Option([flag, spec.name], type=type(spec.default),
                                         default=spec.default, show_default=True,
@@ -81,9 +85,14 @@ def engine_shape(options: dict):
     """Pop the engine flags out of a command's keyword arguments into an ``EngineShape``."""
     import dataclasses
 
+    from kvtrace.cli.model_options import with_hf_overrides
     from kvtrace.workloads.workload import EngineShape
 
-    return EngineShape(**{f.name: options.pop(f.name) for f in dataclasses.fields(EngineShape)})
+    shape = {f.name: options.pop(f.name) for f in dataclasses.fields(EngineShape)}
+    hf_overrides = options.pop("hf_overrides", None)
+    if hf_overrides is not None:
+        shape["model"] = with_hf_overrides(shape["model"], hf_overrides)
+    return EngineShape(**shape)
 
 
 def _preset_options() -> list[click.Option]:

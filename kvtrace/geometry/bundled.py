@@ -11,7 +11,7 @@ from pathlib import Path
 
 import msgspec
 
-from kvtrace.geometry.presets import PRESET_DIR, preset_named, preset_names
+from kvtrace.geometry.presets import HF_OVERRIDES, PRESET_DIR, preset_named, preset_names
 from kvtrace.geometry.result import Geometry
 
 # The smallest tensor-parallel size whose weights leave room for a cache on one H200
@@ -33,16 +33,19 @@ def geometry_for(model: str, tensor_parallel_size: int | None = None) -> Geometr
     """The geometry of ``model`` (a preset name or a config.json path): a preset at its usual
     tensor-parallel size comes from the shipped file (one H200); anything else is computed by
     vLLM's code for this host's GPU, else an H200 (slow the first time; cached). A preset may be
-    named by its Hugging Face repository too."""
-    model = preset_named(model)
-    usual = PRESET_TENSOR_PARALLEL.get(model)
-    if usual is not None and tensor_parallel_size in (None, usual):
-        path = bundled_path(model)
+    named by its Hugging Face repository too, and with vLLM's --hf-overrides
+    (``presets.model_spec``), which are computed."""
+    name, flag, overrides = str(model).partition(HF_OVERRIDES)
+    name = preset_named(name)
+    usual = PRESET_TENSOR_PARALLEL.get(name)
+    if not flag and usual is not None and tensor_parallel_size in (None, usual):
+        path = bundled_path(name)
         if path.is_file():
             return msgspec.json.decode(path.read_bytes(), type=Geometry)
     from kvtrace.geometry.compute import compute_geometry
 
-    return compute_geometry(model, tensor_parallel_size=tensor_parallel_size or usual or 1)
+    return compute_geometry(name + flag + overrides,
+                            tensor_parallel_size=tensor_parallel_size or usual or 1)
 
 
 def compute_bundled(preset: str) -> Geometry:

@@ -138,14 +138,16 @@ class CostModel:
 
 def cost_model(model: str, tensor_parallel_size: int | None = None,
                gpu: str = DEFAULT_GPU) -> CostModel:
-    """The cost model of ``model`` (a preset or a config.json path) at ``tensor_parallel_size``
+    """The cost model of ``model`` (a preset or a config.json path, with vLLM's --hf-overrides
+    as ``presets.model_spec`` writes them) at ``tensor_parallel_size``
     (default: a preset's usual one, ``bundled.PRESET_TENSOR_PARALLEL``, else 1) on ``gpu``."""
     from kvtrace.geometry.bundled import PRESET_TENSOR_PARALLEL
 
     if tensor_parallel_size is not None and tensor_parallel_size < 1:
         raise ConfigError(f"tensor parallel size {tensor_parallel_size} is not positive",
                           "Give the number of GPUs that serve one copy of the model.")
-    architecture = architecture_of(resolve_model(model))  # its name: the preset's, or the path
+    source = resolve_model(model)
+    architecture = architecture_of(source)  # its name: the preset's, or the path (+ overrides)
     return CostModel(architecture,
-                     tensor_parallel_size or PRESET_TENSOR_PARALLEL.get(architecture.name, 1),
+                     tensor_parallel_size or PRESET_TENSOR_PARALLEL.get(source.base_name, 1),
                      gpu_throughput(gpu))

@@ -1,8 +1,11 @@
-"""Which model a geometry is computed for: a bundled preset or any Hugging Face ``config.json``.
+"""Which model a geometry is computed for: a bundled preset or any Hugging Face ``config.json``,
+with vLLM's ``--hf-overrides`` applied on top as vLLM applies them.
 
 Presets are the models' own published ``config.json`` fields, shipped as package data under
-``presets/`` with a ``_source`` entry that names where every value was read. Nothing here
-imports vLLM.
+``presets/`` with a ``_source`` entry that names where every value was read. A model with
+overrides is named as vLLM was told it, ``NAME --hf-overrides JSON`` (``model_spec``): that
+text resolves to the same model wherever it goes (a replay's header, a report), and a capture
+records the model its engine served in that form. Nothing here imports vLLM.
 """
 
 from __future__ import annotations
@@ -18,15 +21,29 @@ from kvtrace.errors import ConfigError
 
 PRESET_DIR = Path(__file__).with_name("presets")
 SOURCE_KEY = "_source"
+HF_OVERRIDES = " --hf-overrides "  # between a model's name and its overrides (model_spec)
+# Config keys whose value is a nested config, which vLLM updates key by key (its
+# ``_update_nested``) where another dict-valued key is replaced whole.
+SUB_CONFIGS = ("text_config", "vision_config", "audio_config", "speech_config")
+# transformers' ``attribute_map`` of the config classes vLLM 0.33 loads these model types with
+# (an override sets the attribute it maps to), for the keys a layout reads.
+ATTRIBUTE_MAPS = {"nemotron_h": {"layer_types": "layers_block_type",
+                                 "num_local_experts": "n_routed_experts"}}
 
 
 @dataclass(frozen=True)
 class ModelSource:
     """A model's ``config.json`` (without ``_source``) and where it came from."""
 
-    name: str  # the preset name, or the path given
+    name: str  # the preset name, or the path given (with its overrides: ``model_spec``)
     config: dict[str, Any] = field(repr=False)
     source: dict[str, str] = field(default_factory=dict)  # a preset's _source; {} for a path
+    hf_overrides: dict[str, Any] = field(default_factory=dict)  # applied to ``config``
+
+    @property
+    def base_name(self) -> str:
+        """The preset name or path, without its overrides."""
+        return self.name.partition(HF_OVERRIDES)[0]
 
     @property
     def architecture(self) -> str:
@@ -45,27 +62,102 @@ def preset_names() -> list[str]:
     return sorted(path.stem for path in PRESET_DIR.glob("*.json") if "." not in path.stem)
 
 
-def resolve_model(name_or_path: str | Path) -> ModelSource:
+def resolve_model(name_or_path: str | Path,
+                  hf_overrides: dict[str, Any] | str | None = None) -> ModelSource:
     """A preset by name, else a ``config.json`` file (or a folder holding one), else the preset
     read from that Hugging Face repository (``moonshotai/Kimi-K3``: the name vLLM serves a model
-    as unless told otherwise, which a capture records)."""
-    text = preset_named(name_or_path)
-    if text in preset_names():
-        config = _read_json(PRESET_DIR / f"{text}.json")
-        return ModelSource(text, config, config.pop(SOURCE_KEY))
-    path = Path(text)
-    if path.is_dir():
-        path = path / "config.json"
-    if not path.is_file():
-        raise ConfigError(
-            f"unknown model {text!r}: neither a preset, a config.json file nor the Hugging Face "
-            "repository of a preset",
-            f"Use a preset ({', '.join(preset_names())}), the Hugging Face repository one was "
-            "read from, or the path of a Hugging Face config.json (or of the folder that holds "
-            "it).")
-    config = _read_json(path)
-    config.pop(SOURCE_KEY, None)
-    return ModelSource(text, config)
+    as unless told otherwise, which a capture records); with vLLM's ``--hf-overrides`` applied
+    on top (``apply_hf_overrides``): those ``name_or_path`` names, as ``model_spec`` writes
+    them, then ``hf_overrides`` (a dict, or its JSON text). The config is read in the form
+    vLLM 0.33 reads it (``families.vllm_form``: e.g. Kimi-Linear as transformers 5 saves it)."""
+    from kvtrace.geometry.families import vllm_form
+
+    text, _, named = str(name_or_path).partition(HF_OVERRIDES)
+    overrides = {**(parse_hf_overrides(named) if named else {}),
+                 **(parse_hf_overrides(hf_overrides) if isinstance(hf_overrides, str)
+                    else hf_overrides or {})}
+    name = preset_named(text)
+    if name in preset_names():
+        config = _read_json(PRESET_DIR / f"{name}.json")
+        source = config.pop(SOURCE_KEY)
+    else:
+        path = Path(name)
+        if path.is_dir():
+            path = path / "config.json"
+        if not path.is_file():
+            raise ConfigError(
+                f"unknown model {name!r}: neither a preset, a config.json file nor the Hugging "
+                "Face repository of a preset",
+                f"Use a preset ({', '.join(preset_names())}), the Hugging Face repository one "
+                "was read from, or the path of a Hugging Face config.json (or of the folder "
+                "that holds it).")
+        config = _read_json(path)
+        config.pop(SOURCE_KEY, None)
+        source = {}
+    if overrides:
+        config = apply_hf_overrides(config, overrides)
+    return ModelSource(model_spec(name, overrides), vllm_form(config), source, overrides)
+
+
+def model_spec(name: str, hf_overrides: dict[str, Any]) -> str:
+    """A model as vLLM is told it: ``NAME``, or ``NAME --hf-overrides JSON`` with overrides
+    (which ``resolve_model`` reads back)."""
+    if not hf_overrides:
+        return name
+    return f"{name}{HF_OVERRIDES}{json.dumps(hf_overrides, sort_keys=True)}"
+
+
+def parse_hf_overrides(text: str) -> dict[str, Any]:
+    """``--hf-overrides`` as vLLM takes it: a JSON object."""
+    try:
+        overrides = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise ConfigError(f"--hf-overrides {text!r} is not JSON: {error}",
+                          "Give a JSON object, as to vLLM: --hf-overrides "
+                          "'{\"num_hidden_layers\": 8}'.") from None
+    if not isinstance(overrides, dict):
+        raise ConfigError(f"--hf-overrides {text!r} is not a JSON object",
+                          "Give a JSON object, as to vLLM: --hf-overrides "
+                          "'{\"num_hidden_layers\": 8}'.")
+    return overrides
+
+
+def apply_hf_overrides(config: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """``config`` (a config.json's fields) as vLLM 0.33 has it after ``--hf-overrides``
+    (``ModelConfig.__post_init__``, ``get_config``): a key whose value is not a dict is set on
+    the config (``config.update``); a dict goes into a nested config (``SUB_CONFIGS``) key by
+    key, dicts in it merged alike (``_update_nested``), and replaces any other dict-valued
+    field whole (``_apply_dict_overrides``). A key the config class maps to another
+    (``ATTRIBUTE_MAPS``) sets that one. Nemotron-H's legacy ``hybrid_override_pattern`` is read
+    into ``layers_block_type`` by transformers 5 and cannot be set afterwards."""
+    config = json.loads(json.dumps(config))  # a deep copy, whatever the caller keeps
+    aliases = ATTRIBUTE_MAPS.get(str(config.get("model_type")), {})
+    for key, value in overrides.items():
+        key = aliases.get(key, key)
+        if config.get("model_type") == "nemotron_h":
+            if key == "hybrid_override_pattern":
+                raise ConfigError(
+                    "--hf-overrides sets hybrid_override_pattern, which transformers 5's "
+                    "Nemotron-H config derives from layers_block_type and cannot set: vLLM 0.33 "
+                    "stops on it",
+                    "Override layers_block_type (a list of mamba / attention / mlp / moe).")
+            if key == "layers_block_type":
+                config.pop("hybrid_override_pattern", None)
+        if isinstance(value, dict) and (key in SUB_CONFIGS or "model_type" in (
+                config.get(key) if isinstance(config.get(key), dict) else ())):
+            config[key] = _update_nested(dict(config.get(key) or {}), value)
+        else:
+            config[key] = value
+    return config
+
+
+def _update_nested(target: dict[str, Any], updates: dict[str, Any]) -> dict[str, Any]:
+    for key, value in updates.items():
+        if isinstance(value, dict) and isinstance(target.get(key), dict):
+            target[key] = _update_nested(dict(target[key]), value)
+        else:
+            target[key] = value
+    return target
 
 
 def preset_named(name_or_path: str | Path) -> str:
