@@ -46,7 +46,8 @@ void dealloc_with(PyObject *self, inquiry clear);
 #define STEP_STARTED(V) V(step) V(ts_ns)
 #define SLOTS_ALLOCATED(V) V(req) V(num_new_tokens) V(num_computed_tokens)                    \
     V(num_new_computed_tokens) V(num_lookahead_tokens) V(num_external_computed_tokens)         \
-    V(num_tokens) V(success) V(full_sequence_must_fit) V(reserved_blocks) V(has_scheduled_reqs)
+    V(num_tokens) V(success) V(full_sequence_must_fit) V(reserved_blocks) V(has_scheduled_reqs) \
+    V(num_in_flight_tokens)
 #define BLOCK_STORED(V) V(block_id) V(hash_id) V(group) V(num_tokens) V(kind) V(req)
 #define BLOCK_REMOVED(V) V(block_id) V(hash_id) V(group) V(num_tokens) V(reason)
 #define HASH_INTERNED(V) V(hash_id) V(hash_bytes)

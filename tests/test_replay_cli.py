@@ -225,13 +225,15 @@ def test_db_loads_every_variant_for_the_forensics_queries(tmp_path):
 
 @pytest.mark.parametrize("params, said", [
     ({"scheduler": "AsyncScheduler", "async_scheduling": "true"},
-     "with async scheduling (AsyncScheduler); the rescheduled replay models vLLM's synchronous"),
+     "with async scheduling (AsyncScheduler) by a kvtrace older than format 1.3, whose engine "
+     "config does not say so"),
     ({"num_speculative_tokens": "2", "speculative_method": "mtp"},
      "drafts 2 tokens a step (mtp); the rescheduled replay does not model speculative"),
 ])
 def test_a_source_from_an_engine_that_scheduled_otherwise_is_said_to(tmp_path, params, said):
     """What a capture records of its engine's scheduling that the rescheduled replay does not
-    model is said in a warning, not passed over (a synchronous engine's capture says nothing)."""
+    model (or, from a kvtrace before format 1.3, whose config does not carry) is said in a
+    warning, not passed over (a synchronous engine's capture says nothing)."""
     source = hot_prefix_workload(tmp_path / "w.kvtrace", num_gpu_blocks=64)
     reader = TraceReader(str(source))
     path = tmp_path / "scheduled.kvtrace"

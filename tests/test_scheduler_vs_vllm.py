@@ -67,6 +67,7 @@ def assert_same_schedule(workload) -> list:
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 @pytest.mark.parametrize("preset, num_requests, num_gpu_blocks, reserve_full_sequence", [
     ("shared-prompt", 60, None, True),
     ("shared-prompt", 60, 30, True),  # tight: preemptions, admissions the whole prompt must fit
@@ -75,7 +76,9 @@ def assert_same_schedule(workload) -> list:
     ("agent", 60, None, True),
 ])
 def test_the_model_schedules_exactly_as_vllm(tmp_path, preset, num_requests, num_gpu_blocks,
-                                             reserve_full_sequence):
+                                             reserve_full_sequence, async_scheduling):
+    """Synchronously (vLLM's ``Scheduler``), and async (``AsyncScheduler`` with the engine
+    core's batch queue: outputs a step late, blocks cached by ``update_from_output``)."""
     from kvtrace.engine_config import SchedulerSettings
     from kvtrace.engine.core import EngineOptions, load_workload
 
@@ -83,7 +86,8 @@ def test_the_model_schedules_exactly_as_vllm(tmp_path, preset, num_requests, num
     shape = EngineShape(num_gpu_blocks=num_gpu_blocks)
     write_workload(path, synthesize(preset, num_requests, 0, shape.hash_block_size), shape)
     workload = load_workload(EngineOptions(str(path), variant="unfixed", speed=0))
-    config = replace(workload.config, reserve_full_sequence=reserve_full_sequence)
+    config = replace(workload.config, reserve_full_sequence=reserve_full_sequence,
+                     async_scheduling=async_scheduling)
     workload = dataclasses.replace(workload, config=config,
                                    settings=SchedulerSettings.from_config(config))
 
@@ -91,10 +95,12 @@ def test_the_model_schedules_exactly_as_vllm(tmp_path, preset, num_requests, num
     assert {"SlotsAllocated", "ComputedBlocksFound", "BlockStored", "CheckpointRecorded"} <= kinds
     if num_gpu_blocks is not None:
         assert "RequestPreempted" in kinds
+    assert ("BlocksCached" in kinds) == async_scheduling
 
 
 @pytest.mark.slow
-def test_the_model_schedules_the_mooncake_trace_exactly_as_vllm(tmp_path):
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_the_model_schedules_the_mooncake_trace_exactly_as_vllm(tmp_path, async_scheduling):
     """A real request log's first 400 requests, imported with default settings: long prompts,
     no output units named (decode makes hash ids up), many shared prefixes."""
     from click.testing import CliRunner
@@ -111,5 +117,7 @@ def test_the_model_schedules_the_mooncake_trace_exactly_as_vllm(tmp_path):
                                 catch_exceptions=False)
     assert result.exit_code == 0, result.output
     workload = load_workload(EngineOptions(str(path), variant="unfixed", speed=0))
+    workload = dataclasses.replace(workload, config=replace(workload.config,
+                                                            async_scheduling=async_scheduling))
     records = assert_same_schedule(workload)
     assert sum(type(r).__name__ == "BlockTouched" for r in records) > 300  # prefix hits

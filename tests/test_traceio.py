@@ -13,12 +13,14 @@ from trace_samples import frame_ends, one_of_each_kind, sample_header
 from kvtrace import traceio
 from kvtrace.errors import TraceFormatError, TraceNotFoundError, TraceVersionError
 from kvtrace.events import (
+    BlocksCached,
     BlocksReleased,
     RECORD_TYPES,
     BlockTouched,
     HashInterner,
     Record,
     RequestArrived,
+    SlotsAllocated,
     StepStarted,
     TraceHeader,
 )
@@ -177,11 +179,14 @@ def test_newer_minor_version_still_reads(tmp_path):
 
 def test_golden_v1_trace_decodes():
     """Written by format 1.0: every kind of 1.0 (``blocks_released`` came in 1.1, the start
-    snapshot's ``state`` kinds in 1.2)."""
+    snapshot's ``state`` kinds in 1.2, ``blocks_cached`` in 1.3), a later field (1.3's
+    ``num_in_flight_tokens``) read as its default."""
     reader, decoded = read_records(GOLDEN / "golden-v1.kvtrace")
     assert reader.header == sample_header(format_minor=0)
-    assert decoded == [r for r in one_of_each_kind()
-                       if not isinstance(r, BlocksReleased) and r.family != "state"]
+    assert decoded == [
+        msgspec.structs.replace(r, num_in_flight_tokens=0) if isinstance(r, SlotsAllocated)
+        else r for r in one_of_each_kind()
+        if not isinstance(r, (BlocksReleased, BlocksCached)) and r.family != "state"]
     assert reader.closing is not None and not reader.truncated
 
 

@@ -25,6 +25,14 @@ _TERMINAL_CONTROLS = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f\u200e\u200f\u202a
                                 r"\u2066-\u2069]")
 
 
+# vLLM's scheduler class a run uses; the source's (its header's engine config) by default.
+async_scheduling_option = click.option(
+    "--async-scheduling/--sync-scheduling", "async_scheduling", default=None,
+    help="Schedule as vLLM's AsyncScheduler (a step scheduled before the previous one's "
+         "tokens are known; vLLM's default on GPUs) or its synchronous Scheduler (default: "
+         "as the source's engine did).")
+
+
 def terminal_safe(text: str) -> str:
     """``text`` with every terminal control shown as its escape (``\\x1b``, ``\\u202e``): a
     trace's header or a database's strings are input, and must not drive root's terminal."""

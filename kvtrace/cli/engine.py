@@ -8,6 +8,7 @@ import sys
 
 import click
 
+from kvtrace.cli.common import async_scheduling_option
 
 @click.command("engine")
 @click.argument("workload", type=click.Path(dir_okay=False))
@@ -19,6 +20,7 @@ import click
 @click.option("--retention", default=None, metavar="none|0|N",
               help="prefix-cache retention interval: none (dense), 0 (latest-only) or N tokens "
                    "(default: the workload's).")
+@async_scheduling_option
 @click.option("--speed", type=click.FloatRange(min=0), default=1.0, show_default=True,
               help="Virtual seconds per wall second (10: ten times faster); 0: no waiting.")
 @click.option("--autostart", is_flag=True,
@@ -30,8 +32,8 @@ import click
               help="Run on this vLLM release (0.30.0-0.33.0; installed beside the project's "
                    "with kvtrace vllm install) instead of the project's own.")
 def command(workload: str, variant: str, num_gpu_blocks: int | None, retention: str | None,
-            speed: float, autostart: bool, summary_json: str | None,
-            release: str | None) -> None:
+            async_scheduling: bool | None, speed: float, autostart: bool,
+            summary_json: str | None, release: str | None) -> None:
     """Run WORKLOAD through the real vLLM prefix cache as a live engine-core process.
 
     The process titles itself VLLM::EngineCore, loads vLLM's general plugins (an installed
@@ -50,6 +52,7 @@ def command(workload: str, variant: str, num_gpu_blocks: int | None, retention: 
     Examples:
         kvtrace engine agent.kvtrace --variant unfixed --speed 10
         kvtrace engine agent.kvtrace --autostart --speed 0 --summary-json run.json
+        kvtrace engine agent.kvtrace --async-scheduling --speed 10
         kvtrace engine agent.kvtrace --vllm 0.30.0
     """
     import msgspec
@@ -66,12 +69,15 @@ def command(workload: str, variant: str, num_gpu_blocks: int | None, retention: 
     if release is not None:
         _run_on(release, workload, variant=variant, num_gpu_blocks=num_gpu_blocks,
                 retention=retention, speed=speed, autostart=autostart,
-                summary_json=summary_json)
+                summary_json=summary_json, **{
+                    "async_scheduling": async_scheduling is True,
+                    "sync_scheduling": async_scheduling is False})
 
     options = EngineOptions(
         source=workload, variant=variant, speed=speed, overrides=Overrides(
             num_gpu_blocks=num_gpu_blocks,
-            retention_interval=KEEP if retention is None else parse_retention(retention)))
+            retention_interval=KEEP if retention is None else parse_retention(retention),
+            async_scheduling=async_scheduling))
 
     def write_summary(summary: dict) -> None:
         write_atomically(summary_json, msgspec.json.format(msgspec.json.encode(summary),

@@ -51,7 +51,7 @@ from kvtrace.engine_config import (Overrides, SchedulerSettings, check_fits_mode
 from kvtrace.errors import ConfigError, KvtraceError
 from kvtrace.events import EngineConfig
 from kvtrace.replay.run import CAPTURED_VARIANT
-from kvtrace.replay.scheduler import Arrival, arrivals_of
+from kvtrace.replay.scheduler import ASYNC_BATCHES, Arrival, arrivals_of
 from kvtrace.replay.variants import get_variant
 from kvtrace.replay.vllm_backend import (UNLIMITED_MODEL_LEN, MadeUpHashIds, kv_cache_config_of,
                                           new_request)
@@ -126,14 +126,19 @@ class VllmScheduler:
         """``model``: the name the engine serves as (vLLM's ``served_model_name``, which a
         capture records): the workload's model, whose geometry the cache has; without one,
         ``kvtrace-engine`` (never the bundled stand-in config's path)."""
+        from vllm.v1.core.sched.async_scheduler import AsyncScheduler
         from vllm.v1.core.sched.scheduler import Scheduler
         from vllm.v1.structured_output import StructuredOutputManager
 
         vllm_config = _vllm_config(config, settings, model)
         self.config = config
         self.settings = settings
+        # Async: the engine core's batch queue, as many batches in flight as vLLM allows.
+        self.in_flight: collections.deque | None = (
+            collections.deque() if config.async_scheduling else None)
+        scheduler_class = AsyncScheduler if config.async_scheduling else Scheduler
         try:
-            self.scheduler = Scheduler(vllm_config, kv_cache_config_of(config),
+            self.scheduler = scheduler_class(vllm_config, kv_cache_config_of(config),
                                        StructuredOutputManager(vllm_config),
                                        block_size=config.scheduler_block_size,
                                        hash_block_size=config.hash_block_size)
@@ -158,7 +163,8 @@ class VllmScheduler:
         self.scheduler.add_request(request)
 
     def has_requests(self) -> bool:
-        return self.scheduler.has_requests()
+        """Requests unfinished, or a step in flight whose output is still to be taken."""
+        return self.scheduler.has_requests() or bool(self.in_flight)
 
     def run(self, arrivals: list[Arrival],
             before_step: Callable[[int], None] | None = None) -> int:
@@ -179,18 +185,45 @@ class VllmScheduler:
         return clock_ns
 
     def step(self) -> int:
-        """One engine step; returns the number of tokens it scheduled."""
+        """One engine step; returns the number of tokens it scheduled. Synchronous: schedule,
+        then the step's output (``EngineCore.step``). Async (``step_with_batch_queue`` with two
+        batches in flight): schedule the next step, then take the output of the one before, so
+        that a step is scheduled before its predecessor's tokens are known."""
+        if self.in_flight is None:
+            output = self._schedule()
+            self._update(*output)
+            return output[0].total_num_scheduled_tokens
+        num_tokens = 0
+        if self.scheduler.has_requests():
+            output = self._schedule()
+            self.in_flight.appendleft(output)
+            num_tokens = output[0].total_num_scheduled_tokens
+            if len(self.in_flight) < ASYNC_BATCHES and (num_tokens
+                                                        or self.scheduler.has_requests()):
+                return num_tokens
+        if self.in_flight:
+            self._update(*self.in_flight.pop())
+        return num_tokens
+
+    def _schedule(self) -> tuple[Any, Any]:
+        """``schedule()``, and the model runner's answer to it, decided now: one sampled token
+        for each request whose chunk reached its last known token (not a prefill chunk)."""
         from vllm.v1.outputs import ModelRunnerOutput
 
         output = self.scheduler.schedule()
         self.num_steps += 1
         req_ids = list(output.num_scheduled_tokens)
         requests = self.requests
-        sampled = [[0] if requests[req_id].num_computed_tokens >= requests[req_id].num_tokens
-                   else [] for req_id in req_ids]
-        outputs = self.scheduler.update_from_output(output, ModelRunnerOutput(
+        sampled = [[] if requests[req_id].is_prefill_chunk else [0] for req_id in req_ids]
+        self._check_admits(output)
+        return output, ModelRunnerOutput(
             req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
-            sampled_token_ids=sampled))
+            sampled_token_ids=sampled)
+
+    def _update(self, output: Any, model_output: Any) -> None:
+        """``update_from_output``: vLLM appends the tokens, finishes and frees; the figures."""
+        requests = self.requests
+        outputs = self.scheduler.update_from_output(output, model_output)
         for engine_outputs in outputs.values():
             for request_output in engine_outputs.outputs:
                 if request_output.prefill_stats is not None:  # the first prefill's, once
@@ -199,6 +232,9 @@ class VllmScheduler:
                             if request_output.finished else None)
                 if finished is not None:  # forgotten: a long workload's tokens add up
                     self.preemptions += finished.num_preemptions
+
+    def _check_admits(self, output: Any) -> None:
+        """A step that schedules nothing while requests wait and none runs never ends."""
         if (not output.total_num_scheduled_tokens and not self.scheduler.running
                 and self.scheduler.waiting):
             head = self.scheduler.waiting.peek_request()
@@ -206,7 +242,6 @@ class VllmScheduler:
                 f"vLLM's scheduler cannot admit request {head.request_id} "
                 f"({head.num_tokens} tokens) even with nothing else running",
                 "Give the engine more blocks with --num-gpu-blocks.")
-        return output.total_num_scheduled_tokens
 
 
 def _vllm_config(config: EngineConfig, settings: SchedulerSettings, model: str) -> Any:
@@ -223,8 +258,9 @@ def _vllm_config(config: EngineConfig, settings: SchedulerSettings, model: str) 
         max_num_seqs=settings.max_num_seqs, max_model_len=max_model_len,
         enable_chunked_prefill=True, is_encoder_decoder=False,
         long_prefill_token_threshold=settings.long_prefill_token_threshold,
-        scheduler_reserve_full_isl=settings.reserve_full_sequence)
-    cache_config = CacheConfig(block_size=config.scheduler_block_size,
+        scheduler_reserve_full_isl=settings.reserve_full_sequence,
+        async_scheduling=config.async_scheduling)
+    cache_config = CacheConfig(block_size=config.cache_block_size or config.scheduler_block_size,
                                enable_prefix_caching=config.enable_caching,
                                mamba_cache_mode="align")
     vllm_config = VllmConfig(device_config=DeviceConfig(device="cpu"), model_config=model_config,

@@ -48,6 +48,7 @@ from kvtrace.probes.wrappers import (
     _make_wrapper,
     _Patches,
     _probes_changed,
+    wrapper_key,
 )
 
 _GROUP_OF_KEY = struct.Struct(">I").unpack_from  # (key, -4): a key ends in its 4-byte group
@@ -117,7 +118,8 @@ class CacheProbes(object if native.built is None else native.built.ProbeState):
             raise KvtraceError("another probe set already observes every cache in this process",
                                "Disarm it first; only one process-wide capture can run.")
         if not _Patches.originals:
-            wrappers = [(owner, name, function, _make_wrapper(name, function))
+            wrappers = [(owner, name, function,
+                         _make_wrapper(wrapper_key(owner, name), function))
                         for owner, name, function in targets]
             for owner, name, function, wrapper in wrappers:
                 _Patches.originals[(owner, name)] = function

@@ -56,6 +56,7 @@ EXPECTED_SIGNATURES: dict[str, tuple[str, ...]] = {
         "num_encoder_tokens", "full_sequence_must_fit", "reserved_blocks", "has_scheduled_reqs",
         "skip_zeroing_group_ids"),
     f"{_MANAGER}.free": ("self", "request"),
+    f"{_MANAGER}.cache_blocks": ("self", "request", "num_computed_tokens"),
     f"{_MANAGER}.pop_blocks_for_free": ("self", "request"),
     f"{_MAMBA}.get_num_blocks_to_allocate": (
         "self", "request_id", "num_tokens", "new_computed_blocks", "total_computed_tokens",

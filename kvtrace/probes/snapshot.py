@@ -56,6 +56,10 @@ REQUEST_FIELDS: dict[str, str] = {
     "_producer_partial_tail_reqs": _BLOCK_INT,
 }
 
+# A vLLM ``Request``'s async-scheduling state (``RequestState``'s last fields, in order): what
+# the step in flight at the snapshot will still do to it.
+IN_FLIGHT_FIELDS = ("num_output_placeholders", "num_in_flight_tokens", "num_stale_output_tokens")
+
 
 def field_size(name: str) -> int | None:
     """How many ints a per-request value of ``name`` is written as (None: not one we take)."""
@@ -185,7 +189,8 @@ def _take(manager: Any, scheduler: Any, probes: Any) -> Taken:
                 request.num_computed_tokens, request.num_preemptions,
                 request.shared_prefix_boundary,
                 max(0, int(request.arrival_time * 1e9) - probes.created_ns),
-                probes._salt_id(request), request.request_id))
+                probes._salt_id(request), request.request_id,
+                *(getattr(request, name, 0) for name in IN_FLIGHT_FIELDS)))
         packed = _read_pool(probes, pool)
     finally:
         probes.emit_hash_bytes = emit

@@ -35,6 +35,7 @@ from kvtrace.events import (
     BlockAllocated,
     BlockFreed,
     BlockRemoved,
+    BlocksCached,
     BlocksReleased,
     BlockStored,
     BlockTouched,
@@ -134,10 +135,19 @@ def _wrapper_for(*method_names: str) -> Callable:
     return register
 
 
+def wrapper_key(owner: type, method_name: str) -> str:
+    """The registry key of ``owner.method_name``'s wrapper: ``Class.method`` where two classes
+    have methods of one name and different jobs (``KVCacheManager.cache_blocks``), else the
+    method's name."""
+    qualified = f"{owner.__name__}.{method_name}"
+    return qualified if qualified in _WRAPPER_FACTORIES else method_name
+
+
 def _make_wrapper(method_name: str, original: Callable) -> Callable:
-    """The wrapper that replaces ``original``; same parameters and defaults unless it takes
-    ``*args`` (the rarely called methods). With the native core, a hot method's wrapper is its
-    C fast path, which hands other cases to the Python wrapper."""
+    """The wrapper that replaces ``original`` (``method_name``: its ``wrapper_key``); same
+    parameters and defaults unless it takes ``*args`` (the rarely called methods). With the
+    native core, a hot method's wrapper is its C fast path, which hands other cases to the
+    Python wrapper."""
     wrapper = _python_wrapper(method_name, original)
     if native.core is None or method_name not in NATIVE_FAST_PATHS:
         return wrapper
@@ -161,7 +171,7 @@ def _python_wrapper(method_name: str, original: Callable) -> Callable:
                                       f"{parameter_names(original)}")
         wrapper.__defaults__ = original.__defaults__
         wrapper.__kwdefaults__ = original.__kwdefaults__
-    wrapper.__name__ = method_name
+    wrapper.__name__ = method_name.rpartition(".")[2]
     wrapper.__qualname__ = f"kvtrace_probe.{method_name}"
     wrapper.__wrapped__ = original  # type: ignore[attr-defined]
     return wrapper
@@ -289,9 +299,10 @@ def _allocate_slots(original: Callable) -> Callable:
                 req = probe._req = known[0]
                 probe._request = request
             num_computed_tokens, num_tokens = request.num_computed_tokens, request.num_tokens
+            num_in_flight_tokens = request.num_in_flight_tokens
         except Exception:
             probe.num_failures += 1
-            req = num_computed_tokens = num_tokens = -1
+            req = num_computed_tokens = num_tokens = num_in_flight_tokens = -1
         # The call's effects follow its input record, which needs the result: it goes in front.
         first_effect = len(records)
         result = None
@@ -307,7 +318,7 @@ def _allocate_slots(original: Callable) -> Callable:
                     req, num_new_tokens, num_computed_tokens, num_new_computed_tokens,
                     num_lookahead_tokens, num_external_computed_tokens, num_tokens,
                     result is not None, full_sequence_must_fit, reserved_blocks,
-                    has_scheduled_reqs))
+                    has_scheduled_reqs, num_in_flight_tokens))
             except Exception:
                 probe.num_failures += 1
             probe._req, probe._request, probe._held = _NO_REQ, None, held
@@ -333,6 +344,28 @@ def _release(original: Callable) -> Callable:
             if not held:
                 probe._flush()
     return release
+
+
+@_wrapper_for("KVCacheManager.cache_blocks")
+def _manager_cache_blocks(original: Callable) -> Callable:
+    def cache_blocks(self, request, num_computed_tokens):
+        probe = getattr(self.block_pool, _PROBE_ATTR, None)
+        if probe is None:
+            return original(self, request, num_computed_tokens)
+        held, probe._held = probe._held, True
+        try:
+            req = probe._enter(request, self.block_pool.hash_block_size)
+            probe._records.append(BlocksCached(req, num_computed_tokens,
+                                               request.num_computed_tokens, request.num_tokens))
+        except Exception:
+            probe.num_failures += 1
+        try:
+            return original(self, request, num_computed_tokens)
+        finally:
+            probe._leave(held)
+            if not held:
+                probe._flush()
+    return cache_blocks
 
 
 # BlockPool: the effects.

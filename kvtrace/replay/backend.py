@@ -62,6 +62,11 @@ class CacheBackend(Protocol):
         """The scheduled tokens were computed: ``num_computed_tokens += num_tokens``; past the
         prompt, each computed token appends an output token (completing hash units)."""
 
+    def cache_blocks(self, req: int, num_tokens_to_cache: int) -> None:
+        """``KVCacheManager.cache_blocks``: key the request's blocks up to
+        ``num_tokens_to_cache`` tokens, as vLLM's scheduler asks when a step's output arrives
+        after the next step was scheduled (async scheduling, speculative decoding)."""
+
     def free(self, req: int, status: FinishStatus = FinishStatus.FINISHED) -> None:
         """The request finished or was aborted: release its blocks."""
 
@@ -71,11 +76,14 @@ class CacheBackend(Protocol):
     def num_free_blocks(self) -> int:
         """Blocks in the free queue (cached-evictable ones included)."""
 
-    # Lockstep replay re-issues a capture's calls; it also needs these two.
+    # Lockstep replay re-issues a capture's calls; it also needs these two (and the scheduler
+    # model of an async engine, ``sync_request``).
 
-    def sync_request(self, req: int, num_computed_tokens: int, num_tokens: int) -> None:
-        """Set a request's progress to captured values: computed tokens, and output tokens
-        appended until it holds ``num_tokens``."""
+    def sync_request(self, req: int, num_computed_tokens: int, num_tokens: int,
+                     num_in_flight_tokens: int = 0) -> None:
+        """Set a request's progress to captured values: computed tokens, output tokens
+        appended until it holds ``num_tokens``, and its tokens in steps still in flight (async
+        scheduling). The rescheduled replay of an async engine keeps it with these too."""
 
     def release_blocks(self, block_ids: list[int]) -> None:
         """Free blocks by id, as the engine did outside the cache manager's calls."""

@@ -7,8 +7,15 @@ chunk, so that a rescheduled replay decodes each as far as the capture saw it an
 that outlived the window where the window ended.
 
 A capture's arrival times are the engine's clock, so the replay's steps must last what the
-engine's did, or arrivals meet a different queue: ``StepCosts`` fits the engine's step time
-(a fixed part plus a part per scheduled token) to the capture's own steps, busy ones only.
+engine's did, or arrivals meet a different queue. ``StepClock`` puts each arrival on the
+engine's own steps instead (a live engine's step times jitter, so no fitted step time puts
+every arrival on the right step): a request joins the queue before the step the engine first
+looked it up in, unless the steps just before that one were blocked (an admission failed in
+them: the request may have waited behind it), back to the first step that started after its
+arrival stamp. The stamp alone is no better: the front end stamps the arrival before the
+request reaches the engine core, which takes new requests in between two steps, one to a few
+(short) steps later on a real ``vllm serve``. ``StepCosts`` fits the engine's step time (a fixed part plus a part per scheduled
+token) to the capture's own steps, busy ones only, for what the step count cannot say.
 
 Both are fed a trace's batches and read its columns with numpy, never record by record.
 """
@@ -19,7 +26,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvtrace.events import SlotsAllocated, StepStarted
+from kvtrace.events import ComputedBlocksFound, RequestArrived, SlotsAllocated, StepStarted
 from kvtrace.replay.snapshot_checks import StatePlacement
 from kvtrace.traceio import RecordBatch
 
@@ -67,6 +74,28 @@ class CaptureEnds:
 
 
 @dataclass(frozen=True)
+class StepClock:
+    """A capture's steps as a clock (see the module docstring). ``step_of(ts_ns)`` is the
+    number of captured steps that started before ``ts_ns``: the first step that may take in a
+    request stamped then."""
+
+    starts: np.ndarray  # StepStarted.ts_ns, in order
+    first_lookups: dict[int, int]  # req -> the step of its first lookup (RequestArrived)
+    blocked: frozenset[int]  # the steps in which an admission failed
+
+    def step_of(self, ts_ns: int) -> int:
+        return int(np.searchsorted(self.starts, ts_ns, side="left"))
+
+    def join_step(self, req: int, arrival_ns: int) -> int:
+        """The step before which request ``req``, stamped at ``arrival_ns``, joins the queue."""
+        after_stamp = self.step_of(arrival_ns)
+        step = self.first_lookups.get(req, after_stamp)
+        while step > after_stamp and step - 1 in self.blocked:
+            step -= 1
+        return step
+
+
+@dataclass(frozen=True)
 class StepFit:
     """A step's time on the engine's clock: ``overhead_ns + ns_per_token * scheduled tokens``,
     fitted to ``num_steps`` steps (``spread_ns``: the median distance of a step from it)."""
@@ -88,6 +117,8 @@ class StepCosts:
         self._starts: list[np.ndarray] = []  # StepStarted.ts_ns, in order
         self._steps: list[np.ndarray] = []  # the step of each successful allocation
         self._tokens: list[np.ndarray] = []  # and its tokens
+        self._arrived: list[tuple[np.ndarray, np.ndarray]] = []  # RequestArrived: req, step
+        self._blocked: list[np.ndarray] = []  # the steps of failed admissions
         self._num_steps = 0
 
     def add_batch(self, batch: RecordBatch) -> None:
@@ -100,12 +131,32 @@ class StepCosts:
             self._starts.append(np.asarray(batch.columns[types.index(StepStarted)][1],
                                            dtype=np.int64))
             self._num_steps += int(is_step.sum())
+        if RequestArrived in types:
+            index = types.index(RequestArrived)
+            self._arrived.append((np.asarray(batch.columns[index][0], dtype=np.int64),
+                                  step_of[kinds == index]))
         if SlotsAllocated in types:
             index = types.index(SlotsAllocated)
             columns = batch.columns[index]
             success = np.asarray(columns[7], dtype=np.int64) != 0
             self._steps.append(step_of[kinds == index][success])
             self._tokens.append(np.asarray(columns[1], dtype=np.int64)[success])
+            if ComputedBlocksFound in types:  # an admission: the allocation after a lookup
+                failed = np.flatnonzero(kinds == index)[~success]
+                failed = failed[failed > 0]
+                admissions = failed[kinds[failed - 1] == types.index(ComputedBlocksFound)]
+                self._blocked.append(step_of[admissions])
+
+    def clock(self) -> StepClock | None:
+        """The captured steps as a clock, or None when the capture holds no step."""
+        if not self._num_steps:
+            return None
+        first_lookups: dict[int, int] = {}
+        for reqs, steps in self._arrived:
+            for req, step in zip(reqs.tolist(), steps.tolist()):
+                first_lookups.setdefault(req, step)  # a resumed request is reported again
+        blocked = frozenset(np.concatenate(self._blocked).tolist()) if self._blocked else frozenset()
+        return StepClock(np.concatenate(self._starts), first_lookups, blocked)
 
     def fit(self) -> StepFit | None:
         """The engine's step costs, or None when too few busy steps were captured."""

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from kvtrace.errors import KvtraceError
 from kvtrace.events import (
+    BlocksCached,
     BlocksReleased,
     ComputedBlocksFound,
     EventsDropped,
@@ -80,12 +81,16 @@ def _reissue(record: Record, backend: CacheBackend,
                 f"request {record.req} loaded {record.num_external_computed_tokens} tokens "
                 "through a KV connector; lockstep replay has no connector",
                 "Capture without a KV connector, or use reschedule mode.")
-        backend.sync_request(record.req, record.num_computed_tokens, record.num_tokens)
+        backend.sync_request(record.req, record.num_computed_tokens, record.num_tokens,
+                             record.num_in_flight_tokens)
         backend.allocate_slots(record.req, record.num_new_tokens,
                                record.num_new_computed_tokens, record.num_lookahead_tokens,
                                full_sequence_must_fit=record.full_sequence_must_fit,
                                reserved_blocks=record.reserved_blocks,
                                has_scheduled_reqs=record.has_scheduled_reqs)
+    elif kind is BlocksCached:
+        backend.sync_request(record.req, record.num_computed_tokens, record.num_tokens)
+        backend.cache_blocks(record.req, record.num_tokens_to_cache)
     elif kind is RequestFinished:
         backend.free(record.req, record.status)
     elif kind is RequestPreempted:

@@ -77,7 +77,7 @@ from kvtrace.replay.backend import (
     open_writing_backend,
 )
 from kvtrace.replay.execute import ExecuteOptions
-from kvtrace.replay.captured import CaptureEnds, StepCosts, StepFit
+from kvtrace.replay.captured import CaptureEnds, StepClock, StepCosts, StepFit
 from kvtrace.replay.release_worker import on_release, run_variant
 from kvtrace.replay.scheduler import Arrival, InFlight, Scheduler, arrivals_of
 from kvtrace.replay.snapshot import STATE_TYPES, StartSnapshot, never_admitted, snapshot_of
@@ -125,14 +125,22 @@ class Source:
     snapshot: StartSnapshot | None = None  # a capture that armed mid-flight starts with one
     ends: CaptureEnds | None = None  # how far a capture's requests got (a capture only)
     step_fit: StepFit | None = None  # how long the captured engine's steps took
+    step_clock: StepClock | None = None  # the captured engine's steps, as a clock
 
     def scheduler_settings(self, settings: SchedulerSettings) -> SchedulerSettings:
-        """``settings`` for a run of this source: a capture's arrivals are on its engine's
-        clock, so its steps cost what the engine's did (``step_fit``)."""
+        """``settings`` for a run of this source: a capture's arrivals join on the captured
+        steps they joined (``step_clock``), else on its engine's clock with steps that cost
+        what the engine's did (``step_fit``)."""
+        if self.step_clock is not None:
+            return dataclasses.replace(settings, step_clock=True)
         if self.step_fit is None:
             return settings
         return dataclasses.replace(settings, step_overhead_ns=self.step_fit.overhead_ns,
                                    ns_per_token=self.step_fit.ns_per_token)
+
+    def _on_clock(self, ts_ns: int) -> int:
+        """A time of the capture on the run's clock: its step, on the step clock."""
+        return ts_ns if self.step_clock is None else self.step_clock.step_of(ts_ns)
 
     def start(self, warm: bool) -> RunStart:
         """What a run of this source starts from. A capture that armed mid-flight starts from
@@ -141,8 +149,12 @@ class Source:
         Not ``warm`` (a replay on another pool or retention, which the snapshot cannot
         describe): from an empty cache, the requests in flight arriving at the snapshot."""
         snapshot = self.snapshot
+        arrivals = self.arrivals
+        if self.step_clock is not None:
+            arrivals = [dataclasses.replace(
+                a, arrival_ns=self.step_clock.join_step(a.req, a.arrival_ns)) for a in arrivals]
         if snapshot is None:
-            return RunStart(self.arrivals)
+            return RunStart(arrivals)
         unit = self.header.config.hash_block_size
         ends = self.ends or CaptureEnds()
         in_flight = []
@@ -154,12 +166,14 @@ class Source:
                            snapshot.known_hash_ids(r)[num_prompt_units:])
             in_flight.append(InFlight(spec, r.queue == RequestQueue.RUNNING,
                                       r.num_computed_tokens, r.num_tokens,
-                                      r.shared_prefix_boundary))
+                                      r.shared_prefix_boundary, r.num_output_placeholders,
+                                      r.num_in_flight_tokens, r.num_stale_output_tokens))
         if not warm:
-            at_snapshot = [dataclasses.replace(held.spec, arrival_ns=snapshot.started.ts_ns)
+            at_snapshot = [dataclasses.replace(held.spec,
+                                               arrival_ns=self._on_clock(snapshot.started.ts_ns))
                            for held in in_flight]
-            return RunStart(sorted([*at_snapshot, *self.arrivals], key=lambda a: a.arrival_ns))
-        return RunStart(self.arrivals, snapshot, in_flight, snapshot.started.ts_ns)
+            return RunStart(sorted([*at_snapshot, *arrivals], key=lambda a: a.arrival_ns))
+        return RunStart(arrivals, snapshot, in_flight, self._on_clock(snapshot.started.ts_ns))
 
 
 @dataclass(frozen=True)
@@ -226,7 +240,8 @@ def read_source(path: str) -> Source:
     return Source(path, reader.header, arrivals, reader.truncated,
                   reader.num_dropped or counts["dropped"], counts["calls"], file_digest(path),
                   snapshot, ends if counts["calls"] else None,
-                  step_costs.fit() if counts["calls"] else None)
+                  step_costs.fit() if counts["calls"] else None,
+                  step_costs.clock() if counts["calls"] else None)
 
 
 # --- summaries ----------------------------------------------------------------------------------
@@ -502,12 +517,13 @@ def _source_warnings(source: Source, mode: str, warm: bool) -> list[str]:
         warnings.append(f"{source.path} dropped {source.num_dropped:,} events during capture: "
                         f"{covered} whose records were dropped are missing from the replay")
     header = source.header
-    if mode != "lockstep" and header.params.get("async_scheduling") == "true":
+    if (mode != "lockstep" and header.params.get("async_scheduling") == "true"
+            and header.config is not None and not header.config.async_scheduling):
         warnings.append(f"{source.path} was captured from an engine with async scheduling "
-                        f"({header.params.get('scheduler')}); the rescheduled replay models "
-                        "vLLM's synchronous scheduler, so its steps, and the evictions they "
-                        "make, can differ from the capture's (lockstep re-issues the captured "
-                        "calls exactly)")
+                        f"({header.params.get('scheduler')}) by a kvtrace older than format "
+                        "1.3, whose engine config does not say so: the replay scheduled "
+                        "synchronously (replay with --async-scheduling to schedule as the "
+                        "engine did)")
     if mode != "lockstep" and header.params.get("num_speculative_tokens", "0") != "0":
         warnings.append(f"{source.path} was captured from an engine that drafts "
                         f"{header.params['num_speculative_tokens']} tokens a step "

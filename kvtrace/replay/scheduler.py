@@ -57,6 +57,8 @@ from kvtrace.events import EngineConfig, HashesExtended, Record, RequestArrived
 from kvtrace.replay.backend import CacheBackend
 from kvtrace.traceio import RecordBatch
 
+ASYNC_BATCHES = 2  # VllmConfig.max_concurrent_batches with async scheduling, no pipeline
+
 
 def mamba_checkpoint_position(num_tokens: int, unit: int, drop_eagle_block: bool) -> int:
     """The last reusable Mamba state boundary for a prefill of ``num_tokens`` (on ``unit``).
@@ -87,7 +89,7 @@ class MambaAlignedSplit:
         mamba = [g for g in config.kv_cache_groups if g.kind == "mamba"]
         if not any(g.mamba_cache_mode == "align" for g in mamba):
             return None
-        block_size = mamba[0].block_size
+        block_size = config.cache_block_size or mamba[0].block_size
         threshold = settings.long_prefill_token_threshold
         return cls(
             block_size=block_size,
@@ -181,6 +183,10 @@ class InFlight:
     num_computed_tokens: int
     num_tokens: int
     shared_prefix_boundary: int
+    # Async scheduling: what the step in flight at the snapshot still does to the request.
+    num_output_placeholders: int = 0
+    num_in_flight_tokens: int = 0
+    num_stale_output_tokens: int = 0
 
 
 def arrivals_of(source: Iterable[Record | RecordBatch], in_flight: Collection[int] = (),
@@ -225,7 +231,8 @@ class _Request:
     not derived: every step reads it for every running request."""
 
     __slots__ = ("spec", "req", "num_computed_tokens", "num_output_tokens", "num_tokens",
-                 "shared_prefix_boundary")
+                 "shared_prefix_boundary", "num_output_placeholders", "num_in_flight_tokens",
+                 "num_stale_output_tokens", "finished")
 
     def __init__(self, spec: Arrival) -> None:
         self.spec = spec
@@ -234,6 +241,13 @@ class _Request:
         self.num_output_tokens = 0
         self.num_tokens = spec.prompt_len
         self.shared_prefix_boundary = 0
+        # Async scheduling only (vLLM's names): the tokens steps in flight will sample, the
+        # tokens scheduled in them, those of them a preemption made stale; and whether the
+        # request finished while a step of it was still in flight.
+        self.num_output_placeholders = 0
+        self.num_in_flight_tokens = 0
+        self.num_stale_output_tokens = 0
+        self.finished = False
 
 
 @dataclass
@@ -261,6 +275,16 @@ class Scheduler:
         self.waiting: deque[_Request] = deque()
         self.running: list[_Request] = []
         self.clock_ns = 0
+        # Async scheduling: the engine core's batch queue (steps scheduled, outputs not yet
+        # taken), and whether an output finished a request since the last schedule (vLLM's
+        # ``finished_req_ids``: the engine schedules once more to report it).
+        self.in_flight: deque[list[tuple[_Request, int, bool]]] | None = (
+            deque() if self.config.async_scheduling else None)
+        self.finished_unreported = False
+
+    def has_requests(self) -> bool:
+        """vLLM's ``Scheduler.has_requests``: unfinished requests, or finished ones to report."""
+        return bool(self.waiting or self.running or self.finished_unreported)
 
     def run(self, requests: list[Arrival], on_step: Callable[[int], None] | None = None,
             in_flight: Sequence[InFlight] = (), start_ns: int = 0) -> SchedulerStats:
@@ -270,16 +294,31 @@ class Scheduler:
         pending = deque(sorted(requests, key=lambda r: r.arrival_ns))
         for request in pending:
             check_fits_model_len(self.settings, request.req, request.prompt_len)
+        step_in_flight = []
         for held in in_flight:
             request = _Request(held.spec)
             request.num_computed_tokens = held.num_computed_tokens
             request.num_tokens = held.num_tokens
             request.num_output_tokens = held.num_tokens - held.spec.prompt_len
             request.shared_prefix_boundary = held.shared_prefix_boundary
+            request.num_output_placeholders = held.num_output_placeholders
+            request.num_in_flight_tokens = held.num_in_flight_tokens
+            request.num_stale_output_tokens = held.num_stale_output_tokens
             (self.running if held.running else self.waiting).append(request)
+            if held.num_in_flight_tokens:
+                # It samples if it holds a placeholder; a stale share, if it was decoding.
+                step_in_flight.append((request, held.num_in_flight_tokens,
+                                       held.num_output_placeholders > 0
+                                       or (held.num_stale_output_tokens > 0
+                                           and request.num_output_tokens > 0)))
+        if step_in_flight:  # the one step in flight at a step's start (async engines only)
+            if self.in_flight is not None:
+                self.in_flight.append(step_in_flight)
+            else:  # replayed synchronously: its output comes before the first step
+                self._update_from_output(step_in_flight)
         self.clock_ns = max(self.clock_ns, start_ns)
-        while pending or self.waiting or self.running:
-            if not self.waiting and not self.running:
+        while pending or self.has_requests() or self.in_flight:
+            if not self.has_requests() and not self.in_flight:
                 self.clock_ns = max(self.clock_ns, pending[0].arrival_ns)
             while pending and pending[0].arrival_ns <= self.clock_ns:
                 spec = pending.popleft()
@@ -296,7 +335,24 @@ class Scheduler:
     # --- one scheduler step ------------------------------------------------------------------
 
     def step(self) -> None:
-        """One ``Scheduler.schedule()`` plus the model output it is answered with."""
+        """One engine step. Synchronous: ``schedule()``, then the model output it is answered
+        with (``EngineCore.step``). Async (``step_with_batch_queue``, two batches in flight):
+        schedule the next step, then take the output of the one before it."""
+        in_flight = self.in_flight
+        if in_flight is None:
+            self._apply_outputs(self._schedule())
+            return
+        if self.has_requests():
+            scheduled = self._schedule()
+            self._update_after_schedule(scheduled)
+            in_flight.appendleft(scheduled)
+            if len(in_flight) < ASYNC_BATCHES and (scheduled or self.has_requests()):
+                return
+        if in_flight:
+            self._update_from_output(in_flight.pop())
+
+    def _schedule(self) -> list:
+        """One ``Scheduler.schedule()``: the requests it scheduled and their tokens."""
         settings = self.settings
         self.backend.new_step(self.stats.steps, self.clock_ns)
         budget = settings.max_num_batched_tokens
@@ -307,7 +363,8 @@ class Scheduler:
         if not preempted:
             budget = self._admit_waiting(budget, threshold, scheduled)
         self.backend.end_schedule()
-        if not scheduled and not self.running:
+        self.finished_unreported = False
+        if not scheduled and not self.running and self.waiting:
             head = self.waiting[0].spec
             raise ConfigError(
                 f"the pool of {self.backend.num_gpu_blocks} blocks cannot hold request "
@@ -317,8 +374,11 @@ class Scheduler:
         num_tokens = settings.max_num_batched_tokens - budget
         self.stats.steps += 1
         self.stats.scheduled_tokens += num_tokens
-        self.clock_ns += settings.step_overhead_ns + num_tokens * settings.ns_per_token
-        self._apply_outputs(scheduled)
+        if settings.step_clock:
+            self.clock_ns += 1
+        elif num_tokens:  # a step that schedules nothing (async: outputs awaited) runs nothing
+            self.clock_ns += settings.step_overhead_ns + num_tokens * settings.ns_per_token
+        return scheduled
 
     def _chunk(self, request: _Request, start: int, threshold: int, budget: int) -> int:
         """Tokens to schedule for ``request`` from ``start``: threshold, budget, model length,
@@ -343,10 +403,21 @@ class Scheduler:
         while index < len(running) and budget > 0:
             request = running[index]
             start = request.num_computed_tokens
-            if start == request.num_tokens - 1 and request.num_output_tokens:
-                # Decoding: one token, which no threshold, split or model length cuts (a running
-                # request stays below max_model_len: it finishes on reaching it).
+            placeholders = request.num_output_placeholders
+            if placeholders and (start + 2 - placeholders
+                                 >= request.spec.prompt_len + request.spec.max_tokens):
+                index += 1  # async: the step in flight samples its last token
+                continue
+            if start == request.num_tokens + placeholders - 1 and (request.num_output_tokens
+                                                                   or placeholders):
+                # Decoding: one token, which no threshold or split cuts; nor the model length
+                # synchronously (a running request finishes on reaching it), but async, a step
+                # in flight may have reached it.
                 num_new = 1
+                if placeholders and self.settings.max_model_len and (
+                        start + 1 >= self.settings.max_model_len):
+                    index += 1
+                    continue
             else:
                 num_new = self._chunk(request, start, threshold, budget)
                 if num_new == 0:
@@ -373,6 +444,9 @@ class Scheduler:
     def _preempt(self, request: _Request) -> None:
         self.backend.preempt(request.req)
         request.num_computed_tokens = 0
+        # Async: the output of its steps in flight arrives stale (kept, counting nothing).
+        request.num_stale_output_tokens = request.num_in_flight_tokens
+        request.num_output_placeholders = 0
         self.waiting.appendleft(request)
         self.stats.preemptions += 1
 
@@ -410,4 +484,56 @@ class Scheduler:
             if request.num_output_tokens >= request.spec.max_tokens or (limit and request.num_tokens >= limit):
                 self.running.remove(request)
                 self.backend.free(request.req)
+                self.stats.finished += 1
+
+    # --- async scheduling: outputs a step late -----------------------------------------------
+
+    def _update_after_schedule(self, scheduled: list) -> None:
+        """``AsyncScheduler._update_after_schedule``: the scheduled tokens count as computed at
+        once, and a chunk that reaches the last known token adds an output placeholder (the
+        token its step will sample). ``scheduled`` entries gain whether the step samples."""
+        sync_request = self.backend.sync_request
+        for index, (request, num_new) in enumerate(scheduled):
+            request.num_computed_tokens += num_new
+            request.num_in_flight_tokens += num_new
+            samples = request.num_computed_tokens >= (request.num_tokens
+                                                      + request.num_output_placeholders)
+            if samples:
+                request.num_output_placeholders += 1
+            scheduled[index] = (request, num_new, samples)
+            sync_request(request.req, request.num_computed_tokens, request.num_tokens,
+                         request.num_in_flight_tokens)
+
+    def _update_from_output(self, scheduled: list) -> None:
+        """``Scheduler.update_from_output`` of a step scheduled one step ago: append the
+        sampled tokens; cache the blocks they completed up to what no step in flight may still
+        change; finish and free. A preempted request's stale output is appended but changes
+        none of its counters, nor caches."""
+        backend, limit = self.backend, self.settings.max_model_len
+        for request, num_new, samples in scheduled:
+            request.num_in_flight_tokens -= num_new
+            stale = request.num_stale_output_tokens > 0
+            if stale:
+                request.num_stale_output_tokens -= num_new
+            if request.finished:
+                continue
+            had_placeholders = request.num_output_placeholders > 0
+            if samples:
+                request.num_output_tokens += 1
+                request.num_tokens += 1
+                if not stale and had_placeholders:
+                    request.num_output_placeholders -= 1
+            backend.sync_request(request.req, request.num_computed_tokens, request.num_tokens,
+                                 request.num_in_flight_tokens)
+            if not samples:
+                continue
+            if not stale and had_placeholders:
+                backend.cache_blocks(request.req, request.num_computed_tokens
+                                     - request.num_in_flight_tokens)
+            if request.num_output_tokens >= request.spec.max_tokens or (
+                    limit and request.num_tokens >= limit):
+                (self.waiting if stale else self.running).remove(request)
+                backend.free(request.req)
+                request.finished = True
+                self.finished_unreported = True
                 self.stats.finished += 1

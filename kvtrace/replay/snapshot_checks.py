@@ -200,7 +200,15 @@ class _Check:
         for field, value, low, high in (
                 ("prompt_len", request.prompt_len, 1, num_tokens),
                 ("max_tokens", request.max_tokens, 0, None),
-                ("num_computed_tokens", request.num_computed_tokens, 0, num_tokens),
+                # Async: a step in flight counts its tokens computed before it samples them.
+                ("num_output_placeholders", request.num_output_placeholders, 0,
+                 request.max_tokens),
+                ("num_computed_tokens", request.num_computed_tokens, 0,
+                 num_tokens + request.num_output_placeholders),
+                ("num_in_flight_tokens", request.num_in_flight_tokens, 0,
+                 request.num_computed_tokens + request.num_stale_output_tokens),
+                ("num_stale_output_tokens", request.num_stale_output_tokens, 0,
+                 request.num_in_flight_tokens),
                 ("shared_prefix_boundary", request.shared_prefix_boundary, 0, num_tokens),
                 ("num_preemptions", request.num_preemptions, 0, None)):
             if value < low or (high is not None and value > high):

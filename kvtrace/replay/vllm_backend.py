@@ -163,6 +163,9 @@ class VllmBackend:
         if request.num_computed_tokens >= request.num_tokens:
             request.append_output_token_ids(0)  # the step sampled a token
 
+    def cache_blocks(self, req: int, num_tokens_to_cache: int) -> None:
+        self.manager.cache_blocks(self._requests[req], num_tokens_to_cache)
+
     def free(self, req: int, status: FinishStatus = FinishStatus.FINISHED) -> None:
         from vllm.v1.request import RequestStatus
 
@@ -204,6 +207,7 @@ class VllmBackend:
             request.num_computed_tokens = state.num_computed_tokens
             request.status = RequestStatus[state.status]
             request.num_preemptions = state.num_preemptions
+            request.num_in_flight_tokens = state.num_in_flight_tokens
             request.shared_prefix_boundary = state.shared_prefix_boundary
             self._requests[state.req] = request
             if self.probes is not None:
@@ -219,11 +223,13 @@ class VllmBackend:
 
     # --- beyond the protocol: lockstep and inspection -------------------------------------------
 
-    def sync_request(self, req: int, num_computed_tokens: int, num_tokens: int) -> None:
-        """Set a request's progress to captured values (lockstep): computed tokens, and output
-        tokens appended until it holds ``num_tokens``."""
+    def sync_request(self, req: int, num_computed_tokens: int, num_tokens: int,
+                     num_in_flight_tokens: int = 0) -> None:
+        """Set a request's progress to captured values (lockstep): computed tokens, output
+        tokens appended until it holds ``num_tokens``, tokens in steps in flight."""
         request = self._requests[req]
         request.num_computed_tokens = num_computed_tokens
+        request.num_in_flight_tokens = num_in_flight_tokens
         missing = tokens_to_sync(req, request.num_tokens, num_tokens)
         if missing:
             request.append_output_token_ids([0] * missing)

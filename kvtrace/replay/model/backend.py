@@ -23,6 +23,7 @@ import msgspec
 from kvtrace.engine_config import check_added_request, validate
 from kvtrace.errors import ConfigError, KvtraceError
 from kvtrace.events import (
+    BlocksCached,
     ComputedBlocksFound,
     EngineConfig,
     FinishStatus,
@@ -193,7 +194,8 @@ class ModelBackend:
             records.report_at(first_effect, SlotsAllocated, req, num_new_tokens,
                               num_computed_tokens, num_new_computed_tokens,
                               num_lookahead_tokens, 0, num_tokens, success,
-                              full_sequence_must_fit, reserved_blocks, has_scheduled_reqs)
+                              full_sequence_must_fit, reserved_blocks, has_scheduled_reqs,
+                              request.num_in_flight_tokens)
             self.flush()
         if success:
             self.pending_hits.pop(req, None)
@@ -218,6 +220,15 @@ class ModelBackend:
         if request.num_computed_tokens >= request.num_tokens:
             self.append_tokens(request, 1)  # the step sampled a token
 
+    def cache_blocks(self, req: int, num_tokens_to_cache: int) -> None:
+        request = self.requests[req]
+        if request.num_reported is None or request.num_hashes != request.num_reported:
+            self.report_request(request)
+        self.records.report(BlocksCached, req, num_tokens_to_cache, request.num_computed_tokens,
+                            request.num_tokens)
+        self.cache_coordinator_blocks(request, num_tokens_to_cache)
+        self.flush()
+
     def free(self, req: int, status: FinishStatus = FinishStatus.FINISHED) -> None:
         request = self.requests.pop(req)
         self.pending_hits.pop(req, None)
@@ -241,9 +252,11 @@ class ModelBackend:
     def num_free_blocks(self) -> int:
         return self.pool.num_free
 
-    def sync_request(self, req: int, num_computed_tokens: int, num_tokens: int) -> None:
+    def sync_request(self, req: int, num_computed_tokens: int, num_tokens: int,
+                     num_in_flight_tokens: int = 0) -> None:
         request = self.requests[req]
         request.num_computed_tokens = num_computed_tokens
+        request.num_in_flight_tokens = num_in_flight_tokens
         missing = tokens_to_sync(req, request.num_tokens, num_tokens)
         if missing:
             self.append_tokens(request, missing)
@@ -269,6 +282,7 @@ class ModelBackend:
             request.num_hashes = request.num_reported = len(state.hash_ids)
             request.num_computed_tokens = state.num_computed_tokens
             request.shared_prefix_boundary = state.shared_prefix_boundary
+            request.num_in_flight_tokens = state.num_in_flight_tokens
             self.requests[state.req] = request
             depth.update(zip(state.hash_ids, range(unit, (len(state.hash_ids) + 1) * unit, unit)))
         for key in snapshot.keys:
@@ -376,8 +390,10 @@ class ModelBackend:
         num_tokens = num_tokens_main + num_lookahead_tokens
         if num_tokens > max_model_len:
             num_tokens = max_model_len
-        for manager in self.mamba_managers:  # full attention keeps every block
-            manager.retire(request, total)
+        # Full attention keeps every block; a step in flight has not processed its tokens.
+        num_processed = total - request.num_in_flight_tokens
+        for manager in self.mamba_managers:
+            manager.retire(request, num_processed if num_processed > 0 else 0)
         need = 0
         for manager, hit in zip(managers, group_hits):
             need += manager.blocks_to_allocate(request, num_tokens, hit, total, num_local,
@@ -397,10 +413,10 @@ class ModelBackend:
         num_cacheable = total + num_new_tokens
         if num_cacheable > request.num_tokens:
             num_cacheable = request.num_tokens
-        self.cache_blocks(request, num_cacheable)
+        self.cache_coordinator_blocks(request, num_cacheable)
         return True
 
-    def cache_blocks(self, request: Request, num_tokens: int) -> None:
+    def cache_coordinator_blocks(self, request: Request, num_tokens: int) -> None:
         """``KVCacheCoordinator.cache_blocks``: without partial hits a hybrid engine caches only
         up to the scheduler block a later hit could match."""
         if not self.pool.enable_caching:

@@ -33,7 +33,8 @@ class Request:
     ``num_reported``: the hash units the records have named (None before its first lookup)."""
 
     __slots__ = ("req", "prompt_len", "max_tokens", "hash_ids", "num_hashes", "num_tokens",
-                 "num_computed_tokens", "shared_prefix_boundary", "num_reported")
+                 "num_computed_tokens", "shared_prefix_boundary", "num_reported",
+                 "num_in_flight_tokens")
 
     def __init__(self, req: int, prompt_len: int, max_tokens: int, hash_ids: list[int],
                  hash_block_size: int) -> None:
@@ -46,6 +47,7 @@ class Request:
         self.num_computed_tokens = 0
         self.shared_prefix_boundary = 0
         self.num_reported: int | None = None
+        self.num_in_flight_tokens = 0  # async scheduling: tokens of steps still in flight
 
     @property
     def num_prompt_tokens(self) -> int:

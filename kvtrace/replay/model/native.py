@@ -131,6 +131,15 @@ if built is not None:
             check_release(block_ids, self.num_gpu_blocks, self._ref_count)
             self._release(block_ids)
 
+        def sync_request(self, req: int, num_computed_tokens: int, num_tokens: int,
+                         num_in_flight_tokens: int = 0) -> None:
+            if num_in_flight_tokens:
+                raise KvtraceError(
+                    f"request {req} has {num_in_flight_tokens} tokens in a step in flight "
+                    "(async scheduling), which the model's C twin does not keep",
+                    "Replay with KVTRACE_NATIVE=0 (the Python twin) or --backend vllm.")
+            super().sync_request(req, num_computed_tokens, num_tokens)
+
         def restore(self, snapshot: StartSnapshot) -> None:
             """As ``ModelBackend.restore``, in the core (``csrc/model_restore.c``): the
             snapshot's records handed over as tuples, each request with its known hash ids and
