@@ -145,12 +145,19 @@ def engine_config_of(manager: Any, scheduler: Any = None) -> EngineConfig:
         enable_caching=manager.enable_caching,
         use_eagle=manager.use_eagle,
         max_model_len=manager.max_model_len,
-        **({} if scheduler is None else _scheduler_limits(scheduler.scheduler_config)),
+        **({} if scheduler is None else _scheduler_limits(scheduler, groups)),
     )
 
 
-def _scheduler_limits(scheduler_config: Any) -> dict[str, Any]:
+def _scheduler_limits(scheduler: Any, groups: list[KVCacheGroup]) -> dict[str, Any]:
+    scheduler_config = scheduler.scheduler_config
+    # What the Mamba split aligns to, where it is not the Mamba groups' own block size.
+    split_block_size = scheduler.cache_config.block_size
+    mamba_block_sizes = {group.block_size for group in groups if group.kind == "mamba"}
     return {
+        "async_scheduling": is_async_scheduler(scheduler),
+        "cache_block_size": (split_block_size if mamba_block_sizes
+                             and mamba_block_sizes != {split_block_size} else 0),
         "max_num_batched_tokens": scheduler_config.max_num_batched_tokens,
         "max_num_seqs": scheduler_config.max_num_seqs,
         "long_prefill_token_threshold": scheduler_config.long_prefill_token_threshold,
@@ -178,6 +185,12 @@ def served_model(scheduler: Any) -> dict[str, str]:
         return {"model": name}
 
 
+def is_async_scheduler(scheduler: Any) -> bool:
+    """Whether the engine runs vLLM's ``AsyncScheduler`` (read off the class: an engine built
+    by hand may run the synchronous one whatever its config says)."""
+    return any(cls.__name__ == "AsyncScheduler" for cls in type(scheduler).__mro__)
+
+
 def scheduling(scheduler: Any) -> dict[str, str]:
     """How the engine schedules, which decides when its cache calls happen: the scheduler's
     class, and whether it is vLLM's ``AsyncScheduler`` (what the engine runs where async
@@ -185,9 +198,8 @@ def scheduling(scheduler: Any) -> dict[str, str]:
     ``kvtrace engine``'s, may run the synchronous one whatever its config says), and the
     speculative decoding it runs (method and draft tokens a step; none: 0)."""
     speculative = getattr(getattr(scheduler, "vllm_config", None), "speculative_config", None)
-    is_async = any(cls.__name__ == "AsyncScheduler" for cls in type(scheduler).__mro__)
     return {"scheduler": type(scheduler).__name__,
-            "async_scheduling": str(is_async).lower(),
+            "async_scheduling": str(is_async_scheduler(scheduler)).lower(),
             "speculative_method": str(getattr(speculative, "method", None) or ""),
             "num_speculative_tokens": str(getattr(speculative, "num_speculative_tokens",
                                                   None) or 0)}
