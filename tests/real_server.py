@@ -56,10 +56,12 @@ class VllmServe:
 
     def __init__(self, python: str | Path = SERVE_PYTHON, model: str | Path = TINY_MODEL,
                  plugin: bool = True, num_gpu_blocks: int = 300,
-                 kv_events: str | None = None, hf_overrides: dict | None = None) -> None:
+                 kv_events: str | None = None, hf_overrides: dict | None = None,
+                 num_prefixes: int = 3, prefix_tokens: int = 256) -> None:
         from kvtrace.capture.attach import find_engine_cores
 
         self.port, self.model, self.kv_events = free_port(), str(model), kv_events
+        self.num_prefixes, self.prefix_tokens = num_prefixes, prefix_tokens
         env = {**os.environ, "KVTRACE_PLUGIN": "1" if plugin else "0",
                "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_USE_AOT_COMPILE": "0"}
         options = ["--kv-events-config", json.dumps(
@@ -102,8 +104,9 @@ class VllmServe:
             return False
 
     def serve(self) -> "VllmServe":
-        """Start the clients (once; then they serve until ``stop``): three shared system
-        prompts (token ids) and unique suffixes."""
+        """Start the clients (once; then they serve until ``stop``): shared system prompts
+        (``num_prefixes`` of ``prefix_tokens`` token ids, three of 256 by default) and unique
+        suffixes."""
         for client in self._clients:
             if client.ident is None:
                 client.start()
@@ -114,8 +117,8 @@ class VllmServe:
         for number in range(MAX_REQUESTS):
             if self._done.is_set():
                 return
-            prompt = [10 + number % 3] * 256 + [rng.randrange(20, 500)
-                                                for _ in range(rng.randrange(32, 256))]
+            prompt = [10 + rng.randrange(self.num_prefixes)] * self.prefix_tokens + [
+                rng.randrange(20, 500) for _ in range(rng.randrange(32, 256))]
             body = json.dumps({"model": self.model, "max_tokens": 16,
                                "prompt": prompt}).encode()
             request = urllib.request.Request(f"http://127.0.0.1:{self.port}/v1/completions",
