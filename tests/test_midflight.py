@@ -35,6 +35,7 @@ from kvtrace.capture.messages import PingRequest, StatusRequest
 from kvtrace.capture.stalls import StallSampler
 from kvtrace.cli.demo import BUSY_ENGINE
 from kvtrace.engine.process import EngineProcess
+from kvtrace.events import SlotsAllocated
 from kvtrace.geometry.presets import preset_names
 from kvtrace.replay.run import ReplaySummary
 from kvtrace.traceio import TraceReader, count_kinds
@@ -126,6 +127,29 @@ def test_a_capture_armed_mid_flight_replays_from_its_snapshot(tmp_path, model, s
     rescheduled = json.loads(summary_path.read_text())["variants"]["unfixed"]
     assert rescheduled["requests"] == captured["requests"] > 0
     assert_within_bounds(trace, tmp_path / "runs" / "cap.unfixed.kvtrace")
+
+
+@pytest.mark.parametrize("scheduling", ["async", "sync"])
+def test_an_engine_that_drafts_is_captured_mid_flight_and_verified_in_lockstep(tmp_path,
+                                                                               scheduling):
+    """Speculative decoding (issue #29): an engine whose decode steps carry two draft tokens,
+    about 70% of them accepted (vLLM's n-gram drafting, on vLLM's own scheduler), captured
+    mid-flight: its config says it drafts, its decode steps schedule the drafts, the scheduler
+    caches the verified tokens' blocks itself, and lockstep matches every effect."""
+    workload = documents_workload(tmp_path / "w.kvtrace", "kimi-k3")
+    trace = tmp_path / "cap.kvtrace"
+    capture_mid_flight(serving_engine(workload, f"--{scheduling}-scheduling",
+                                      "--num-speculative-tokens", "2"), trace)
+    reader = TraceReader(str(trace))
+    assert reader.header.config.num_speculative_tokens == 2
+    assert reader.header.params["num_speculative_tokens"] == "2"
+    kinds = count_kinds(trace)
+    assert kinds["blocks_cached"] > 100, kinds
+    decodes = [r.num_new_tokens for r in reader if isinstance(r, SlotsAllocated)
+               and r.num_computed_tokens >= r.num_tokens - 1]
+    assert decodes.count(3) > 100, "decode steps schedule their two drafts"
+    fidelity = lockstep_verify(trace, tmp_path / "fidelity")
+    assert fidelity["matched"] == fidelity["total"] > 1000, fidelity
 
 
 @needs_ptrace

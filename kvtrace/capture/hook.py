@@ -156,6 +156,7 @@ def _scheduler_limits(scheduler: Any, groups: list[KVCacheGroup]) -> dict[str, A
     mamba_block_sizes = {group.block_size for group in groups if group.kind == "mamba"}
     return {
         "async_scheduling": is_async_scheduler(scheduler),
+        "num_speculative_tokens": getattr(scheduler, "num_spec_tokens", 0) or 0,
         "cache_block_size": (split_block_size if mamba_block_sizes
                              and mamba_block_sizes != {split_block_size} else 0),
         "max_num_batched_tokens": scheduler_config.max_num_batched_tokens,

@@ -21,6 +21,14 @@ from kvtrace.cli.common import async_scheduling_option
               help="prefix-cache retention interval: none (dense), 0 (latest-only) or N tokens "
                    "(default: the workload's).")
 @async_scheduling_option
+@click.option("--num-speculative-tokens", type=click.IntRange(min=0, max=64), default=None,
+              metavar="K",
+              help="Draft tokens each decode step proposes, as vLLM's speculative decoding "
+                   "does (n-gram drafting, which needs no draft model; default: the "
+                   "workload's, else none).")
+@click.option("--draft-acceptance", type=click.FloatRange(min=0, max=1), default=0.7,
+              show_default=True, metavar="P",
+              help="With drafts: the chance the verifier accepts each draft token in turn.")
 @click.option("--speed", type=click.FloatRange(min=0), default=1.0, show_default=True,
               help="Virtual seconds per wall second (10: ten times faster); 0: no waiting.")
 @click.option("--autostart", is_flag=True,
@@ -32,7 +40,8 @@ from kvtrace.cli.common import async_scheduling_option
               help="Run on this vLLM release (0.30.0-0.33.0; installed beside the project's "
                    "with kvtrace vllm install) instead of the project's own.")
 def command(workload: str, variant: str, num_gpu_blocks: int | None, retention: str | None,
-            async_scheduling: bool | None, speed: float, autostart: bool,
+            async_scheduling: bool | None, num_speculative_tokens: int | None,
+            draft_acceptance: float, speed: float, autostart: bool,
             summary_json: str | None, release: str | None) -> None:
     """Run WORKLOAD through the real vLLM prefix cache as a live engine-core process.
 
@@ -53,6 +62,7 @@ def command(workload: str, variant: str, num_gpu_blocks: int | None, retention: 
         kvtrace engine agent.kvtrace --variant unfixed --speed 10
         kvtrace engine agent.kvtrace --autostart --speed 0 --summary-json run.json
         kvtrace engine agent.kvtrace --async-scheduling --speed 10
+        kvtrace engine agent.kvtrace --num-speculative-tokens 2 --draft-acceptance 0.7
         kvtrace engine agent.kvtrace --vllm 0.30.0
     """
     import msgspec
@@ -69,15 +79,17 @@ def command(workload: str, variant: str, num_gpu_blocks: int | None, retention: 
     if release is not None:
         _run_on(release, workload, variant=variant, num_gpu_blocks=num_gpu_blocks,
                 retention=retention, speed=speed, autostart=autostart,
-                summary_json=summary_json, **{
+                summary_json=summary_json, num_speculative_tokens=num_speculative_tokens,
+                draft_acceptance=draft_acceptance, **{
                     "async_scheduling": async_scheduling is True,
                     "sync_scheduling": async_scheduling is False})
 
     options = EngineOptions(
-        source=workload, variant=variant, speed=speed, overrides=Overrides(
+        source=workload, variant=variant, speed=speed, draft_acceptance=draft_acceptance,
+        overrides=Overrides(
             num_gpu_blocks=num_gpu_blocks,
             retention_interval=KEEP if retention is None else parse_retention(retention),
-            async_scheduling=async_scheduling))
+            async_scheduling=async_scheduling, num_speculative_tokens=num_speculative_tokens))
 
     def write_summary(summary: dict) -> None:
         write_atomically(summary_json, msgspec.json.format(msgspec.json.encode(summary),

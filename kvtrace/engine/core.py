@@ -37,6 +37,7 @@ import functools
 import math
 import os
 import queue
+import random
 import signal
 import sys
 import threading
@@ -62,6 +63,7 @@ from kvtrace.vllm_releases import running_vllm_version
 ENGINE_CORE_PROCESS_NAME = "EngineCore"
 START, QUIT = "start", "quit"
 ENGINE_MODEL_DIR = Path(__file__).with_name("engine_model")
+DEFAULT_DRAFT_ACCEPTANCE = 0.7
 END_OF_INPUT = "end of input"  # queued by the stdin reader at EOF: stop, as for quit
 COMMAND_LINE_BYTES = 4096  # the longest command line read whole
 
@@ -77,6 +79,9 @@ class EngineOptions:
     variant: str = CAPTURED_VARIANT
     overrides: Overrides = Overrides()  # the pool and the retention; scheduler limits too
     speed: float = 1.0  # virtual seconds per wall second; 0: as fast as possible
+    # With drafts (--num-speculative-tokens): the chance the verifier accepts each draft token,
+    # in order (a rejected one ends the step's accepted run).
+    draft_acceptance: float = DEFAULT_DRAFT_ACCEPTANCE
 
 
 @dataclass(frozen=True)
@@ -92,6 +97,9 @@ def load_workload(options: EngineOptions) -> EngineWorkload:
     if not (options.speed >= 0 and math.isfinite(options.speed)):
         raise ConfigError(f"--speed {options.speed} is not a finite number >= 0",
                           "Use 1 for real time, 10 for ten times faster, 0 for no waiting.")
+    if not 0 <= options.draft_acceptance <= 1:
+        raise ConfigError(f"--draft-acceptance {options.draft_acceptance} is not a probability",
+                          "Use a number from 0 (every draft rejected) to 1 (every one accepted).")
     get_variant(options.variant)
     reader = TraceReader(options.source)
     config, settings = derive(reader.header.config, options.source, options.overrides)
@@ -122,7 +130,7 @@ class VllmScheduler:
     last token; nothing for a chunk that ends inside the prompt (the runner discards it)."""
 
     def __init__(self, config: EngineConfig, settings: SchedulerSettings, variant: str,
-                 model: str = "") -> None:
+                 model: str = "", draft_acceptance: float = DEFAULT_DRAFT_ACCEPTANCE) -> None:
         """``model``: the name the engine serves as (vLLM's ``served_model_name``, which a
         capture records): the workload's model, whose geometry the cache has; without one,
         ``kvtrace-engine`` (never the bundled stand-in config's path)."""
@@ -133,6 +141,7 @@ class VllmScheduler:
         vllm_config = _vllm_config(config, settings, model)
         self.config = config
         self.settings = settings
+        self.draft_acceptance = draft_acceptance
         # Async: the engine core's batch queue, as many batches in flight as vLLM allows.
         self.in_flight: collections.deque | None = (
             collections.deque() if config.async_scheduling else None)
@@ -214,16 +223,42 @@ class VllmScheduler:
         self.num_steps += 1
         req_ids = list(output.num_scheduled_tokens)
         requests = self.requests
-        sampled = [[] if requests[req_id].is_prefill_chunk else [0] for req_id in req_ids]
+        drafts = output.scheduled_spec_decode_tokens
+        sampled = [[] if requests[req_id].is_prefill_chunk
+                   else [0] * (1 + self._accepted(requests[req_id], len(drafts.get(req_id, ()))))
+                   for req_id in req_ids]
         self._check_admits(output)
         return output, ModelRunnerOutput(
             req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
             sampled_token_ids=sampled)
 
+    def _accepted(self, request: Any, num_drafts: int) -> int:
+        """How many of a decode step's ``num_drafts`` draft tokens the verifier accepts: each
+        with ``draft_acceptance``, up to the first rejected; drawn from the request and its
+        outputs so far, so that a rerun accepts alike."""
+        if not num_drafts:
+            return 0
+        draw = random.Random(f"{request.request_id}:{request.num_output_tokens}").random
+        accepted = 0
+        while accepted < num_drafts and draw() < self.draft_acceptance:
+            accepted += 1
+        return accepted
+
     def _update(self, output: Any, model_output: Any) -> None:
-        """``update_from_output``: vLLM appends the tokens, finishes and frees; the figures."""
+        """``update_from_output``: vLLM appends the tokens, finishes and frees; the figures.
+        Synchronously, the drafter then proposes each decoding request's next drafts
+        (``EngineCore.post_step``); async, the scheduler keeps placeholders for them."""
+        from vllm.v1.outputs import DraftTokenIds
+
         requests = self.requests
         outputs = self.scheduler.update_from_output(output, model_output)
+        num_drafts = self.config.num_speculative_tokens
+        if num_drafts and self.in_flight is None:
+            decoding = [req_id for req_id, tokens in zip(model_output.req_ids,
+                                                         model_output.sampled_token_ids)
+                        if tokens]
+            self.scheduler.update_draft_token_ids(
+                DraftTokenIds(decoding, [[0] * num_drafts for _ in decoding]))
         for engine_outputs in outputs.values():
             for request_output in engine_outputs.outputs:
                 if request_output.prefill_stats is not None:  # the first prefill's, once
@@ -247,7 +282,8 @@ class VllmScheduler:
 def _vllm_config(config: EngineConfig, settings: SchedulerSettings, model: str) -> Any:
     """A ``VllmConfig`` for scheduling only: the bundled model config (served under ``model``'s
     name), CPU, the trace's limits."""
-    from vllm.config import CacheConfig, DeviceConfig, ModelConfig, SchedulerConfig, VllmConfig
+    from vllm.config import (CacheConfig, DeviceConfig, ModelConfig, ParallelConfig,
+                             SchedulerConfig, SpeculativeConfig, VllmConfig)
 
     max_model_len = settings.max_model_len or UNLIMITED_MODEL_LEN
     model_config = ModelConfig(model=str(ENGINE_MODEL_DIR), skip_tokenizer_init=True,
@@ -263,8 +299,17 @@ def _vllm_config(config: EngineConfig, settings: SchedulerSettings, model: str) 
     cache_config = CacheConfig(block_size=config.cache_block_size or config.scheduler_block_size,
                                enable_prefix_caching=config.enable_caching,
                                mamba_cache_mode="align")
+    speculative_config = None
+    if config.num_speculative_tokens:
+        # n-gram drafting needs no draft model, so it builds offline; like MTP it proposes
+        # drafts the step after a decode, which the verifier then accepts or rejects.
+        speculative_config = SpeculativeConfig(
+            method="ngram", num_speculative_tokens=config.num_speculative_tokens,
+            prompt_lookup_min=1, prompt_lookup_max=1, target_model_config=model_config,
+            target_parallel_config=ParallelConfig())
     vllm_config = VllmConfig(device_config=DeviceConfig(device="cpu"), model_config=model_config,
-                             scheduler_config=scheduler_config, cache_config=cache_config)
+                             scheduler_config=scheduler_config, cache_config=cache_config,
+                             speculative_config=speculative_config)
     vllm_config.cache_config.num_gpu_blocks = config.num_gpu_blocks  # as the engine core sets it
     return vllm_config
 
@@ -280,7 +325,7 @@ class Engine:
         self.commands: queue.Queue[str] = queue.Queue()
         # Built before "ready": a config vLLM rejects fails the start, not the run.
         self.scheduler = VllmScheduler(workload.config, workload.settings, options.variant,
-                                       workload.model)
+                                       workload.model, options.draft_acceptance)
         self.summary: dict[str, Any] | None = None
         self.input_ended = False  # heard during a run
 

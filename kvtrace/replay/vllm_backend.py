@@ -321,7 +321,8 @@ def kv_cache_config_of(config: EngineConfig) -> Any:
                              dtypes=(float32,),
                              mamba_cache_mode=group.mamba_cache_mode or "align",
                              num_prefill_checkpoint_blocks=group.num_prefill_checkpoint_blocks,
-                             prefill_checkpoint_alignment=group.prefill_checkpoint_alignment)
+                             prefill_checkpoint_alignment=group.prefill_checkpoint_alignment,
+                             num_speculative_blocks=config.num_speculative_tokens)
         else:
             spec = FullAttentionSpec(block_size=group.block_size, num_kv_heads=1, head_size=1,
                                      dtype=float32)

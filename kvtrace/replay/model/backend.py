@@ -545,7 +545,8 @@ class ModelBackend:
 
 
 def check_vllm_accepts(config: EngineConfig) -> None:
-    """What vLLM 0.33's ``KVCacheManager`` refuses beyond ``validate``, refused alike."""
+    """What vLLM 0.33's ``KVCacheManager`` refuses beyond ``validate``, refused alike; and a
+    drafting engine's speculative Mamba state blocks, which the model does not keep."""
     groups = config.kv_cache_groups
     if (config.enable_caching and len(groups) == 1
             and groups[0].block_size != config.hash_block_size):
@@ -553,6 +554,11 @@ def check_vllm_accepts(config: EngineConfig) -> None:
             "vLLM rejected the engine config: a single KV-cache group hashes at its block size "
             f"({groups[0].block_size}), not {config.hash_block_size}",
             "Give a one-group engine a hash unit equal to its block size.")
+    if config.num_speculative_tokens and any(g.kind == "mamba" for g in groups):
+        raise ConfigError(
+            f"the engine drafts {config.num_speculative_tokens} tokens a step, and the model "
+            "backend keeps no speculative Mamba state blocks",
+            "Replay it on the vllm backend (--backend vllm, the default).")
     retention = config.retention_interval
     if retention and not any(g.kind == "mamba" for g in groups):
         raise ConfigError(
