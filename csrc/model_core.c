@@ -28,9 +28,10 @@
 
 enum {
     T_STEP_STARTED, T_REQUEST_ARRIVED, T_HASHES_EXTENDED, T_COMPUTED_BLOCKS_FOUND,
-    T_SLOTS_ALLOCATED, T_REQUEST_FINISHED, T_REQUEST_PREEMPTED, T_BLOCKS_RELEASED,
-    T_BLOCK_ALLOCATED, T_BLOCK_STORED, T_BLOCK_REMOVED, T_BLOCK_TOUCHED, T_BLOCK_FREED,
-    T_BOUNDARY_STATE_OFFLOADED, T_CHECKPOINT_RECORDED, T_CHECKPOINT_SUPPRESSED, T_STALE_KEY_LEFT,
+    T_SLOTS_ALLOCATED, T_BLOCKS_CACHED, T_REQUEST_FINISHED, T_REQUEST_PREEMPTED,
+    T_BLOCKS_RELEASED, T_BLOCK_ALLOCATED, T_BLOCK_STORED, T_BLOCK_REMOVED, T_BLOCK_TOUCHED,
+    T_BLOCK_FREED, T_BOUNDARY_STATE_OFFLOADED, T_CHECKPOINT_RECORDED, T_CHECKPOINT_SUPPRESSED,
+    T_STALE_KEY_LEFT,
     T_CHECKPOINT_FACTS, T_KVTRACE_ERROR, T_SNAPSHOT_ERROR,
     /* enum members */
     E_FULL, E_PARTIAL, E_CHECKPOINT, E_LRU_REUSE, E_STALE_CHECKPOINT, E_REKEY, E_TRANSIENT,
@@ -39,9 +40,10 @@ enum {
 };
 static const char *configured_names[NUM_CONFIGURED] = {
     "StepStarted", "RequestArrived", "HashesExtended", "ComputedBlocksFound",
-    "SlotsAllocated", "RequestFinished", "RequestPreempted", "BlocksReleased",
-    "BlockAllocated", "BlockStored", "BlockRemoved", "BlockTouched", "BlockFreed",
-    "BoundaryStateOffloaded", "CheckpointRecorded", "CheckpointSuppressed", "StaleKeyLeft",
+    "SlotsAllocated", "BlocksCached", "RequestFinished", "RequestPreempted",
+    "BlocksReleased", "BlockAllocated", "BlockStored", "BlockRemoved", "BlockTouched",
+    "BlockFreed", "BoundaryStateOffloaded", "CheckpointRecorded", "CheckpointSuppressed",
+    "StaleKeyLeft",
     "CheckpointFacts", "KvtraceError", "SnapshotError",
     "FULL", "PARTIAL", "CHECKPOINT", "LRU_REUSE", "STALE_CHECKPOINT", "REKEY", "TRANSIENT",
     "PROMPT_END", "JUNCTION", "FINISHED", "ABORTED", "STRIP", "KEEP_LOCAL",
@@ -72,6 +74,7 @@ typedef struct {  /* one request's state in one manager */
 
 typedef struct {
     i64 req, prompt_len, max_tokens, num_hashes, num_tokens, num_computed, junction;
+    i64 num_in_flight;  /* async scheduling: its tokens in steps still in flight */
     i64 num_reported;  /* -1: not yet reported */
     LVec hash_ids;
     GroupState *groups;
@@ -1438,7 +1441,9 @@ static int find_longest_cache_hit(Core *c, Request *r, i64 max_length, i64 *hit_
     return 0;
 }
 
-static int cache_blocks(Core *c, Request *r, i64 num_tokens) {
+/* KVCacheCoordinator.cache_blocks: without partial hits a hybrid engine caches only up to the
+   scheduler block a later hit could match. */
+static int cache_coordinator_blocks(Core *c, Request *r, i64 num_tokens) {
     if (!c->enable_caching) return 0;
     if (c->hybrid && !c->partial_hits) num_tokens -= num_tokens % c->scheduler_block_size;
     for (int g = 0; g < c->num_groups; g++)
@@ -1474,8 +1479,11 @@ static int allocate(Core *c, Request *r, i64 num_new, i64 num_new_computed, int 
     i64 num_main = total + num_new;
     i64 num_tokens = num_main + lookahead;
     if (num_tokens > max_model_len) num_tokens = max_model_len;
+    /* Full attention keeps every block; a step in flight has not processed its tokens. */
+    i64 num_processed = total - r->num_in_flight;
+    if (num_processed < 0) num_processed = 0;
     for (int g = 0; g < c->num_groups; g++)
-        if (c->managers[g].is_mamba && retire(c, &c->managers[g], r, total)) return -1;
+        if (c->managers[g].is_mamba && retire(c, &c->managers[g], r, num_processed)) return -1;
     need = 0;
     for (int g = 0; g < c->num_groups; g++) {
         if (blocks_to_allocate(c, &c->managers[g], r, num_tokens,
@@ -1507,7 +1515,7 @@ static int allocate(Core *c, Request *r, i64 num_new, i64 num_new_computed, int 
         if (allocate_blocks(c, &c->managers[g], r, num_tokens, num_main)) return -1;
     i64 cacheable = total + num_new;
     if (cacheable > r->num_tokens) cacheable = r->num_tokens;
-    return cache_blocks(c, r, cacheable) ? -1 : 1;
+    return cache_coordinator_blocks(c, r, cacheable) ? -1 : 1;
 }
 
 /* --- the Python type -------------------------------------------------------------------------- */
@@ -1950,8 +1958,9 @@ static PyObject *Core_allocate_slots(Core *c, PyObject *const *args, Py_ssize_t 
     }
     PyObject *error_type, *error_value, *error_traceback;
     PyErr_Fetch(&error_type, &error_value, &error_traceback);
-    if (emit(c, T_SLOTS_ALLOCATED, "qqqqqdqbbqb", req, num_new, num_computed, num_new_computed,
-             lookahead, 0, num_tokens, success == 1, must_fit, reserved, has_scheduled)) {
+    if (emit(c, T_SLOTS_ALLOCATED, "qqqqqdqbbqbq", req, num_new, num_computed,
+             num_new_computed, lookahead, 0, num_tokens, success == 1, must_fit, reserved,
+             has_scheduled, r->num_in_flight)) {
         Py_XDECREF(error_type); Py_XDECREF(error_value); Py_XDECREF(error_traceback);
         return NULL;
     }
@@ -2002,19 +2011,43 @@ static PyObject *Core_end_schedule(Core *c, PyObject *unused) {
     return Core_flushed(c, Py_None);
 }
 
+/* The request and the count a method's two arguments ``names`` give (both required); NULL on
+   error. */
+static Request *request_and_count(Core *c, const char *function, const char *const *names,
+                                  PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames,
+                                  i64 *count) {
+    PyObject *values[2];
+    i64 req;
+    if (parse_args(function, args, nargs, kwnames, names, 2, 2, values)
+        || as_i64(values[0], &req) || as_i64(values[1], count))
+        return NULL;
+    return find_request(c, req);
+}
+
 static PyObject *Core_advance(Core *c, PyObject *const *args, Py_ssize_t nargs,
                               PyObject *kwnames) {
     static const char *const names[] = {"req", "num_tokens"};
-    PyObject *values[2];
-    i64 req, count;
-    if (parse_args("advance", args, nargs, kwnames, names, 2, 2, values)
-        || as_i64(values[0], &req) || as_i64(values[1], &count))
-        return NULL;
-    Request *r = find_request(c, req);
+    i64 count;
+    Request *r = request_and_count(c, "advance", names, args, nargs, kwnames, &count);
     if (!r) return NULL;
     r->num_computed += count;
     if (r->num_computed >= r->num_tokens && append_tokens(c, r, 1)) return NULL;
     Py_RETURN_NONE;
+}
+
+/* KVCacheManager.cache_blocks called by the scheduler itself (async scheduling): the input
+   record, after the hash units the request completed, then the coordinator's caching. */
+static PyObject *Core_cache_blocks(Core *c, PyObject *const *args, Py_ssize_t nargs,
+                                   PyObject *kwnames) {
+    static const char *const names[] = {"req", "num_tokens_to_cache"};
+    i64 num_tokens;
+    Request *r = request_and_count(c, "cache_blocks", names, args, nargs, kwnames, &num_tokens);
+    if (!r || report_request(c, r)
+        || emit(c, T_BLOCKS_CACHED, "qqqq", r->req, num_tokens, r->num_computed, r->num_tokens)
+        || cache_coordinator_blocks(c, r, num_tokens))
+        return NULL;
+    Py_INCREF(Py_None);
+    return Core_flushed(c, Py_None);
 }
 
 /* status: the FinishStatus member's configured index, for RequestFinished. */
@@ -2066,16 +2099,18 @@ static PyObject *Core_num_free_blocks(Core *c, PyObject *unused) {
 
 static PyObject *Core_sync_request(Core *c, PyObject *const *args, Py_ssize_t nargs,
                                    PyObject *kwnames) {
-    static const char *const names[] = {"req", "num_computed_tokens", "num_tokens"};
-    PyObject *values[3];
-    i64 req, num_computed, num_tokens;
-    if (parse_args("sync_request", args, nargs, kwnames, names, 3, 3, values)
+    static const char *const names[] = {"req", "num_computed_tokens", "num_tokens",
+                                        "num_in_flight_tokens"};
+    PyObject *values[4];
+    i64 req, num_computed, num_tokens, num_in_flight = 0;
+    if (parse_args("sync_request", args, nargs, kwnames, names, 4, 3, values)
         || as_i64(values[0], &req) || as_i64(values[1], &num_computed)
-        || as_i64(values[2], &num_tokens))
+        || as_i64(values[2], &num_tokens) || (values[3] && as_i64(values[3], &num_in_flight)))
         return NULL;
     Request *r = find_request(c, req);
     if (!r) return NULL;
     r->num_computed = num_computed;
+    r->num_in_flight = num_in_flight;
     i64 missing = num_tokens - r->num_tokens;
     if (missing < 0) {
         set_kvtrace_error("The trace's inputs are inconsistent; was it edited?",
@@ -2192,6 +2227,7 @@ static PyMethodDef Core_methods[] = {
     {"allocate_slots", FAST(Core_allocate_slots), NULL},
     {"end_schedule", (PyCFunction)Core_end_schedule, METH_NOARGS, NULL},
     {"advance", FAST(Core_advance), NULL},
+    {"cache_blocks", FAST(Core_cache_blocks), NULL},
     {"free", FAST(Core_free), NULL},
     {"preempt", FAST(Core_preempt), NULL},
     {"num_free_blocks", (PyCFunction)Core_num_free_blocks, METH_NOARGS, NULL},

@@ -53,14 +53,17 @@ static int restore_each(Core *c, PyObject *items, int (*restore_one)(Core *, PyO
 }
 
 /* (req, prompt_len, max_tokens, known hash ids, num_hashes, num_tokens, num_computed_tokens,
-   shared_prefix_boundary, never admitted): a request in flight, its hash units reported up
-   to num_hashes (their prefix lengths known); counting, an arrival if it was never admitted. */
+   shared_prefix_boundary, num_in_flight_tokens, never admitted): a request in flight, its hash
+   units reported up to num_hashes (their prefix lengths known); counting, an arrival if it was
+   never admitted. */
 static int restore_request(Core *c, PyObject *item) {
     long long req, prompt_len, max_tokens, num_hashes, num_tokens, num_computed, junction;
+    long long num_in_flight;
     PyObject *hash_ids;
     int never_admitted;
-    if (!PyArg_ParseTuple(item, "LLLOLLLLp", &req, &prompt_len, &max_tokens, &hash_ids,
-                          &num_hashes, &num_tokens, &num_computed, &junction, &never_admitted))
+    if (!PyArg_ParseTuple(item, "LLLOLLLLLp", &req, &prompt_len, &max_tokens, &hash_ids,
+                          &num_hashes, &num_tokens, &num_computed, &junction, &num_in_flight,
+                          &never_admitted))
         return -1;
     if (map_find(&c->request_slots, req) >= 0)
         return snapshot_error("the start snapshot lists request %lld twice", req);
@@ -73,6 +76,7 @@ static int restore_request(Core *c, PyObject *item) {
     r->num_hashes = r->num_reported = num_hashes;
     r->num_computed = num_computed;
     r->junction = junction;
+    r->num_in_flight = num_in_flight;
     if (set_depths(c, r, 0, num_hashes)) return -1;
     if (!c->counting) return 0;
     return never_admitted ? tally_arrival(&c->tally, req, prompt_len)

@@ -4,9 +4,10 @@ Both twins of the model - pure Python (the reference) and its optional C core - 
 vLLM. Differential, libCacheSim-style: seeded schedules drawn from the synth presets over varied
 engines (geometry, Mamba groups, checkpoint settings, retention 0 / N / dense, pool pressure,
 preemption, caching off, every variant) are replayed on both backends by the same scheduler
-model, and the record streams must be equal record for record; a mismatch reports the first
-divergence with the records before it. Lockstep re-issues of the vLLM streams must agree too,
-and so must the bundled Mooncake trace in full (slow). Then hand-computed checks of the block
+model, synchronously and with vLLM's async scheduling (outputs a step late: tokens in flight,
+``cache_blocks`` calls), and the record streams must be equal record for record; a mismatch
+reports the first divergence with the records before it. Lockstep re-issues of the vLLM streams
+must agree too, and so must the bundled Mooncake trace in full (slow). Then hand-computed checks of the block
 pool (free-queue LRU order, eviction, the null block, reference counts) and of the seed's
 checkpoint scenario on the model alone.
 """
@@ -21,6 +22,7 @@ from collections import Counter
 from functools import lru_cache
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from kvtrace.engine_config import SchedulerSettings
@@ -35,10 +37,11 @@ from kvtrace.events import (
     EngineConfig,
     KVCacheGroup,
     RemoveReason,
+    SlotsAllocated,
     StaleKeyLeft,
     StoreKind,
 )
-from kvtrace.replay.backend import open_backend
+from kvtrace.replay.backend import open_backend, open_counting_backend
 from kvtrace.replay.lockstep import replay_lockstep
 from kvtrace.replay.model import ModelBackend, NativeModelBackend, native, open_model_backend
 from kvtrace.replay.model.pool import BlockPool
@@ -53,6 +56,8 @@ from vllm_support import (  # noqa: F401 (vllm_backend_class is a fixture)
     vllm_backend_class)
 
 NUM_CASES = 208
+# Every seeded schedule runs under both of vLLM's schedulers: "async" is the AsyncScheduler.
+SCHEDULINGS = ("sync", "async")
 # The model's twins: the reference in Python, and the C core where it is built.
 TWINS = {"python": ModelBackend, **({"native": NativeModelBackend} if native.built else {})}
 # (hash unit, full-attention block sizes, Mamba block size or None): the old test geometries,
@@ -72,8 +77,9 @@ PRESET_OVERRIDES = {
 }
 
 
-def schedule_case(seed: int) -> tuple[EngineConfig, str, list[Arrival]]:
-    """A small seeded schedule: preset, engine and variant all drawn from ``seed``."""
+def schedule_case(seed: int, scheduling: str = "sync") -> tuple[EngineConfig, str, list[Arrival]]:
+    """A small seeded schedule: preset, engine and variant all drawn from ``seed``; the engine
+    schedules as ``scheduling`` says (``SCHEDULINGS``)."""
     rng = random.Random(seed)
     preset = list(PRESET_OVERRIDES)[seed % 3]
     variant = MODELLED_VARIANTS[seed // 3 % len(MODELLED_VARIANTS)]
@@ -104,7 +110,7 @@ def schedule_case(seed: int) -> tuple[EngineConfig, str, list[Arrival]]:
         + rng.choice([0, scheduler_block]),
         max_num_batched_tokens=rng.choice([64, 128, 256, 512]),
         max_num_seqs=rng.choice([2, 4, 8]), long_prefill_token_threshold=rng.choice([0, 0, 96]),
-        reserve_full_sequence=rng.random() < 0.5)
+        reserve_full_sequence=rng.random() < 0.5, async_scheduling=scheduling == "async")
     arrivals = [Arrival(req, r.prompt_len, r.hash_ids, r.max_tokens, r.arrival_ns,
                         r.output_hash_ids or None) for req, r in enumerate(workload.requests)]
     return config, variant, arrivals
@@ -144,26 +150,28 @@ def first_divergence(reference: list, replayed: list, context: int = 8) -> str |
 
 
 @lru_cache(maxsize=None)
-def vllm_stream(seed: int) -> tuple:
-    config, variant, arrivals = schedule_case(seed)
+def vllm_stream(seed: int, scheduling: str = "sync") -> tuple:
+    config, variant, arrivals = schedule_case(seed, scheduling)
     return tuple(reschedule("vllm", config, variant, arrivals))
 
 
+@pytest.mark.parametrize("scheduling", SCHEDULINGS)
 @pytest.mark.parametrize("seed", range(NUM_CASES))
-def test_both_backends_write_the_same_records(vllm_backend_class, seed):
-    config, variant, arrivals = schedule_case(seed)
-    reference = list(vllm_stream(seed))
+def test_both_backends_write_the_same_records(vllm_backend_class, seed, scheduling):
+    config, variant, arrivals = schedule_case(seed, scheduling)
+    reference = list(vllm_stream(seed, scheduling))
     for twin in TWINS:
         divergence = first_divergence(reference, reschedule(twin, config, variant, arrivals))
         assert divergence is None, f"{twin} twin, seed {seed}, {variant}, {config}:\n{divergence}"
 
 
+@pytest.mark.parametrize("scheduling", SCHEDULINGS)
 @pytest.mark.parametrize("seed", range(0, NUM_CASES, 8))
-def test_lockstep_reissues_agree(vllm_backend_class, seed):
-    """Lockstep (sync_request, captured admission terms, released copy-on-write blocks) on a
-    vLLM stream: both backends reproduce it exactly."""
-    config, variant, _ = schedule_case(seed)
-    captured = [r for r in vllm_stream(seed) if not isinstance(r, tuple)]
+def test_lockstep_reissues_agree(vllm_backend_class, seed, scheduling):
+    """Lockstep (sync_request with tokens in flight, captured admission terms, cache_blocks,
+    released copy-on-write blocks) on a vLLM stream: both backends reproduce it exactly."""
+    config, variant, _ = schedule_case(seed, scheduling)
+    captured = [r for r in vllm_stream(seed, scheduling) if not isinstance(r, tuple)]
     for backend in ["vllm", *TWINS]:
         replayed: list = []
         with open_cache(backend, config, variant, replayed.append) as cache:
@@ -231,10 +239,11 @@ def summaries_both_ways(twin: str, config: EngineConfig, variant: str, drive) ->
 
 
 @lru_cache(maxsize=None)
-def counted_figures(case: int | tuple) -> dict:
-    """Per twin, ``summaries_both_ways`` of a seeded schedule or a direct case."""
+def counted_figures(case: int | tuple, scheduling: str = "sync") -> dict:
+    """Per twin, ``summaries_both_ways`` of a seeded schedule (under ``scheduling``) or a
+    direct case."""
     if isinstance(case, int):
-        config, variant, arrivals = schedule_case(case)
+        config, variant, arrivals = schedule_case(case, scheduling)
 
         def drive(cache):
             Scheduler(cache, config, SchedulerSettings.from_config(config)).run(arrivals)
@@ -250,15 +259,16 @@ def counted_figures(case: int | tuple) -> dict:
     return {twin: summaries_both_ways(twin, config, variant, drive) for twin in TWINS}
 
 
-COUNTING_CASES = [*range(NUM_CASES), *DIRECT_CASES]
+COUNTING_CASES = [*((seed, scheduling) for scheduling in SCHEDULINGS for seed in range(NUM_CASES)),
+                  *((case, "sync") for case in DIRECT_CASES)]
 
 
-@pytest.mark.parametrize("case", COUNTING_CASES)
-def test_counting_twins_sum_up_as_their_records_do(case):
+@pytest.mark.parametrize("case,scheduling", COUNTING_CASES)
+def test_counting_twins_sum_up_as_their_records_do(case, scheduling):
     """Summary-only replays: each twin, making no record, counts what ``ReplaySummary`` counts
     over its full record stream."""
-    for twin, (from_records, counted) in counted_figures(case).items():
-        assert counted == from_records, f"{twin} twin, case {case}"
+    for twin, (from_records, counted) in counted_figures(case, scheduling).items():
+        assert counted == from_records, f"{twin} twin, case {case}, {scheduling}"
 
 
 def test_the_counted_figures_are_not_trivial():
@@ -266,7 +276,7 @@ def test_the_counted_figures_are_not_trivial():
     (resumed hits, each removal reason and store kind, hits in every kind of group...)."""
     seen: Counter = Counter()
     for case in COUNTING_CASES:
-        figures = counted_figures(case)["python"][0]
+        figures = counted_figures(*case)["python"][0]
         if isinstance(figures, tuple):
             continue
         for name in ("hit_tokens", "resumed_hit_tokens", "checkpoints_published",
@@ -287,9 +297,12 @@ def test_the_counted_figures_are_not_trivial():
 
 
 def record_name(record) -> str:
-    """A record's kind, with the reason / store kind where those matter."""
+    """A record's kind, with the reason / store kind where those matter, and whether an
+    allocation's request had tokens in flight."""
     if isinstance(record, tuple):
         return "error"
+    if isinstance(record, SlotsAllocated) and record.num_in_flight_tokens:
+        return "SlotsAllocated.IN_FLIGHT"
     if isinstance(record, BlockRemoved):
         return f"BlockRemoved.{RemoveReason(record.reason).name}"
     if isinstance(record, BlockStored):
@@ -307,16 +320,19 @@ def test_the_cases_exercise_what_the_caches_must_agree_on(vllm_backend_class):
         retentions.add("dense" if config.retention_interval is None
                        else "0" if config.retention_interval == 0 else "N")
         group_counts.add(len(config.kv_cache_groups))
-        seen.update(map(record_name, vllm_stream(seed)))
+        for scheduling in SCHEDULINGS:
+            seen.update(map(record_name, vllm_stream(seed, scheduling)))
     assert variants == set(MODELLED_VARIANTS) and retentions == {"dense", "0", "N"}
     assert {1, 2, 3, 4} <= group_counts
-    assert seen["error"] < NUM_CASES // 20  # a pool too small to admit a request is rare
+    # a pool too small to admit a request is rare
+    assert seen["error"] < len(SCHEDULINGS) * NUM_CASES // 20
     for case in DIRECT_CASES:
         seen.update(map(record_name, direct_stream("vllm", *case)))
     for name in ("RequestPreempted", "BlocksReleased", "BlockTouched", "BoundaryStateOffloaded",
                  "CheckpointRecorded", "CheckpointSuppressed", "StaleKeyLeft",
                  "BlockRemoved.LRU_REUSE", "BlockRemoved.REKEY", "BlockRemoved.STALE_CHECKPOINT",
-                 "BlockStored.FULL", "BlockStored.PARTIAL", "BlockStored.CHECKPOINT"):
+                 "BlockStored.FULL", "BlockStored.PARTIAL", "BlockStored.CHECKPOINT",
+                 "BlocksCached", "SlotsAllocated.IN_FLIGHT"):
         assert seen[name] > 0, (name, seen)
 
 
@@ -497,9 +513,14 @@ def test_inconsistent_calls_are_refused_alike(vllm_backend_class, backend):
 
 
 def test_the_registered_model_backend_is_the_c_twin_where_built(monkeypatch):
+    """For an async engine too, counting and writing alike."""
     config = seed_config(0)
     expected = NativeModelBackend if native.built else ModelBackend
     assert type(open_backend("model", config, "fixed", print)) is expected
+    async_config = msgspec.structs.replace(config, async_scheduling=True)
+    assert type(open_backend("model", async_config, "fixed", print)) is expected
+    assert type(open_counting_backend("model", async_config, "fixed",
+                                      ReplaySummary(async_config))) is expected
     monkeypatch.setattr(native, "core", None)  # KVTRACE_NATIVE=0
     assert type(open_model_backend(config, "fixed", print)) is ModelBackend
 

@@ -4,8 +4,10 @@ against its pure-Python twin and vLLM's own cache (the ``vllm`` backend).
 Captures armed mid-flight on vLLM 0.33's own ``Scheduler`` and ``KVCacheManager`` (``kvtrace
 engine``'s, in-process, as ``test_snapshot.py`` makes them), on four geometries (four and seven
 KV-cache groups, a pool under pressure, a hash unit finer than the Mamba block, dense
-retention), each under another engine variant. From each snapshot, with requests in flight
-running and waiting (preempted ones among them), the three caches must report the same
+retention), each under another engine variant; three of them again on vLLM's
+``AsyncScheduler`` (``kvtrace engine --async-scheduling``: the snapshot holds a step in flight,
+its requests' tokens in flight and output placeholders). From each snapshot, with requests in
+flight running and waiting (preempted ones among them), the three caches must report the same
 records, record for record:
 
 * rescheduled by the scheduler model, under every modelled variant;
@@ -31,7 +33,8 @@ from test_model_backend import TWINS, first_divergence
 from test_snapshot import capture_steps, serving
 
 from kvtrace.engine.core import EngineOptions, load_workload
-from kvtrace.engine_config import derive
+from kvtrace.engine_config import Overrides, derive
+from kvtrace.events import BlocksCached
 from kvtrace.replay.backend import open_backend, started
 from kvtrace.replay.lockstep import replay_lockstep
 from kvtrace.replay.model import NativeModelBackend, native
@@ -59,7 +62,7 @@ def _holds_producer_tail_and_preempted(engine) -> bool:
 
 
 # name: (model, EngineShape overrides, the engine's variant, what must hold at the arm)
-CAPTURES = {
+SYNC_CAPTURES = {
     "nemotron-h-8b": ("nemotron-h-8b", {}, "unfixed", None),
     "qwen3-next-small-pool": ("qwen3-next-80b-a3b", {"num_gpu_blocks": 120}, "fixed", None),
     "kimi-linear-fine-hash": ("kimi-linear-48b-a3b",
@@ -67,6 +70,9 @@ CAPTURES = {
                               _holds_producer_tail_and_preempted),
     "kimi-k3-dense-retention": ("kimi-k3", {"retention_interval": None}, "upstream", None),
 }
+# The same engines on vLLM's AsyncScheduler (the engine core's batch queue): "NAME-async".
+ASYNC_CAPTURES = ("nemotron-h-8b", "qwen3-next-small-pool", "kimi-linear-fine-hash")
+CAPTURES = {**SYNC_CAPTURES, **{f"{name}-async": SYNC_CAPTURES[name] for name in ASYNC_CAPTURES}}
 
 
 @dataclass(frozen=True)
@@ -90,7 +96,9 @@ def capture(name: str, directory: Path) -> Capture:
     shape = EngineShape(model=model, **overrides)
     workload_path = directory / f"{name}.workload.kvtrace"
     write_workload(workload_path, synthesize("documents", 60, 0, shape.hash_block_size), shape)
-    engine = serving(load_workload(EngineOptions(str(workload_path), variant=variant)),
+    scheduling = Overrides(async_scheduling=name.endswith("-async"))
+    engine = serving(load_workload(EngineOptions(str(workload_path), variant=variant,
+                                                 overrides=scheduling)),
                      ARM_AFTER, variant)
     while ready is not None and not ready(engine):
         engine.step()
@@ -146,12 +154,19 @@ def test_the_captures_hold_what_a_restore_must_carry(captures):
     """Between them, the snapshots hold everything the C core restores: requests running and
     waiting, preempted ones in both queues, every per-request field a manager keeps between
     steps, keys held by several blocks and keys beside a block's primary one, up to seven
-    KV-cache groups."""
+    KV-cache groups; an async engine's step in flight (decode tokens and a prefill chunk in
+    flight), whose capture goes on with ``cache_blocks`` calls."""
     statuses, fields, groups = set(), set(), set()
     num_shared_keys = num_secondary_keys = 0
+    in_flight = []
     for name in CAPTURES:
         snapshot = captures(name).snapshot
         assert snapshot.running() and snapshot.waiting(), name
+        assert captures(name).config.async_scheduling == name.endswith("-async")
+        if name.endswith("-async"):
+            assert any(isinstance(r, BlocksCached) for r in captures(name).captured), name
+            assert any(r.num_in_flight_tokens for r in snapshot.requests), name
+        in_flight += [r.num_in_flight_tokens for r in snapshot.requests]
         statuses |= {(r.status, r.num_preemptions > 0) for r in snapshot.requests}
         fields |= {field for table in snapshot.request_blocks for field in table.fields}
         groups.add(len(captures(name).config.kv_cache_groups))
@@ -165,14 +180,16 @@ def test_the_captures_hold_what_a_restore_must_carry(captures):
             "_allocated_block_reqs", "_producer_partial_tail_reqs"} <= fields
     assert groups == {4, 7}
     assert num_shared_keys and num_secondary_keys
+    assert 1 in in_flight and max(in_flight) > 1  # a decode token and a prefill chunk
 
 
-@pytest.mark.parametrize("name", ["nemotron-h-8b", "kimi-linear-fine-hash"])
+@pytest.mark.parametrize("name", ["nemotron-h-8b", "kimi-linear-fine-hash",
+                                  "nemotron-h-8b-async", "kimi-linear-fine-hash-async"])
 def test_replays_that_count_or_write_start_from_the_snapshot_alike(captures, tmp_path,
                                                                    monkeypatch, name):
-    """``kvtrace replay`` on the model backend takes the C core from a snapshot, and its
-    summaries (counted in C, no record made) and written traces (batches encoded in C) are the
-    vllm backend's and the Python twin's."""
+    """``kvtrace replay`` on the model backend takes the C core from a snapshot (an async
+    engine's too, its step in flight), and its summaries (counted in C, no record made) and
+    written traces (batches encoded in C) are the vllm backend's and the Python twin's."""
     case = captures(name)
     assert type(open_backend("model", case.config, "fixed", print, case.snapshot)) \
         is NativeModelBackend

@@ -5,6 +5,10 @@ process-wide capture's probes) and through the model over the same real cache (`
 with its own probes). Every call the two make on the cache, in order, and every effect must be
 the same record. Step records are left out: vLLM also runs a step that only reports finished
 requests, which schedules nothing and touches no block.
+
+On the same async workloads, the model backend's twins (its C core and the pure-Python
+reference) driven by the scheduler model make the ``vllm`` backend's records, record for record,
+and count its summary without making records.
 """
 
 from __future__ import annotations
@@ -14,11 +18,24 @@ import dataclasses
 import pytest
 from msgspec.structs import replace
 
-from kvtrace.events import HashInterner, RequestArrived, SlotsAllocated, StepStarted
+from test_model_backend import TWINS, first_divergence, reschedule, summaries_both_ways
+
+from kvtrace.engine_config import SchedulerSettings
+from kvtrace.events import BlocksCached, HashInterner, RequestArrived, SlotsAllocated, StepStarted
+from kvtrace.replay.run import ReplaySummary
 from kvtrace.replay.scheduler import Scheduler
 from kvtrace.workloads.workload import EngineShape, write_workload
 from kvtrace.workloads.synth import synthesize
 from third_party_data import MOONCAKE_SYNTHETIC
+
+# (preset, requests, pool blocks or None for the preset's, whole-sequence admission)
+SYNTH_CASES = [
+    ("shared-prompt", 60, None, True),
+    ("shared-prompt", 60, 30, True),  # tight: preemptions, admissions the whole prompt must fit
+    ("shared-prompt", 60, 30, False),  # scheduler_reserve_full_isl off: admission by chunk
+    ("chat", 60, 22, True),
+    ("agent", 60, None, True),
+]
 
 
 def through_vllm(workload) -> list:
@@ -66,20 +83,10 @@ def assert_same_schedule(workload) -> list:
     return expected
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
-@pytest.mark.parametrize("preset, num_requests, num_gpu_blocks, reserve_full_sequence", [
-    ("shared-prompt", 60, None, True),
-    ("shared-prompt", 60, 30, True),  # tight: preemptions, admissions the whole prompt must fit
-    ("shared-prompt", 60, 30, False),  # scheduler_reserve_full_isl off: admission by chunk
-    ("chat", 60, 22, True),
-    ("agent", 60, None, True),
-])
-def test_the_model_schedules_exactly_as_vllm(tmp_path, preset, num_requests, num_gpu_blocks,
-                                             reserve_full_sequence, async_scheduling):
-    """Synchronously (vLLM's ``Scheduler``), and async (``AsyncScheduler`` with the engine
-    core's batch queue: outputs a step late, blocks cached by ``update_from_output``)."""
-    from kvtrace.engine_config import SchedulerSettings
+def synth_workload(tmp_path, preset, num_requests, num_gpu_blocks, reserve_full_sequence,
+                   async_scheduling):
+    """A ``SYNTH_CASES`` workload as ``kvtrace engine`` loads it, under vLLM's ``Scheduler`` or
+    ``AsyncScheduler``."""
     from kvtrace.engine.core import EngineOptions, load_workload
 
     path = tmp_path / "workload.kvtrace"
@@ -88,21 +95,13 @@ def test_the_model_schedules_exactly_as_vllm(tmp_path, preset, num_requests, num
     workload = load_workload(EngineOptions(str(path), variant="unfixed", speed=0))
     config = replace(workload.config, reserve_full_sequence=reserve_full_sequence,
                      async_scheduling=async_scheduling)
-    workload = dataclasses.replace(workload, config=config,
-                                   settings=SchedulerSettings.from_config(config))
-
-    kinds = {type(r).__name__ for r in assert_same_schedule(workload)}
-    assert {"SlotsAllocated", "ComputedBlocksFound", "BlockStored", "CheckpointRecorded"} <= kinds
-    if num_gpu_blocks is not None:
-        assert "RequestPreempted" in kinds
-    assert ("BlocksCached" in kinds) == async_scheduling
+    return dataclasses.replace(workload, config=config,
+                               settings=SchedulerSettings.from_config(config))
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
-def test_the_model_schedules_the_mooncake_trace_exactly_as_vllm(tmp_path, async_scheduling):
-    """A real request log's first 400 requests, imported with default settings: long prompts,
-    no output units named (decode makes hash ids up), many shared prefixes."""
+def mooncake_workload(tmp_path, async_scheduling):
+    """The Mooncake trace's first 400 requests, imported with default settings but a 128-token
+    hash unit, as ``kvtrace engine`` loads them."""
     from click.testing import CliRunner
 
     from kvtrace.cli import cli
@@ -117,7 +116,69 @@ def test_the_model_schedules_the_mooncake_trace_exactly_as_vllm(tmp_path, async_
                                 catch_exceptions=False)
     assert result.exit_code == 0, result.output
     workload = load_workload(EngineOptions(str(path), variant="unfixed", speed=0))
-    workload = dataclasses.replace(workload, config=replace(workload.config,
-                                                            async_scheduling=async_scheduling))
-    records = assert_same_schedule(workload)
+    return dataclasses.replace(workload, config=replace(workload.config,
+                                                        async_scheduling=async_scheduling))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+@pytest.mark.parametrize("preset, num_requests, num_gpu_blocks, reserve_full_sequence",
+                         SYNTH_CASES)
+def test_the_model_schedules_exactly_as_vllm(tmp_path, preset, num_requests, num_gpu_blocks,
+                                             reserve_full_sequence, async_scheduling):
+    """Synchronously (vLLM's ``Scheduler``), and async (``AsyncScheduler`` with the engine
+    core's batch queue: outputs a step late, blocks cached by ``update_from_output``)."""
+    workload = synth_workload(tmp_path, preset, num_requests, num_gpu_blocks,
+                              reserve_full_sequence, async_scheduling)
+    kinds = {type(r).__name__ for r in assert_same_schedule(workload)}
+    assert {"SlotsAllocated", "ComputedBlocksFound", "BlockStored", "CheckpointRecorded"} <= kinds
+    if num_gpu_blocks is not None:
+        assert "RequestPreempted" in kinds
+    assert ("BlocksCached" in kinds) == async_scheduling
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_the_model_schedules_the_mooncake_trace_exactly_as_vllm(tmp_path, async_scheduling):
+    """A real request log's first 400 requests, imported with default settings: long prompts,
+    no output units named (decode makes hash ids up), many shared prefixes."""
+    records = assert_same_schedule(mooncake_workload(tmp_path, async_scheduling))
     assert sum(type(r).__name__ == "BlockTouched" for r in records) > 300  # prefix hits
+
+
+def assert_twins_cache_as_vllm(workload) -> None:
+    """The scheduler model on ``workload`` (an async one): each twin of the model backend makes
+    the ``vllm`` backend's records, record for record, tokens in flight and ``cache_blocks``
+    calls included; and each, counting without records, the summary of those records."""
+    config, arrivals = workload.config, list(workload.arrivals)
+    reference = reschedule("vllm", config, "unfixed", arrivals)  # an error ends it as a tuple
+    assert not any(isinstance(r, tuple) for r in reference), reference[-1]
+    assert any(isinstance(r, BlocksCached) for r in reference)
+    assert any(isinstance(r, SlotsAllocated) and r.num_in_flight_tokens for r in reference)
+    summary = ReplaySummary(config)
+    for record in reference:
+        summary(record)
+
+    def drive(cache):
+        Scheduler(cache, config, SchedulerSettings.from_config(config)).run(arrivals)
+
+    for twin in TWINS:
+        divergence = first_divergence(reference, reschedule(twin, config, "unfixed", arrivals))
+        assert divergence is None, f"{twin} twin:\n{divergence}"
+        from_records, counted = summaries_both_ways(twin, config, "unfixed", drive)
+        assert from_records == counted == summary.to_dict(), twin
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("preset, num_requests, num_gpu_blocks, reserve_full_sequence",
+                         SYNTH_CASES)
+def test_the_model_backends_twins_cache_async_schedules_as_vllm(
+        tmp_path, preset, num_requests, num_gpu_blocks, reserve_full_sequence):
+    """The async workloads above on the model backend's twins against the ``vllm`` backend."""
+    assert_twins_cache_as_vllm(synth_workload(tmp_path, preset, num_requests, num_gpu_blocks,
+                                              reserve_full_sequence, True))
+
+
+@pytest.mark.slow
+def test_the_model_backends_twins_cache_the_async_mooncake_schedule_as_vllm(tmp_path):
+    assert_twins_cache_as_vllm(mooncake_workload(tmp_path, True))

@@ -26,26 +26,22 @@ __all__ = ["ModelBackend", "NativeModelBackend", "open_counting_model_backend",
            "open_model_backend", "open_writing_model_backend"]
 
 
-def _twin(config: EngineConfig,
-          snapshot: StartSnapshot | None) -> type[ModelBackend] | type[NativeModelBackend]:
-    """The C twin where it is on (a start snapshot too: ``NativeModelBackend.restore``),
-    unless the engine scheduled asynchronously, or its snapshot holds a step in flight (tokens
-    in flight, ``cache_blocks`` calls): only the pure-Python twin can take those yet."""
-    in_flight = snapshot is not None and any(r.num_in_flight_tokens for r in snapshot.requests)
-    native_can = native.core is not None and not config.async_scheduling and not in_flight
-    return NativeModelBackend if native_can else ModelBackend
+def _twin() -> type[ModelBackend] | type[NativeModelBackend]:
+    """The C twin where it is on: for every engine, async scheduling included, and from a
+    start snapshot too (``NativeModelBackend.restore``), its step in flight included."""
+    return NativeModelBackend if native.core is not None else ModelBackend
 
 
 def open_model_backend(config: EngineConfig, variant: str, sink: RecordSink,
                        snapshot: StartSnapshot | None = None) -> CacheBackend:
     """The model backend on ``config`` under ``variant``: native when ``native.core`` is on."""
-    return started(_twin(config, snapshot)(config, variant, sink), snapshot)
+    return started(_twin()(config, variant, sink), snapshot)
 
 
 def open_counting_model_backend(config: EngineConfig, variant: str, summary: ReplaySummary,
                                 snapshot: StartSnapshot | None = None) -> CacheBackend:
     """The same twin, counting ``summary``'s figures itself (set on close), no record made."""
-    return started(_twin(config, snapshot)(config, variant, summary=summary), snapshot)
+    return started(_twin()(config, variant, summary=summary), snapshot)
 
 
 def open_writing_model_backend(config: EngineConfig, variant: str, writer: TraceWriter,
@@ -53,7 +49,7 @@ def open_writing_model_backend(config: EngineConfig, variant: str, writer: Trace
                                snapshot: StartSnapshot | None = None) -> CacheBackend:
     """The same twin, its records written to ``writer`` and counted into ``summary``: by the C
     core as column batches, no record made in Python; by the Python twin, record by record."""
-    if _twin(config, snapshot) is NativeModelBackend:
+    if _twin() is NativeModelBackend:
         return started(NativeModelBackend(config, variant, summary=summary, writer=writer),
                        snapshot)
     return started(ModelBackend(config, variant,

@@ -131,24 +131,17 @@ if built is not None:
             check_release(block_ids, self.num_gpu_blocks, self._ref_count)
             self._release(block_ids)
 
-        def sync_request(self, req: int, num_computed_tokens: int, num_tokens: int,
-                         num_in_flight_tokens: int = 0) -> None:
-            if num_in_flight_tokens:
-                raise KvtraceError(
-                    f"request {req} has {num_in_flight_tokens} tokens in a step in flight "
-                    "(async scheduling), which the model's C twin does not keep",
-                    "Replay with KVTRACE_NATIVE=0 (the Python twin) or --backend vllm.")
-            super().sync_request(req, num_computed_tokens, num_tokens)
-
         def restore(self, snapshot: StartSnapshot) -> None:
             """As ``ModelBackend.restore``, in the core (``csrc/model_restore.c``): the
-            snapshot's records handed over as tuples, each request with its known hash ids and
-            whether it was ever admitted (what a counting core's figures start from)."""
+            snapshot's records handed over as tuples, each request with its known hash ids, its
+            tokens in a step in flight and whether it was ever admitted (what a counting core's
+            figures start from)."""
             astuple = msgspec.structs.astuple
             self._restore(
                 [(state.req, state.prompt_len, max(1, state.max_tokens),
                   snapshot.known_hash_ids(state), len(state.hash_ids), state.num_tokens,
                   state.num_computed_tokens, state.shared_prefix_boundary,
+                  state.num_in_flight_tokens,
                   never_admitted(state.status, state.num_preemptions))
                  for state in snapshot.requests],
                 [astuple(block) for block in snapshot.blocks],
