@@ -61,6 +61,8 @@ class SchedulerSettings:
     # The clock counts steps, every one (a capture's arrivals on its own step numbers,
     # ``captured.StepClock``), instead of time.
     step_clock: bool = False
+    # A drafting engine's verifier: the chance it accepts each draft token in turn.
+    draft_acceptance: float = 0.7
 
     @classmethod
     def from_config(cls, config: EngineConfig, **overrides: int | None) -> SchedulerSettings:

@@ -182,3 +182,36 @@ def test_the_model_backends_twins_cache_async_schedules_as_vllm(
 @pytest.mark.slow
 def test_the_model_backends_twins_cache_the_async_mooncake_schedule_as_vllm(tmp_path):
     assert_twins_cache_as_vllm(mooncake_workload(tmp_path, True))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("preset, num_gpu_blocks, async_scheduling", [
+    ("shared-prompt", 30, False),  # tight: preemptions
+    ("shared-prompt", 30, True),
+    ("chat", 26, True),
+    ("agent", None, False),
+])
+def test_the_model_drafts_and_verifies_as_vllm(tmp_path, preset, num_gpu_blocks,
+                                               async_scheduling):
+    """Speculative decoding: two draft tokens a decode step, each accepted in turn with
+    probability 0.7 (``accepted_drafts``, the one draw ``kvtrace engine`` answers vLLM's
+    scheduler with). The model schedules the drafts (and pads an admitted one-token decode
+    with them), rolls back the rejected ones, appends the accepted ones, caches the verified
+    tokens' blocks as ``update_from_output`` does, and proposes the next drafts
+    (synchronously) or keeps their placeholders (async): the same records as vLLM's."""
+    from kvtrace.engine_config import SchedulerSettings
+    from kvtrace.engine.core import EngineOptions, load_workload
+
+    path = tmp_path / "workload.kvtrace"
+    shape = EngineShape(num_gpu_blocks=num_gpu_blocks)
+    write_workload(path, synthesize(preset, 60, 0, shape.hash_block_size), shape)
+    workload = load_workload(EngineOptions(str(path), variant="unfixed", speed=0))
+    config = replace(workload.config, async_scheduling=async_scheduling,
+                     num_speculative_tokens=2)
+    workload = dataclasses.replace(workload, config=config,
+                                   settings=SchedulerSettings.from_config(config))
+    records = assert_same_schedule(workload)
+    decodes = [r.num_new_tokens for r in records if isinstance(r, SlotsAllocated)
+               and r.num_computed_tokens >= r.num_tokens - 1]
+    assert decodes.count(3) > 100, "decode steps carry their two drafts"
+    assert sum(isinstance(r, BlocksCached) for r in records) > 100

@@ -33,11 +33,11 @@ cache (``tests/test_scheduler_vs_vllm.py``), so its figures for a workload equal
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
 import math
 import os
 import queue
-import random
 import signal
 import sys
 import threading
@@ -52,7 +52,7 @@ from kvtrace.engine_config import (Overrides, SchedulerSettings, check_fits_mode
 from kvtrace.errors import ConfigError, KvtraceError
 from kvtrace.events import EngineConfig
 from kvtrace.replay.run import CAPTURED_VARIANT
-from kvtrace.replay.scheduler import ASYNC_BATCHES, Arrival, arrivals_of
+from kvtrace.replay.scheduler import ASYNC_BATCHES, Arrival, accepted_drafts, arrivals_of
 from kvtrace.replay.variants import get_variant
 from kvtrace.replay.vllm_backend import (UNLIMITED_MODEL_LEN, MadeUpHashIds, kv_cache_config_of,
                                           new_request)
@@ -63,7 +63,6 @@ from kvtrace.vllm_releases import running_vllm_version
 ENGINE_CORE_PROCESS_NAME = "EngineCore"
 START, QUIT = "start", "quit"
 ENGINE_MODEL_DIR = Path(__file__).with_name("engine_model")
-DEFAULT_DRAFT_ACCEPTANCE = 0.7
 END_OF_INPUT = "end of input"  # queued by the stdin reader at EOF: stop, as for quit
 COMMAND_LINE_BYTES = 4096  # the longest command line read whole
 
@@ -81,7 +80,7 @@ class EngineOptions:
     speed: float = 1.0  # virtual seconds per wall second; 0: as fast as possible
     # With drafts (--num-speculative-tokens): the chance the verifier accepts each draft token,
     # in order (a rejected one ends the step's accepted run).
-    draft_acceptance: float = DEFAULT_DRAFT_ACCEPTANCE
+    draft_acceptance: float = SchedulerSettings.draft_acceptance
 
 
 @dataclass(frozen=True)
@@ -103,6 +102,7 @@ def load_workload(options: EngineOptions) -> EngineWorkload:
     get_variant(options.variant)
     reader = TraceReader(options.source)
     config, settings = derive(reader.header.config, options.source, options.overrides)
+    settings = dataclasses.replace(settings, draft_acceptance=options.draft_acceptance)
     arrivals = arrivals_of(reader.batches())  # in arrival order
     if not arrivals:
         raise KvtraceError(f"{options.source} has no requests (no request_arrived records)",
@@ -130,7 +130,7 @@ class VllmScheduler:
     last token; nothing for a chunk that ends inside the prompt (the runner discards it)."""
 
     def __init__(self, config: EngineConfig, settings: SchedulerSettings, variant: str,
-                 model: str = "", draft_acceptance: float = DEFAULT_DRAFT_ACCEPTANCE) -> None:
+                 model: str = "") -> None:
         """``model``: the name the engine serves as (vLLM's ``served_model_name``, which a
         capture records): the workload's model, whose geometry the cache has; without one,
         ``kvtrace-engine`` (never the bundled stand-in config's path)."""
@@ -141,7 +141,6 @@ class VllmScheduler:
         vllm_config = _vllm_config(config, settings, model)
         self.config = config
         self.settings = settings
-        self.draft_acceptance = draft_acceptance
         # Async: the engine core's batch queue, as many batches in flight as vLLM allows.
         self.in_flight: collections.deque | None = (
             collections.deque() if config.async_scheduling else None)
@@ -225,24 +224,14 @@ class VllmScheduler:
         requests = self.requests
         drafts = output.scheduled_spec_decode_tokens
         sampled = [[] if requests[req_id].is_prefill_chunk
-                   else [0] * (1 + self._accepted(requests[req_id], len(drafts.get(req_id, ()))))
+                   else [0] * (1 + accepted_drafts(req_id, requests[req_id].num_output_tokens,
+                                                   len(drafts.get(req_id, ())),
+                                                   self.settings.draft_acceptance))
                    for req_id in req_ids]
         self._check_admits(output)
         return output, ModelRunnerOutput(
             req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
             sampled_token_ids=sampled)
-
-    def _accepted(self, request: Any, num_drafts: int) -> int:
-        """How many of a decode step's ``num_drafts`` draft tokens the verifier accepts: each
-        with ``draft_acceptance``, up to the first rejected; drawn from the request and its
-        outputs so far, so that a rerun accepts alike."""
-        if not num_drafts:
-            return 0
-        draw = random.Random(f"{request.request_id}:{request.num_output_tokens}").random
-        accepted = 0
-        while accepted < num_drafts and draw() < self.draft_acceptance:
-            accepted += 1
-        return accepted
 
     def _update(self, output: Any, model_output: Any) -> None:
         """``update_from_output``: vLLM appends the tokens, finishes and frees; the figures.
@@ -325,7 +314,7 @@ class Engine:
         self.commands: queue.Queue[str] = queue.Queue()
         # Built before "ready": a config vLLM rejects fails the start, not the run.
         self.scheduler = VllmScheduler(workload.config, workload.settings, options.variant,
-                                       workload.model, options.draft_acceptance)
+                                       workload.model)
         self.summary: dict[str, Any] | None = None
         self.input_ended = False  # heard during a run
 

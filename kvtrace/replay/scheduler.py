@@ -44,6 +44,7 @@ orders arrivals against steps; it is not a latency model.
 from __future__ import annotations
 
 import dataclasses
+import random
 from array import array
 from collections import deque
 from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
@@ -58,6 +59,19 @@ from kvtrace.replay.backend import CacheBackend
 from kvtrace.traceio import RecordBatch
 
 ASYNC_BATCHES = 2  # VllmConfig.max_concurrent_batches with async scheduling, no pipeline
+
+
+def accepted_drafts(request_id: str, num_output_tokens: int, num_drafts: int,
+                    acceptance: float) -> int:
+    """How many of a decode step's ``num_drafts`` draft tokens the verifier accepts: each with
+    probability ``acceptance``, up to the first rejected; drawn from the request and its
+    outputs so far, so that ``kvtrace engine`` (which answers vLLM's scheduler with it) and the
+    scheduler model draw alike."""
+    draw = random.Random(f"{request_id}:{num_output_tokens}").random
+    accepted = 0
+    while accepted < num_drafts and draw() < acceptance:
+        accepted += 1
+    return accepted
 
 
 def mamba_checkpoint_position(num_tokens: int, unit: int, drop_eagle_block: bool) -> int:
@@ -232,7 +246,7 @@ class _Request:
 
     __slots__ = ("spec", "req", "num_computed_tokens", "num_output_tokens", "num_tokens",
                  "shared_prefix_boundary", "num_output_placeholders", "num_in_flight_tokens",
-                 "num_stale_output_tokens", "finished")
+                 "num_stale_output_tokens", "finished", "num_drafts", "is_prefill_chunk")
 
     def __init__(self, spec: Arrival) -> None:
         self.spec = spec
@@ -248,6 +262,10 @@ class _Request:
         self.num_in_flight_tokens = 0
         self.num_stale_output_tokens = 0
         self.finished = False
+        # Speculative decoding: the draft tokens it holds for its next decode step (vLLM's
+        # ``spec_token_ids``), and whether its last scheduled chunk left it prefilling.
+        self.num_drafts = 0
+        self.is_prefill_chunk = True
 
 
 @dataclass
@@ -281,6 +299,7 @@ class Scheduler:
         self.in_flight: deque[list[tuple[_Request, int, bool]]] | None = (
             deque() if self.config.async_scheduling else None)
         self.finished_unreported = False
+        self.num_speculative_tokens = self.config.num_speculative_tokens
 
     def has_requests(self) -> bool:
         """vLLM's ``Scheduler.has_requests``: unfinished requests, or finished ones to report."""
@@ -310,7 +329,7 @@ class Scheduler:
                 step_in_flight.append((request, held.num_in_flight_tokens,
                                        held.num_output_placeholders > 0
                                        or (held.num_stale_output_tokens > 0
-                                           and request.num_output_tokens > 0)))
+                                           and request.num_output_tokens > 0), 0, 0))
         if step_in_flight:  # the one step in flight at a step's start (async engines only)
             if self.in_flight is not None:
                 self.in_flight.append(step_in_flight)
@@ -340,7 +359,12 @@ class Scheduler:
         schedule the next step, then take the output of the one before it."""
         in_flight = self.in_flight
         if in_flight is None:
-            self._apply_outputs(self._schedule())
+            if not self.num_speculative_tokens:
+                self._apply_outputs(self._schedule())
+                return
+            scheduled = self._schedule()  # drafting: vLLM's counters, its output at once
+            self._update_after_schedule(scheduled)
+            self._update_from_output(scheduled)
             return
         if self.has_requests():
             scheduled = self._schedule()
@@ -380,10 +404,12 @@ class Scheduler:
             self.clock_ns += settings.step_overhead_ns + num_tokens * settings.ns_per_token
         return scheduled
 
-    def _chunk(self, request: _Request, start: int, threshold: int, budget: int) -> int:
-        """Tokens to schedule for ``request`` from ``start``: threshold, budget, model length,
-        then the Mamba split."""
-        num_new = request.num_tokens - start
+    def _chunk(self, request: _Request, start: int, threshold: int, budget: int,
+               end: int | None = None) -> int:
+        """Tokens to schedule for ``request`` from ``start`` to ``end`` (default: its last
+        known token; drafts and placeholders go beyond): threshold, budget, model length, then
+        the Mamba split."""
+        num_new = (request.num_tokens if end is None else end) - start
         if 0 < threshold < num_new:
             num_new = threshold
         num_new = min(num_new, budget)
@@ -408,8 +434,8 @@ class Scheduler:
                                  >= request.spec.prompt_len + request.spec.max_tokens):
                 index += 1  # async: the step in flight samples its last token
                 continue
-            if start == request.num_tokens + placeholders - 1 and (request.num_output_tokens
-                                                                   or placeholders):
+            end = request.num_tokens + request.num_drafts + placeholders
+            if start == end - 1 and (request.num_output_tokens or placeholders):
                 # Decoding: one token, which no threshold or split cuts; nor the model length
                 # synchronously (a running request finishes on reaching it), but async, a step
                 # in flight may have reached it.
@@ -419,7 +445,7 @@ class Scheduler:
                     index += 1
                     continue
             else:
-                num_new = self._chunk(request, start, threshold, budget)
+                num_new = self._chunk(request, start, threshold, budget, end)
                 if num_new == 0:
                     index += 1
                     continue
@@ -436,7 +462,12 @@ class Scheduler:
                             hint="Give the replay more blocks with --num-gpu-blocks.",
                         )
                     return budget, preempted
-            scheduled.append((request, num_new))
+            num_drafts = 0
+            if request.num_drafts:  # the drafts this chunk reaches are verified; all go
+                num_drafts = min(request.num_drafts,
+                                 max(0, start + num_new - request.num_tokens - placeholders))
+                request.num_drafts = 0
+            scheduled.append((request, num_new, num_drafts))
             budget -= num_new
             index += 1
         return budget, preempted
@@ -447,16 +478,24 @@ class Scheduler:
         # Async: the output of its steps in flight arrives stale (kept, counting nothing).
         request.num_stale_output_tokens = request.num_in_flight_tokens
         request.num_output_placeholders = 0
+        request.num_drafts = 0
         self.waiting.appendleft(request)
         self.stats.preemptions += 1
 
     def _admit_waiting(self, budget: int, threshold: int,
                        scheduled: list[tuple[_Request, int]]) -> int:
         """Admit waiting requests FCFS while they fit; the budget left."""
+        running = scheduled[:]  # the running requests this step scheduled
         while budget > 0 and self.waiting and len(self.running) < self.settings.max_num_seqs:
             request = self.waiting[0]
             num_hit, request.shared_prefix_boundary = self.backend.get_computed_blocks(request.req)
-            num_new = self._chunk(request, num_hit, threshold, budget)
+            num_drafts = self._padded_drafts(request, num_hit, running)
+            if num_drafts > budget - 1:
+                break  # vLLM schedules a padded decode whole or not at all
+            num_new = self._chunk(request, num_hit, threshold, budget,
+                                  request.num_tokens + num_drafts)
+            if num_drafts and num_new != 1 + num_drafts:  # a split cut it: unpadded
+                num_new, num_drafts = 1, 0
             if num_new == 0:  # no block-aligned chunk fits the budget: vLLM stops admitting
                 break
             if not self.backend.allocate_slots(
@@ -466,15 +505,28 @@ class Scheduler:
             self.waiting.popleft()
             self.running.append(request)
             request.num_computed_tokens = num_hit
-            scheduled.append((request, num_new))
+            scheduled.append((request, num_new, num_drafts))
             budget -= num_new
         return budget
 
-    def _apply_outputs(self, scheduled: list[tuple[_Request, int]]) -> None:
+    def _padded_drafts(self, request: _Request, num_hit: int, running: list) -> int:
+        """Draft rows vLLM pads an admitted request's one-token decode with, so that the step
+        stays uniform (``pad_spec_decode``): a drafting engine's, when no running request
+        scheduled this step (``running``) is prefilling and it has room for them."""
+        num_drafts = self.num_speculative_tokens
+        limit = self.settings.max_model_len
+        if (not num_drafts or request.num_tokens - num_hit != 1
+                or any(entry[0].is_prefill_chunk for entry in running)
+                or not (running or num_hit > 0)
+                or (limit and num_hit + 1 + num_drafts + 1 > limit)):
+            return 0
+        return num_drafts
+
+    def _apply_outputs(self, scheduled: list[tuple[_Request, int, int]]) -> None:
         """The forward pass ran: advance computed tokens, sample, finish and free."""
         advance = self.backend.advance
         limit = self.settings.max_model_len
-        for request, num_new in scheduled:
+        for request, num_new, _ in scheduled:
             request.num_computed_tokens += num_new
             advance(request.req, num_new)
             if request.num_computed_tokens < request.num_tokens:
@@ -489,51 +541,82 @@ class Scheduler:
     # --- async scheduling: outputs a step late -----------------------------------------------
 
     def _update_after_schedule(self, scheduled: list) -> None:
-        """``AsyncScheduler._update_after_schedule``: the scheduled tokens count as computed at
-        once, and a chunk that reaches the last known token adds an output placeholder (the
-        token its step will sample). ``scheduled`` entries gain whether the step samples."""
+        """``Scheduler._update_after_schedule`` (with vLLM's counters: async scheduling or
+        drafts): the scheduled tokens count as computed at once; a chunk that reaches the last
+        known token samples. Async, it adds output placeholders for its sampled token and its
+        drafts, and holds placeholders for the next drafts. ``scheduled`` entries gain whether
+        the step samples and how many of their drafts the verifier will accept."""
         sync_request = self.backend.sync_request
-        for index, (request, num_new) in enumerate(scheduled):
+        is_async = self.in_flight is not None
+        num_speculative_tokens = self.num_speculative_tokens
+        for index, (request, num_new, num_drafts) in enumerate(scheduled):
             request.num_computed_tokens += num_new
             request.num_in_flight_tokens += num_new
-            samples = request.num_computed_tokens >= (request.num_tokens
-                                                      + request.num_output_placeholders)
+            request.is_prefill_chunk = request.num_computed_tokens < (
+                request.num_tokens + request.num_output_placeholders)
+            samples = not request.is_prefill_chunk
+            accepted = 0
             if samples:
-                request.num_output_placeholders += 1
-            scheduled[index] = (request, num_new, samples)
+                if num_drafts:
+                    accepted = accepted_drafts(str(request.req), request.num_output_tokens,
+                                               num_drafts, self.settings.draft_acceptance)
+                if is_async:
+                    request.num_output_placeholders += 1 + num_drafts
+                    request.num_drafts = num_speculative_tokens
+            scheduled[index] = (request, num_new, samples, num_drafts, accepted)
             sync_request(request.req, request.num_computed_tokens, request.num_tokens,
                          request.num_in_flight_tokens)
 
     def _update_from_output(self, scheduled: list) -> None:
-        """``Scheduler.update_from_output`` of a step scheduled one step ago: append the
-        sampled tokens; cache the blocks they completed up to what no step in flight may still
-        change; finish and free. A preempted request's stale output is appended but changes
-        none of its counters, nor caches."""
+        """``Scheduler.update_from_output`` of a step (async: scheduled one step ago): roll
+        back the rejected drafts, append the sampled and accepted tokens (a stop trims them);
+        cache the blocks they completed up to what no step in flight may still change; finish
+        and free. A preempted request's stale output is appended but changes none of its
+        counters, nor caches. Synchronously, the drafter then proposes each decoding request's
+        next drafts (``EngineCore.post_step``)."""
         backend, limit = self.backend, self.settings.max_model_len
-        for request, num_new, samples in scheduled:
+        is_async = self.in_flight is not None
+        num_speculative_tokens = self.num_speculative_tokens
+        for request, num_new, samples, num_drafts, accepted in scheduled:
             request.num_in_flight_tokens -= num_new
             stale = request.num_stale_output_tokens > 0
             if stale:
                 request.num_stale_output_tokens -= num_new
             if request.finished:
                 continue
-            had_placeholders = request.num_output_placeholders > 0
+            stopped = False
             if samples:
-                request.num_output_tokens += 1
-                request.num_tokens += 1
+                if num_drafts and not stale:
+                    rejected = num_drafts - accepted
+                    if request.num_computed_tokens > 0:
+                        request.num_computed_tokens -= rejected
+                    if request.num_output_placeholders > 0:
+                        request.num_output_placeholders -= rejected
+                had_placeholders = request.num_output_placeholders > 0
+                new_tokens = 1 + accepted
+                for appended in range(1, new_tokens + 1):
+                    request.num_output_tokens += 1
+                    request.num_tokens += 1
+                    if request.num_output_tokens >= request.spec.max_tokens or (
+                            limit and request.num_tokens >= limit):
+                        stopped = True
+                        if not stale:  # computed covers all new tokens but the last one
+                            request.num_computed_tokens -= new_tokens - appended
+                        break
                 if not stale and had_placeholders:
-                    request.num_output_placeholders -= 1
+                    request.num_output_placeholders -= new_tokens
             backend.sync_request(request.req, request.num_computed_tokens, request.num_tokens,
                                  request.num_in_flight_tokens)
             if not samples:
                 continue
-            if not stale and had_placeholders:
+            if not stale and (had_placeholders or num_speculative_tokens):
                 backend.cache_blocks(request.req, request.num_computed_tokens
                                      - request.num_in_flight_tokens)
-            if request.num_output_tokens >= request.spec.max_tokens or (
-                    limit and request.num_tokens >= limit):
+            if stopped:
                 (self.waiting if stale else self.running).remove(request)
                 backend.free(request.req)
                 request.finished = True
                 self.finished_unreported = True
                 self.stats.finished += 1
+            elif num_speculative_tokens and not is_async:
+                request.num_drafts = num_speculative_tokens
