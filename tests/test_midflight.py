@@ -13,6 +13,7 @@ serving (vLLM 0.33's own scheduler and cache) and stops while it still is.
 from __future__ import annotations
 
 import json
+import re
 import signal
 import subprocess
 import time
@@ -28,7 +29,7 @@ from test_capture_live import (
     wait_for_stderr_line,
 )
 
-from reschedule_bounds import assert_within_bounds
+from reschedule_bounds import assert_within_bounds, compare
 
 from kvtrace.capture import control
 from kvtrace.capture.messages import PingRequest, StatusRequest
@@ -150,6 +151,15 @@ def test_an_engine_that_drafts_is_captured_mid_flight_and_verified_in_lockstep(t
     assert decodes.count(3) > 100, "decode steps schedule their two drafts"
     fidelity = lockstep_verify(trace, tmp_path / "fidelity")
     assert fidelity["matched"] == fidelity["total"] > 1000, fidelity
+    result = subprocess.run(
+        [*_kvtrace(), "replay", str(trace), "--variant", "unfixed", "-o", str(tmp_path / "runs")],
+        capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr
+    rate = float(re.search(r"each draft accepted with ([0-9.]+) \(the capture's rate\)",
+                           result.stderr).group(1))
+    assert abs(rate - 0.7) <= 0.05, result.stderr
+    print(compare(trace, tmp_path / "runs" / "cap.unfixed.kvtrace"))
+    assert_within_bounds(trace, tmp_path / "runs" / "cap.unfixed.kvtrace")
 
 
 @needs_ptrace

@@ -228,7 +228,8 @@ def test_db_loads_every_variant_for_the_forensics_queries(tmp_path):
      "with async scheduling (AsyncScheduler) by a kvtrace older than format 1.3, whose engine "
      "config does not say so"),
     ({"num_speculative_tokens": "2", "speculative_method": "mtp"},
-     "drafts 2 tokens a step (mtp); the rescheduled replay does not model speculative"),
+     "drafts 2 tokens a step (mtp) by a kvtrace older than format 1.3, whose engine config "
+     "does not say so; the rescheduled replay does not model speculative"),
 ])
 def test_a_source_from_an_engine_that_scheduled_otherwise_is_said_to(tmp_path, params, said):
     """What a capture records of its engine's scheduling that the rescheduled replay does not

@@ -73,6 +73,48 @@ class CaptureEnds:
         return max(1, num_tokens - prompt_len)
 
 
+class DraftAcceptance:
+    """How often a drafting engine's verifier accepted its drafts, read off the capture: over
+    the consecutive decode steps of a request that carried drafts, the tokens a step added
+    beyond its sampled one are the drafts it accepted. ``rate`` turns that into the chance of
+    accepting each draft in turn (``scheduler.accepted_drafts``' model) that gives as many."""
+
+    def __init__(self) -> None:
+        self._rows: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # req, num_tokens, new
+
+    def add_batch(self, batch: RecordBatch) -> None:
+        if SlotsAllocated not in batch.types:
+            return
+        columns = batch.columns[batch.types.index(SlotsAllocated)]
+        req, num_new, num_computed, _, _, _, num_tokens, success = (
+            np.asarray(column, dtype=np.int64) for column in columns[:8])
+        drafting = (success != 0) & (num_new > 1) & (num_computed + 1 >= num_tokens)
+        if drafting.any():
+            self._rows.append((req[drafting], num_tokens[drafting], num_new[drafting]))
+
+    def rate(self) -> float | None:
+        """The per-draft acceptance, or None where no request made two drafting steps."""
+        if not self._rows:
+            return None
+        req, num_tokens, num_new = (np.concatenate(part) for part in zip(*self._rows))
+        order = np.argsort(req, kind="stable")  # each request's steps, in file order
+        req, num_tokens, num_new = req[order], num_tokens[order], num_new[order]
+        same = req[1:] == req[:-1]
+        if not same.any():
+            return None
+        accepted = float(np.mean(np.diff(num_tokens)[same])) - 1
+        num_drafts = max(1, round(float(np.mean(num_new[:-1][same])) - 1))
+        # Accepting each draft in turn with p accepts p + p^2 + ... + p^d on average.
+        low, high = 0.0, 1.0
+        for _ in range(50):
+            middle = (low + high) / 2
+            if sum(middle ** i for i in range(1, num_drafts + 1)) < accepted:
+                low = middle
+            else:
+                high = middle
+        return round((low + high) / 2, 4)
+
+
 @dataclass(frozen=True)
 class StepClock:
     """A capture's steps as a clock (see the module docstring). ``step_of(ts_ns)`` is the

