@@ -9,9 +9,13 @@ The trace is imported as ``kvtrace import mooncake`` does (the default model's g
 given ready with ``--trace`` (a workload imported with other engine flags, e.g. a finer one, or
 a capture), or captured mid-flight with ``--midflight``: ``kvtrace demo`` runs in the scratch
 directory (a serving ``kvtrace engine``, captured from 3 s to 8 s after its start; about a
-minute) and its capture is measured. A capture that starts from a snapshot is replayed from it,
-as ``kvtrace replay`` does: every backend restores the snapshot's cache and continues the
-requests in flight (the restore is outside the timings, which time the replay itself).
+minute) and its capture is measured. ``--midflight-async`` captures the same workload on vLLM's
+``AsyncScheduler`` (``kvtrace engine --async-scheduling``, which the demo does not run): the
+engine serves the demo's workload at its speed and ``kvtrace capture --pid`` captures it for
+5 s from 3 s after its start; its snapshot holds a step in flight, and its replays run async
+(tokens in flight, ``cache_blocks`` calls). A capture that starts from a snapshot is replayed
+from it, as ``kvtrace replay`` does: every backend restores the snapshot's cache and continues
+the requests in flight (the restore is outside the timings, which time the replay itself).
 
 Figures per variant and backend, median (min-max) over ``--repeats`` runs, the two backends
 alternating within a repeat so both see the same machine load:
@@ -36,7 +40,8 @@ and two floors, measured in the same repeats, that bound what any backend can re
   backend still pays).
 
     .venv/bin/python benchmarks/replay_backends.py [--variant unfixed --variant fixed]
-        [--repeats 3] [--mode replay] [--requests N | --trace TRACE | --midflight] [--json]
+        [--repeats 3] [--mode replay]
+        [--requests N | --trace TRACE | --midflight | --midflight-async] [--json]
 
 Exit status 1 if the streams or summaries differ (the speed target is reported, not enforced).
 """
@@ -89,6 +94,34 @@ def capture_demo(directory: Path) -> Path:
     return workdir / "capture.kvtrace"
 
 
+def capture_async_engine(directory: Path) -> Path:
+    """The demo's workload served by ``kvtrace engine --async-scheduling`` (vLLM's
+    ``AsyncScheduler``) at the demo's speed, captured mid-flight by ``kvtrace capture --pid``
+    for the demo's capture time, from its arm time after the start on."""
+    from kvtrace.cli import demo
+    from kvtrace.engine.process import EngineProcess
+    from kvtrace.workloads.synth import synthesize
+
+    workload, capture = directory / "workload.kvtrace", directory / "capture.kvtrace"
+    shape = EngineShape(model=demo.DEMO_MODEL, num_gpu_blocks=demo.DEMO_POOL_BLOCKS)
+    write_workload(workload, synthesize(demo.DEMO_PRESET, demo.DEMO_REQUESTS, 0,
+                                        shape.hash_block_size, demo.BUSY_ENGINE), shape)
+    engine = EngineProcess([str(workload), "--variant", "unfixed", "--speed",
+                            str(demo.DEMO_SPEED), "--async-scheduling"],
+                           {**os.environ, "KVTRACE_PLUGIN": "1"}, cwd=str(directory))
+    try:
+        engine.wait_ready()
+        engine.send("start")
+        engine.expect("kvtrace engine: running")
+        time.sleep(demo.ARM_AFTER_S)
+        subprocess.run([sys.executable, "-m", "kvtrace", "capture", "--pid", str(engine.pid),
+                        "--duration", f"{demo.CAPTURE_S['full']:g}s", "-o", str(capture)],
+                       check=True, stdout=subprocess.DEVNULL)
+    finally:
+        engine.stop(grace_s=10)
+    return capture
+
+
 class Recorder:
     """A backend wrapper that records the answers the scheduler gets (for the floor)."""
 
@@ -113,7 +146,8 @@ class Answers:
         answer = iter(answers).__next__
         self.num_gpu_blocks = num_gpu_blocks
         for name in ("new_step", "add_request", "get_computed_blocks", "allocate_slots",
-                     "end_schedule", "advance", "free", "preempt"):
+                     "end_schedule", "advance", "free", "preempt", "sync_request",
+                     "cache_blocks"):
             setattr(self, name, lambda *args, **kwargs: answer())
 
 
@@ -251,9 +285,13 @@ def main() -> int:
     parser.add_argument("--trace", type=Path, default=None,
                         help="a workload or capture to replay instead of importing --log (a "
                         "capture from its start snapshot)")
-    parser.add_argument("--midflight", action="store_true",
-                        help="capture `kvtrace demo`'s engine mid-flight (about a minute) and "
-                        "replay that capture from its start snapshot")
+    sources = parser.add_mutually_exclusive_group()
+    sources.add_argument("--midflight", action="store_true",
+                         help="capture `kvtrace demo`'s engine mid-flight (about a minute) and "
+                         "replay that capture from its start snapshot")
+    sources.add_argument("--midflight-async", action="store_true",
+                         help="the same on vLLM's AsyncScheduler: the demo's workload served by "
+                         "`kvtrace engine --async-scheduling`, captured mid-flight")
     parser.add_argument("--mode", dest="modes", action="append", choices=MODES,
                         help="a figure to measure; repeat (default: all three)")
     parser.add_argument("--json", action="store_true", help="print the results as JSON too")
@@ -264,6 +302,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as scratch:
         directory = Path(scratch)
         trace = (args.trace or (capture_demo(directory) if args.midflight
+                                else capture_async_engine(directory) if args.midflight_async
                                 else import_trace(args.log, directory, args.requests)))
         source = read_source(str(trace))  # as `kvtrace replay` reads and starts it
         config, settings = derive(source.header.config, str(trace))
