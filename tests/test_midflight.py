@@ -29,7 +29,7 @@ from test_capture_live import (
     wait_for_stderr_line,
 )
 
-from reschedule_bounds import assert_within_bounds, compare
+from reschedule_bounds import assert_within_bounds
 
 from kvtrace.capture import control
 from kvtrace.capture.messages import PingRequest, StatusRequest
@@ -106,17 +106,25 @@ def capture_mid_flight(engine: EngineProcess, trace: Path, method: str = "auto")
     return err
 
 
-@pytest.mark.parametrize("scheduling", ["async", "sync"])
+# As production serves (vLLM's AsyncScheduler, MTP-style drafts: 2 a step, 70% accepted), and
+# synchronously without drafts.
+SCHEDULING = {"async-drafting": ("--async-scheduling", "--num-speculative-tokens", "2"),
+              "sync": ("--sync-scheduling",)}
+
+
+@pytest.mark.parametrize("scheduling", SCHEDULING)
 @pytest.mark.parametrize("model", preset_names())
 def test_a_capture_armed_mid_flight_replays_from_its_snapshot(tmp_path, model, scheduling):
     """Issue #20, must show: captured from 4 s to 10 s after `start` at --speed 30; issue #29:
-    with vLLM's AsyncScheduler (its default) as with the synchronous one, lockstep matches
-    every effect, and the rescheduled replay of the engine's own variant keeps the three bounds
-    (``reschedule_bounds``) against the capture."""
+    with vLLM's AsyncScheduler (its default) and speculative decoding, as with the synchronous
+    scheduler, lockstep matches every effect, and the rescheduled replay of the engine's own
+    variant keeps the three bounds (``reschedule_bounds``) against the capture."""
     workload = documents_workload(tmp_path / "w.kvtrace", model)
     trace = tmp_path / "cap.kvtrace"
-    capture_mid_flight(serving_engine(workload, f"--{scheduling}-scheduling"), trace)
-    assert TraceReader(str(trace)).header.config.async_scheduling == (scheduling == "async")
+    capture_mid_flight(serving_engine(workload, *SCHEDULING[scheduling]), trace)
+    config = TraceReader(str(trace)).header.config
+    assert (config.async_scheduling, config.num_speculative_tokens) == (
+        (True, 2) if scheduling == "async-drafting" else (False, 0))
     fidelity = lockstep_verify(trace, tmp_path / "fidelity")
     assert fidelity["matched"] == fidelity["total"] > 1000, fidelity
     captured = first_lookup_hit_rate(trace)
@@ -130,16 +138,16 @@ def test_a_capture_armed_mid_flight_replays_from_its_snapshot(tmp_path, model, s
     assert_within_bounds(trace, tmp_path / "runs" / "cap.unfixed.kvtrace")
 
 
-@pytest.mark.parametrize("scheduling", ["async", "sync"])
-def test_an_engine_that_drafts_is_captured_mid_flight_and_verified_in_lockstep(tmp_path,
-                                                                               scheduling):
-    """Speculative decoding (issue #29): an engine whose decode steps carry two draft tokens,
-    about 70% of them accepted (vLLM's n-gram drafting, on vLLM's own scheduler), captured
-    mid-flight: its config says it drafts, its decode steps schedule the drafts, the scheduler
-    caches the verified tokens' blocks itself, and lockstep matches every effect."""
+def test_a_synchronous_engine_that_drafts_is_captured_verified_and_rescheduled(tmp_path):
+    """Speculative decoding (issue #29) on the synchronous scheduler (the async one drafts in
+    the test above): decode steps carry two draft tokens, about 70% of them accepted (vLLM's
+    n-gram drafting, on vLLM's own scheduler), captured mid-flight: its config says it drafts,
+    its decode steps schedule the drafts, the scheduler caches the verified tokens' blocks
+    itself, lockstep matches every effect, and the rescheduled replay reads the verifier's
+    rate off the capture and keeps the three bounds."""
     workload = documents_workload(tmp_path / "w.kvtrace", "kimi-k3")
     trace = tmp_path / "cap.kvtrace"
-    capture_mid_flight(serving_engine(workload, f"--{scheduling}-scheduling",
+    capture_mid_flight(serving_engine(workload, "--sync-scheduling",
                                       "--num-speculative-tokens", "2"), trace)
     reader = TraceReader(str(trace))
     assert reader.header.config.num_speculative_tokens == 2
@@ -158,7 +166,6 @@ def test_an_engine_that_drafts_is_captured_mid_flight_and_verified_in_lockstep(t
     rate = float(re.search(r"each draft accepted with ([0-9.]+) \(the capture's rate\)",
                            result.stderr).group(1))
     assert abs(rate - 0.7) <= 0.05, result.stderr
-    print(compare(trace, tmp_path / "runs" / "cap.unfixed.kvtrace"))
     assert_within_bounds(trace, tmp_path / "runs" / "cap.unfixed.kvtrace")
 
 
