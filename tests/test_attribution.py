@@ -289,10 +289,13 @@ def test_every_record_kind_loads_the_same_on_both_twins(tmp_path, monkeypatch):
                 "('runs', 'kvtrace_meta') ORDER BY table_name").fetchall()]
             tables.append({name: db.execute(f"SELECT * FROM {name} ORDER BY ALL").fetchall()
                            for name in names})
+            if native:  # the string and bytes columns, by name
+                loaded = db.execute(
+                    "SELECT (SELECT list(request_id) FROM request_arrived), "
+                    "(SELECT list(hash_bytes) FROM hash_interned), "
+                    "(SELECT list(request_id) FROM request_state)").fetchone()
     assert tables[0] == tables[1]
-    assert tables[0]["request_arrived"][0][-1] == "cmpl-abc-0"
-    assert tables[0]["hash_interned"][0][-1] == bytes(range(32))
-    assert [row[-1] for row in tables[0]["request_state"]] == ["cmpl-def-4"]
+    assert loaded == (["cmpl-abc-0"], [bytes(range(32))], ["cmpl-def-4"])
     assert tables[0]["cache_entry_figures"]
     assert sum(map(len, tables[0].values())) > len(one_of_each_kind())
 
