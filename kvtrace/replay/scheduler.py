@@ -27,18 +27,26 @@ Reproduced from ``vllm/v1/core/sched/scheduler.py`` (0.33.0), in our own code:
   to the waiting queue with its computed tokens reset and is recomputed on resume (its output
   tokens are kept, so the resumed prefill covers them); no admissions in a step that preempted;
 * a chunk that reaches the request's last known token samples one output token; the request
-  finishes (and is freed) when it has ``max_tokens`` outputs or reaches ``max_model_len``.
+  finishes (and is freed) when it has ``max_tokens`` outputs or reaches ``max_model_len``;
+* async scheduling (``AsyncScheduler`` with the engine core's batch queue, two batches in
+  flight): output placeholders, tokens in flight, stale output of a preempted request, each
+  step's output taken after the next step is scheduled, ``update_from_output``'s
+  ``cache_blocks``;
+* speculative decoding without lookahead (as n-gram drafting): drafts scheduled with the
+  sampled token, an admitted one-token decode padded with them, the verifier's answer drawn
+  (``accepted_drafts``), rejected drafts rolled back, the next drafts proposed (synchronously)
+  or held by placeholders (async).
 
-Not reproduced: priority scheduling, KV connectors and async loads, speculative decoding
-(lookahead slots, draft padding), structured output, encoder inputs and LoRA limits, async
-scheduling (one step in flight), pipeline parallelism, the DP / local prefill cadence,
-stop strings or EOS (requests always decode ``max_tokens``), deferred frees, the adaptive
-long-prefill threshold and the opt-in
-``enable_mamba_shared_prefix_checkpoint``.
+Not reproduced: priority scheduling, KV connectors and async loads, MTP/EAGLE's lookahead
+slots and lookahead hashes, structured output, encoder inputs and LoRA limits, pipeline
+parallelism, the DP / local prefill cadence, stop strings or EOS (a captured request decodes as
+far as the capture saw it; a workload's, ``max_tokens``), deferred frees, the adaptive
+long-prefill threshold and the opt-in ``enable_mamba_shared_prefix_checkpoint``.
 
 Time is virtual: requests arrive at ``arrival_ns``; a step lasts ``step_overhead_ns`` plus
 ``ns_per_token`` per scheduled token; an idle engine jumps to the next arrival. This only
-orders arrivals against steps; it is not a latency model.
+orders arrivals against steps; it is not a latency model. A capture's replay counts steps
+instead (``SchedulerSettings.step_clock``: its arrivals join on the captured steps).
 """
 
 from __future__ import annotations
