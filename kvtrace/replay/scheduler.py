@@ -331,6 +331,12 @@ class Scheduler:
             request.num_output_placeholders = held.num_output_placeholders
             request.num_in_flight_tokens = held.num_in_flight_tokens
             request.num_stale_output_tokens = held.num_stale_output_tokens
+            # Decoding: its last step sampled (async: one in flight will), and the drafter
+            # proposed its next drafts then.
+            request.is_prefill_chunk = not (request.num_output_tokens and (
+                request.num_computed_tokens >= request.num_tokens - 1))
+            if held.running and not request.is_prefill_chunk:
+                request.num_drafts = self.num_speculative_tokens
             (self.running if held.running else self.waiting).append(request)
             if held.num_in_flight_tokens:
                 # It samples if it holds a placeholder; a stale share, if it was decoding.
