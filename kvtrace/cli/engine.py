@@ -9,6 +9,7 @@ import sys
 import click
 
 from kvtrace.cli.common import async_scheduling_option
+from kvtrace.engine_config import MAX_SPECULATIVE_TOKENS, SchedulerSettings
 
 @click.command("engine")
 @click.argument("workload", type=click.Path(dir_okay=False))
@@ -21,12 +22,14 @@ from kvtrace.cli.common import async_scheduling_option
               help="prefix-cache retention interval: none (dense), 0 (latest-only) or N tokens "
                    "(default: the workload's).")
 @async_scheduling_option
-@click.option("--num-speculative-tokens", type=click.IntRange(min=0, max=64), default=None,
+@click.option("--num-speculative-tokens", type=click.IntRange(min=0, max=MAX_SPECULATIVE_TOKENS),
+              default=None,
               metavar="K",
               help="Draft tokens each decode step proposes, as vLLM's speculative decoding "
                    "does (n-gram drafting, which needs no draft model; default: the "
                    "workload's, else none).")
-@click.option("--draft-acceptance", type=click.FloatRange(min=0, max=1), default=0.7,
+@click.option("--draft-acceptance", type=click.FloatRange(min=0, max=1),
+              default=SchedulerSettings.draft_acceptance,
               show_default=True, metavar="P",
               help="With drafts: the chance the verifier accepts each draft token in turn.")
 @click.option("--speed", type=click.FloatRange(min=0), default=1.0, show_default=True,

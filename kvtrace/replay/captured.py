@@ -31,6 +31,11 @@ from kvtrace.replay.snapshot_checks import StatePlacement
 from kvtrace.traceio import RecordBatch
 
 
+def allocation_columns(columns: list) -> list[np.ndarray]:
+    """A batch's ``SlotsAllocated`` columns up to ``success``, as int64 arrays."""
+    return [np.asarray(column, dtype=np.int64) for column in columns[:8]]
+
+
 class CaptureEnds:
     """How far each request of a capture got: the tokens it held after its last successful
     chunk (``SlotsAllocated``; a chunk that reaches the last token samples one more).
@@ -50,7 +55,7 @@ class CaptureEnds:
 
     def _add_allocations(self, columns: list) -> None:
         (req, num_new, num_computed, num_new_computed, _, _, num_tokens,
-         success) = (np.asarray(column, dtype=np.int64) for column in columns[:8])
+         success) = allocation_columns(columns)
         ok = (success != 0) & (req >= 0)
         req, num_tokens = req[ok], num_tokens[ok]
         after = num_tokens + (num_computed[ok] + num_new_computed[ok] + num_new[ok] >= num_tokens)
@@ -85,9 +90,8 @@ class DraftAcceptance:
     def add_batch(self, batch: RecordBatch) -> None:
         if SlotsAllocated not in batch.types:
             return
-        columns = batch.columns[batch.types.index(SlotsAllocated)]
-        req, num_new, num_computed, _, _, _, num_tokens, success = (
-            np.asarray(column, dtype=np.int64) for column in columns[:8])
+        req, num_new, num_computed, _, _, _, num_tokens, success = allocation_columns(
+            batch.columns[batch.types.index(SlotsAllocated)])
         drafting = (success != 0) & (num_new > 1) & (num_computed + 1 >= num_tokens)
         if drafting.any():
             self._rows.append((req[drafting], num_tokens[drafting], num_new[drafting]))

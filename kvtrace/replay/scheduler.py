@@ -263,9 +263,9 @@ class _Request:
         self.num_output_tokens = 0
         self.num_tokens = spec.prompt_len
         self.shared_prefix_boundary = 0
-        # Async scheduling only (vLLM's names): the tokens steps in flight will sample, the
-        # tokens scheduled in them, those of them a preemption made stale; and whether the
-        # request finished while a step of it was still in flight.
+        # vLLM's counters, kept with async scheduling or drafts: the tokens steps in flight
+        # will sample, the tokens scheduled in them, those of them a preemption made stale; and
+        # whether the request finished while a step of it was still in flight.
         self.num_output_placeholders = 0
         self.num_in_flight_tokens = 0
         self.num_stale_output_tokens = 0
@@ -304,7 +304,7 @@ class Scheduler:
         # Async scheduling: the engine core's batch queue (steps scheduled, outputs not yet
         # taken), and whether an output finished a request since the last schedule (vLLM's
         # ``finished_req_ids``: the engine schedules once more to report it).
-        self.in_flight: deque[list[tuple[_Request, int, bool]]] | None = (
+        self.in_flight: deque[list[tuple[_Request, int, bool, int, int]]] | None = (
             deque() if self.config.async_scheduling else None)
         self.finished_unreported = False
         self.num_speculative_tokens = self.config.num_speculative_tokens
@@ -396,7 +396,7 @@ class Scheduler:
         budget = settings.max_num_batched_tokens
         threshold = (settings.long_prefill_token_threshold
                      if len(self.running) + len(self.waiting) > 1 else 0)
-        scheduled: list[tuple[_Request, int]] = []  # a request at most once a step
+        scheduled: list[tuple[_Request, int, int]] = []  # a request at most once a step
         budget, preempted = self._schedule_running(budget, threshold, scheduled)
         if not preempted:
             budget = self._admit_waiting(budget, threshold, scheduled)
@@ -435,7 +435,7 @@ class Scheduler:
         return max(num_new, 0)
 
     def _schedule_running(self, budget: int, threshold: int,
-                          scheduled: list[tuple[_Request, int]]) -> tuple[int, bool]:
+                          scheduled: list[tuple[_Request, int, int]]) -> tuple[int, bool]:
         running = self.running
         allocate_slots = self.backend.allocate_slots
         preempted = False
@@ -497,7 +497,7 @@ class Scheduler:
         self.stats.preemptions += 1
 
     def _admit_waiting(self, budget: int, threshold: int,
-                       scheduled: list[tuple[_Request, int]]) -> int:
+                       scheduled: list[tuple[_Request, int, int]]) -> int:
         """Admit waiting requests FCFS while they fit; the budget left."""
         running = scheduled[:]  # the running requests this step scheduled
         while budget > 0 and self.waiting and len(self.running) < self.settings.max_num_seqs:
@@ -536,10 +536,16 @@ class Scheduler:
             return 0
         return num_drafts
 
+    def _reached_end(self, request: _Request) -> bool:
+        """vLLM's ``check_stop`` for a request that decodes to its end: ``max_tokens`` outputs,
+        or ``max_model_len`` tokens."""
+        limit = self.settings.max_model_len
+        return request.num_output_tokens >= request.spec.max_tokens or bool(
+            limit and request.num_tokens >= limit)
+
     def _apply_outputs(self, scheduled: list[tuple[_Request, int, int]]) -> None:
         """The forward pass ran: advance computed tokens, sample, finish and free."""
         advance = self.backend.advance
-        limit = self.settings.max_model_len
         for request, num_new, _ in scheduled:
             request.num_computed_tokens += num_new
             advance(request.req, num_new)
@@ -547,7 +553,7 @@ class Scheduler:
                 continue  # a prefill chunk short of the last token samples nothing
             request.num_output_tokens += 1
             request.num_tokens += 1
-            if request.num_output_tokens >= request.spec.max_tokens or (limit and request.num_tokens >= limit):
+            if self._reached_end(request):
                 self.running.remove(request)
                 self.backend.free(request.req)
                 self.stats.finished += 1
@@ -588,7 +594,7 @@ class Scheduler:
         and free. A preempted request's stale output is appended but changes none of its
         counters, nor caches. Synchronously, the drafter then proposes each decoding request's
         next drafts (``EngineCore.post_step``)."""
-        backend, limit = self.backend, self.settings.max_model_len
+        backend = self.backend
         is_async = self.in_flight is not None
         num_speculative_tokens = self.num_speculative_tokens
         for request, num_new, samples, num_drafts, accepted in scheduled:
@@ -611,8 +617,7 @@ class Scheduler:
                 for appended in range(1, new_tokens + 1):
                     request.num_output_tokens += 1
                     request.num_tokens += 1
-                    if request.num_output_tokens >= request.spec.max_tokens or (
-                            limit and request.num_tokens >= limit):
+                    if self._reached_end(request):
                         stopped = True
                         if not stale:  # computed covers all new tokens but the last one
                             request.num_computed_tokens -= new_tokens - appended
