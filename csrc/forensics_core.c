@@ -47,11 +47,11 @@ enum {
 /* The waterfall's levels (attribution.SHORTFALL_CAUSES, in order), then the causes beyond the
    ideal: a cause's index is its position in attribution.CAUSES. */
 enum {
-    C_HIT_CAP, C_BLOCK_QUANTISATION, C_MAMBA_NOT_RESERVED, C_MAMBA_NOT_RETAINED,
+    C_HIT_CAP, C_EAGLE_DROPPED_UNIT, C_BLOCK_QUANTISATION, C_MAMBA_NOT_RESERVED, C_MAMBA_NOT_RETAINED,
     C_MAMBA_SUPPRESSED, C_REKEYED, C_INVALIDATED, C_CHECKPOINT_PUSHOUT, C_EVICTED,
     C_MAMBA_EVICTED, C_OTHER, C_COLD, C_PARTIAL_UNIT, C_SHORT_PROMPT
 };
-#define PRESENT 11  /* a key the cache held (len(SHORTFALL_CAUSES)) */
+#define PRESENT 12  /* a key the cache held (len(SHORTFALL_CAUSES)) */
 #define REAL (C_OTHER - 1)  /* keys above this level are the ones the cache held */
 #define NO_REQ (-1)
 #define PUSHOUT_EXAMPLES 3
@@ -273,6 +273,7 @@ typedef struct {
     int broken;  /* a batch failed midway: its tables may be ragged, so nothing more is taken */
     /* geometry (attribution._Geometry) */
     i64 unit, attention_block, mamba_block, alignment;
+    i64 eagle_drop, eagle_margin;  /* use_eagle: tokens dropped from, searched past, the cap */
     int num_groups, num_attention, num_mamba;
     int attention_groups[MAX_GROUPS], mamba_groups[MAX_GROUPS], is_mamba[MAX_GROUPS];
     /* enum values (kvtrace.events) */
@@ -544,8 +545,9 @@ static int levels_of(Core *c, const int *groups, int num_groups, const i64 *unit
 static i64 attention_reach(Core *c, const LVec *levels, i64 threshold, i64 num_units, i64 cap) {
     if (!c->num_attention) return cap;
     i64 unit = c->unit, block = c->attention_block, per_block = floordiv(block, unit);
+    i64 limit = c->eagle_drop ? cap + c->eagle_margin : cap;
     i64 known = levels->n - 1;
-    i64 num_blocks = min64(floordiv(cap, block), floordiv(num_units, per_block));
+    i64 num_blocks = min64(floordiv(limit, block), floordiv(num_units, per_block));
     i64 found = 0;
     while (found < num_blocks) {
         i64 depth = (found + 1) * per_block;
@@ -555,11 +557,22 @@ static i64 attention_reach(Core *c, const LVec *levels, i64 threshold, i64 num_u
     i64 reach = found * block;
     if (c->alignment < block && block % c->alignment == 0) {
         i64 first = found * per_block;
-        i64 last = min64(min64(first + per_block - 1, floordiv(cap, unit)), min64(num_units, known));
+        i64 last = min64(min64(first + per_block - 1, floordiv(limit, unit)),
+                         min64(num_units, known));
         for (i64 depth = last; depth > first; depth--)
-            if (levels->v[depth] > threshold) return depth * unit;
+            if (levels->v[depth] > threshold) { reach = depth * unit; break; }
+    }
+    if (c->eagle_drop && reach > 0) {
+        reach -= c->eagle_drop;
+        reach -= floormod(reach, c->alignment);
     }
     return reach;
+}
+
+/* _Geometry.eagle_ideal */
+static i64 eagle_ideal(Core *c, i64 ideal, i64 cap) {
+    i64 reach = min64(ideal, floordiv(cap + c->eagle_margin, c->unit) * c->unit);
+    return max64(reach - c->eagle_drop, 0);
 }
 
 /* _Geometry.mamba_state */
@@ -719,16 +732,20 @@ static int attribute(Core *c, Request *r, i64 req, i64 admission, i64 num_tokens
     int rc = 0;
     i64 previous = ideal;
     if (ideal > hit) {
-        /* the waterfall: the last-token cap, then each key class in turn (block quantisation
-           always: the search itself quantises); a class no key carries is skipped */
+        /* the waterfall: the last-token cap, EAGLE's dropped unit (use_eagle), then each key
+           class in turn (block quantisation always: the search itself quantises); a class no
+           key carries is skipped */
         char carried[PRESENT + 1] = {0};
         for (Py_ssize_t i = 0; i < c->attention_levels.n; i++) carried[c->attention_levels.v[i]] = 1;
         for (Py_ssize_t i = 0; i < c->mamba_levels.n; i++) carried[c->mamba_levels.v[i]] = 1;
         for (int cause = C_HIT_CAP; cause <= C_MAMBA_EVICTED && !rc; cause++) {
-            if (cause != C_HIT_CAP && cause != C_BLOCK_QUANTISATION && !carried[cause]) continue;
+            if (cause == C_EAGLE_DROPPED_UNIT ? !c->eagle_drop
+                : cause != C_HIT_CAP && cause != C_BLOCK_QUANTISATION && !carried[cause])
+                continue;
             if (previous == hit) break;
             i64 now = cause == C_HIT_CAP ? min64(ideal, floordiv(cap, unit) * unit)
-                                         : joint_hit(c, cause, num_units, cap);
+                    : cause == C_EAGLE_DROPPED_UNIT ? eagle_ideal(c, ideal, cap)
+                    : joint_hit(c, cause, num_units, cap);
             now = max64(hit, min64(previous, now));
             if (now < previous) {
                 Py_ssize_t n = lost_keys(c, cause, now, previous, units, keys, max_keys);
@@ -1454,7 +1471,7 @@ static int parse_narrow(Core *c, PyObject *narrow) {
    reads, whether its rows go to tables, its field kinds, its req field or -1); geometry: None
    (no attribution: a trace without an engine config), or (hash unit, per group whether Mamba,
    attention groups, Mamba groups, attention block, Mamba block, hit alignment, the pool's
-   blocks); enums:
+   blocks, EAGLE's drop and margin); enums:
    (CHECKPOINT kind, TRANSIENT class, LRU_REUSE, STALE_CHECKPOINT, REKEY, RUNNING queue);
    request: the one request to attribute (None: all); narrow: parse_narrow's. */
 static int Core_init(Core *c, PyObject *args, PyObject *kwargs) {
@@ -1484,11 +1501,16 @@ static int Core_init(Core *c, PyObject *args, PyObject *kwargs) {
     if (c->attribute) {
         PyObject *is_mamba, *attention, *mamba;
         long long unit, attention_block, mamba_block, alignment;
-        long long num_gpu_blocks;
-        if (!PyArg_ParseTuple(geometry, "LO!O!O!LLLL", &unit, &PyTuple_Type, &is_mamba,
+        long long num_gpu_blocks, eagle_drop, eagle_margin;
+        if (!PyArg_ParseTuple(geometry, "LO!O!O!LLLLLL", &unit, &PyTuple_Type, &is_mamba,
                               &PyTuple_Type, &attention, &PyTuple_Type, &mamba, &attention_block,
-                              &mamba_block, &alignment, &num_gpu_blocks))
+                              &mamba_block, &alignment, &num_gpu_blocks, &eagle_drop,
+                              &eagle_margin))
             return -1;
+        if (eagle_drop < 0 || eagle_margin < 0) {
+            PyErr_SetString(PyExc_ValueError, "EAGLE's drop and margin must not be negative");
+            return -1;
+        }
         if (num_gpu_blocks < 1 || num_gpu_blocks >= MAX_BLOCK_ID) {
             PyErr_SetString(PyExc_ValueError, "its pool must hold 1 to 2^31 - 1 blocks");
             return -1;
@@ -1508,6 +1530,8 @@ static int Core_init(Core *c, PyObject *args, PyObject *kwargs) {
         c->attention_block = attention_block;
         c->mamba_block = mamba_block;
         c->alignment = alignment;
+        c->eagle_drop = eagle_drop;
+        c->eagle_margin = eagle_margin;
         if (int_tuple(is_mamba, c->is_mamba, &c->num_groups)
             || int_tuple(attention, c->attention_groups, &c->num_attention)
             || int_tuple(mamba, c->mamba_groups, &c->num_mamba))

@@ -15,8 +15,10 @@ the first admission), ``H`` the hash unit. Definitions (``docs/miss-attribution.
 * The **shortfall** ``ideal - hit`` is split by a waterfall: restrictions of the ideal cache are
   applied one at a time in ``SHORTFALL_CAUSES`` order, the hit is recomputed after each with a
   model of vLLM 0.33's hit search (full attention left to right with the fine-grained tail
-  probe; Mamba/KDA the deepest state at or below the attention hit), and each cause gets the
-  tokens its restriction took. The last restriction leaves exactly the keys the cache held at
+  probe, and with ``use_eagle`` EAGLE's dropped unit; Mamba/KDA the deepest state at or below
+  the attention hit), and each cause gets the tokens its restriction took. The search's own
+  rules come first, over the ideal cache: the last-token cap (``hit_cap``), then the unit an
+  EAGLE/MTP engine drops from every hit (``eagle_dropped_unit``). The last restriction leaves exactly the keys the cache held at
   the lookup; what the model then still finds above the real hit is ``other``. Every hit is
   clamped to at least the real hit, so each cause is >= 0 and they sum to ``ideal - hit``
   exactly; a cause only gets tokens the causes before it did not already take.
@@ -78,6 +80,7 @@ from kvtrace.traceio import ListColumn, RecordBatch, TraceReader
 # The waterfall, in the order restrictions are applied; every name is also a DuckDB enum value.
 SHORTFALL_CAUSES = (
     "hit_cap",  # the last token is always recomputed: a hit stops below the query's last token
+    "eagle_dropped_unit",  # use_eagle: the hit search drops its last matched unit (EAGLE/MTP)
     "block_quantisation",  # hits land on blocks: no key at a depth inside an attention block
     "mamba_not_reserved",  # no Mamba state was ever computed at that depth
     "mamba_not_retained",  # a state was computed there but the retention policy kept no key
@@ -95,6 +98,9 @@ CAUSES = SHORTFALL_CAUSES + BEYOND_IDEAL_CAUSES
 DESCRIPTIONS = {
     "hit_cap": "the last token is always recomputed, so a hit stops at the hash boundary "
                "before it (vLLM caps a hit at num_tokens - 1)",
+    "eagle_dropped_unit": "the engine drops the last matched unit of every hit for EAGLE/MTP "
+                          "drafting (vLLM's use_eagle: one hash unit with fine-grained hits, "
+                          "else one attention block), so the drafter recomputes it",
     "block_quantisation": "hits land on block boundaries: full attention keeps a key only for "
                           "a whole block or a prompt's own tail, and the prompt or shared "
                           "prefix ends inside a block",
@@ -114,7 +120,7 @@ DESCRIPTIONS = {
     "evicted": "the full-attention block was evicted by LRU reuse",
     "mamba_evicted": "the Mamba state was evicted by LRU reuse",
     "other": "the recorded hit is below what the cache held (not explained by kvtrace's model "
-             "of vLLM's hit search: e.g. EAGLE's dropped unit, a connector's hit cap)",
+             "of vLLM's hit search: e.g. a connector's hit cap)",
     "cold": "no earlier request had computed these hash units",
     "partial_unit": "the query ends inside a hash unit: no hash covers its last tokens",
     "short_prompt": "the query is shorter than one hash unit: no hash covers any of it",
@@ -226,6 +232,10 @@ class _Geometry:
     attention_block: int
     mamba_block: int
     alignment: int  # hits land on this many tokens: the hash unit with fine-grained hits
+    # use_eagle (EAGLE/MTP): full attention looks ``eagle_margin`` tokens past the cap, then
+    # drops ``eagle_drop`` tokens from its hit (0: the engine drops nothing).
+    eagle_drop: int = 0
+    eagle_margin: int = 0
 
     @classmethod
     def of(cls, config: EngineConfig) -> _Geometry:
@@ -236,21 +246,34 @@ class _Geometry:
         # coordinator.enable_partial_hash_hits: an align-mode Mamba group coarser than the unit.
         fine = any(groups[i].block_size > unit and groups[i].mamba_cache_mode in ("", "align")
                    for i in mamba)
+        attention_block = groups[attention[0]].block_size if attention else unit
+        alignment = unit if fine else config.scheduler_block_size
+        drop = margin = 0
+        if config.use_eagle and attention:
+            # FullAttentionManager drops min(alignment, block); the hybrid coordinator first
+            # widens the search by eagle_proof_margin (a hash unit fine-grained, else a block);
+            # one group (UnitaryKVCacheCoordinator) searches to the cap alone. Mamba groups
+            # never drop (MambaManager ignores drop_eagle_block).
+            drop = min(alignment, attention_block)
+            if len(groups) > 1:
+                margin = unit if fine and attention_block > unit else attention_block
         return cls(unit=unit, attention_groups=attention, mamba_groups=mamba,
-                   attention_block=groups[attention[0]].block_size if attention else unit,
+                   attention_block=attention_block,
                    mamba_block=groups[mamba[0]].block_size if mamba else unit,
-                   alignment=unit if fine else config.scheduler_block_size)
+                   alignment=alignment, eagle_drop=drop, eagle_margin=margin)
 
     def attention_reach(self, levels: list[int], threshold: int, num_units: int, cap: int) -> int:
         """Full attention's hit (``FullAttentionManager.find_longest_cache_hit``): whole blocks
-        left to right, then, fine-grained, the first missed block's interior high to low.
+        left to right, then, fine-grained, the first missed block's interior high to low; with
+        use_eagle, searched ``eagle_margin`` past the cap, less ``eagle_drop`` tokens, aligned.
         A depth ``d`` (in units) is cached when ``levels[d] > threshold``."""
         if not self.attention_groups:
             return cap
         unit, block = self.unit, self.attention_block
+        limit = cap + self.eagle_margin if self.eagle_drop else cap
         per_block = block // unit
         known = len(levels) - 1
-        num_blocks = min(cap // block, num_units // per_block)
+        num_blocks = min(limit // block, num_units // per_block)
         found = 0
         while found < num_blocks:
             depth = (found + 1) * per_block
@@ -260,11 +283,21 @@ class _Geometry:
         reach = found * block
         if self.alignment < block and block % self.alignment == 0:
             first = found * per_block
-            last = min(first + per_block - 1, cap // unit, num_units, known)
+            last = min(first + per_block - 1, limit // unit, num_units, known)
             for depth in range(last, first, -1):
                 if levels[depth] > threshold:
-                    return depth * unit
+                    reach = depth * unit
+                    break
+        if self.eagle_drop and reach > 0:
+            reach -= self.eagle_drop
+            reach -= reach % self.alignment
         return reach
+
+    def eagle_ideal(self, ideal: int, cap: int) -> int:
+        """The hit an unbounded cache gives with EAGLE's drop, at hash-unit granularity (the
+        search's own block alignment is left to ``block_quantisation``)."""
+        reach = min(ideal, (cap + self.eagle_margin) // self.unit * self.unit)
+        return max(reach - self.eagle_drop, 0)
 
     def mamba_state(self, levels: list[int], threshold: int, num_units: int, limit: int) -> int:
         """The deepest cached Mamba state at or below ``limit`` tokens
@@ -656,21 +689,25 @@ class MissAttributor:
             geometry.mamba_state(mamba, _REAL, num_units, cap) if geometry.mamba_groups else None,
             in_flight=req in self._in_flight)
         # The waterfall: the hit after each restriction, clamped to [hit, the previous one].
-        # First the last-token cap, then vLLM's hit search over the keys left after removing
-        # each class in turn (block quantisation always: the search itself quantises). A
-        # class no key carries changes nothing and is skipped. (Most lookups get the ideal hit.)
+        # First the rules of the search over the ideal cache (the last-token cap, then with
+        # use_eagle the dropped unit), then vLLM's hit search (which drops it too) over the
+        # keys left after removing each class in turn (block quantisation always: the search
+        # itself quantises). A class no key carries changes nothing and is skipped. (Most
+        # lookups get the ideal hit.)
         hits = []
         if ideal > hit:
             carried = set(attention) | set(mamba)
-            hits = [("hit_cap", min(ideal, cap // unit * unit))]
-            hits += [(SHORTFALL_CAUSES[level], level) for level in _KEY_CLASSES
+            hits = [("hit_cap", None, min(ideal, cap // unit * unit))]
+            if geometry.eagle_drop:
+                hits.append(("eagle_dropped_unit", None, geometry.eagle_ideal(ideal, cap)))
+            hits += [(SHORTFALL_CAUSES[level], level, 0) for level in _KEY_CLASSES
                      if level in carried or level == _LEVEL["block_quantisation"]]
         previous = ideal
-        for cause, level_or_hit in hits:
+        for cause, level, rule_hit in hits:
             if previous == hit:
                 break
-            now = (level_or_hit if cause == "hit_cap" else
-                   geometry.joint_hit(attention, mamba, level_or_hit, num_units, cap))
+            now = (rule_hit if level is None else
+                   geometry.joint_hit(attention, mamba, level, num_units, cap))
             now = max(hit, min(previous, now))
             if now < previous:
                 keys = self._lost_keys(cause, now, previous, units, attention, mamba)

@@ -33,8 +33,8 @@ MARKED_PREFIXES = 10  # hot prefixes the occupancy plots mark one by one; the re
 
 # One colour per cause, in waterfall order; cold and the uncacheable tails in greys.
 CAUSE_COLOURS = dict(zip(("hit",) + CAUSES, (
-    "#9bbb59", "#8064a2", "#4bacc6", "#f79646", "#fac090", "#ffc000", "#b7dee8", "#7f7f7f",
-    "#c0504d", "#e6b9b8", "#ccc1da", "#000000", "#d9d9d9", "#bfbfbf", "#a6a6a6")))
+    "#9bbb59", "#8064a2", "#5b3f80", "#4bacc6", "#f79646", "#fac090", "#ffc000", "#b7dee8",
+    "#7f7f7f", "#c0504d", "#e6b9b8", "#ccc1da", "#000000", "#d9d9d9", "#bfbfbf", "#a6a6a6")))
 OCCUPANCY_COLOURS = ("#4f81bd", "#9bbb59", "#c0504d", "#f79646", "#dddddd")
 
 CSS = """

@@ -244,7 +244,8 @@ class NativePass:
             shape = attributor.geometry
             geometry = (shape.unit, tuple(map(int, attributor.is_mamba)),
                         shape.attention_groups, shape.mamba_groups, shape.attention_block,
-                        shape.mamba_block, shape.alignment, attributor.num_blocks)
+                        shape.mamba_block, shape.alignment, attributor.num_blocks,
+                        shape.eagle_drop, shape.eagle_margin)
         enums = (StoreKind.CHECKPOINT, CheckpointClass.TRANSIENT, RemoveReason.LRU_REUSE,
                  RemoveReason.STALE_CHECKPOINT, RemoveReason.REKEY, RequestQueue.RUNNING)
         spill = self._spill_file() if spill_dir is not None else None
