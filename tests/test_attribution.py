@@ -103,6 +103,7 @@ def named_causes(output: str) -> tuple[set[str], set[str]]:
 # Seeded schedules with pressure (small pools) and preemptions (chat: long decodes), on the
 # old toy engine (one attention and one Mamba group, 32/128-token blocks, a 1,024-token budget:
 # many chunks and preemptions in a few requests), and one on the default model's real geometry.
+# The last one's engine drops EAGLE's unit (use_eagle: its header's config edited).
 TOY = EngineShape(hash_unit=32, attention_block_size=32, mamba_block_size=128,
                   max_num_batched_tokens=1024, max_num_seqs=32, mamba_groups=1,
                   allow_unreal_geometry=True)
@@ -110,17 +111,27 @@ SCHEDULES = [("shared-prompt", 1, TOY), ("agent", 2, TOY),
              ("chat", 3, dataclasses.replace(TOY, pool_fraction=0.1)),
              ("agent", 4, dataclasses.replace(TOY, attention_block_size=64)),
              ("documents", 5, EngineShape())]
+EAGLE_SCHEDULES = [("agent", 6, TOY)]
 VARIANTS = ("unfixed", "fixed", "upstream")
+
+
+def with_eagle(source: Path) -> None:
+    """The workload at ``source`` rewritten for an engine that drops EAGLE's unit."""
+    reader, records = read_records(source)
+    config = msgspec.structs.replace(reader.header.config, use_eagle=True)
+    write_trace(source, msgspec.structs.replace(reader.header, config=config), records)
 
 
 @pytest.fixture(scope="module")
 def seeded_replays(tmp_path_factory):
     """(preset, seed) -> (replay result, DuckDB connection over its variants, its path)."""
     replays = {}
-    for preset, seed, shape in SCHEDULES:
+    for preset, seed, shape in SCHEDULES + EAGLE_SCHEDULES:
         directory = tmp_path_factory.mktemp(f"{preset}{seed}")
         source = directory / "w.kvtrace"
         write_workload(source, synthesize(preset, 40, seed, shape.hash_block_size), shape)
+        if (preset, seed, shape) in EAGLE_SCHEDULES:
+            with_eagle(source)
         result = replay(ReplayOptions(source=str(source), outdir=str(directory / "runs"),
                                       variants=VARIANTS))
         db = directory / "w.duckdb"
@@ -177,6 +188,7 @@ def sql_ideals(connection) -> dict[tuple[int, int], int]:
 
 def test_causes_partition_every_lookup_of_seeded_schedules(seeded_replays):
     seen_causes, resumptions, lookups_checked = set(), 0, 0
+    eagle = {(preset, seed) for preset, seed, _ in EAGLE_SCHEDULES}
     for (preset, seed), (result, connection, _) in seeded_replays.items():
         ideals = sql_ideals(connection)
         runs = dict(connection.execute("SELECT path, run FROM runs").fetchall())
@@ -203,13 +215,16 @@ def test_causes_partition_every_lookup_of_seeded_schedules(seeded_replays):
                 # kvtrace's model of vLLM's hit search explains every real hit exactly.
                 assert "other" not in {s.cause for s in lookup.segments}, context
                 assert ideals[(run, lookup.seq)] == lookup.ideal_tokens, context
+                # Only an engine that drops EAGLE's unit loses tokens to it.
+                assert ((preset, seed) in eagle
+                        or "eagle_dropped_unit" not in {s.cause for s in lookup.segments}), context
                 seen_causes.update(s.cause for s in lookup.segments)
                 resumptions += lookup.lookup > 1
                 lookups_checked += 1
     # The schedules exercise what the property is about: pressure, preemption, many causes.
     assert resumptions > 0 and lookups_checked > 400
     assert {"checkpoint_pushout", "evicted", "mamba_evicted", "mamba_suppressed", "cold",
-            "partial_unit"} <= seen_causes
+            "partial_unit", "eagle_dropped_unit"} <= seen_causes
 
 
 def test_the_table_holds_the_streaming_pass_and_the_summary_adds_up(seeded_replays):
@@ -522,7 +537,8 @@ def test_other_is_what_the_cache_held_but_the_hit_did_not_use(tmp_path):
 
 
 def test_every_cause_has_a_scenario():
-    covered = set(scenario_workloads()) | {"invalidated", "other"}
+    # eagle_dropped_unit: tests/test_eagle_attribution.py (an engine config the shapes lack).
+    covered = set(scenario_workloads()) | {"invalidated", "other", "eagle_dropped_unit"}
     assert covered == set(CAUSES)
 
 
@@ -638,19 +654,23 @@ needs_the_core = pytest.mark.skipif(
 
 @needs_the_core
 def test_the_c_core_attributes_row_for_row_as_the_python_reference(seeded_replays):
-    """Every lookup of every seeded schedule (15 replays: pressure, preemptions, three
-    variants, toy and real geometries): the same rows, and, explaining (`why`), the same lookups
-    with every key and every transient checkpoint named behind an eviction."""
-    rows = 0
+    """Every lookup of every seeded schedule (18 replays: pressure, preemptions, three
+    variants, toy and real geometries, an engine that drops EAGLE's unit): the same rows, and,
+    explaining (`why`), the same lookups with every key and every transient checkpoint named
+    behind an eviction."""
+    rows, eagle_rows = 0, 0
+    eagle = CAUSES.index("eagle_dropped_unit")
+    cause = stream.ATTRIBUTION_COLUMNS.index("cause")
     for result, _, _ in seeded_replays.values():
         for variant in result.variants:
             reference = pass_output(variant.output, native=False)
             assert pass_output(variant.output, native=True) == reference, variant.output
             rows += len(reference)
+            eagle_rows += sum(row[cause] == eagle for row in reference)
             explained = dict(keep_lookups=True, make_rows=False, explain=True)
             assert pass_output(variant.output, native=True, **explained) \
                 == pass_output(variant.output, native=False, **explained)
-    assert rows > 1500
+    assert rows > 1500 and eagle_rows > 20
     one = seeded_replays[("agent", 2)][0].variants[0].output
     for request in (7, "7"):  # by number, and by the engine's request id (the replay's: str(req))
         options = dict(keep_lookups=True, make_rows=False, explain=True, request=request)
