@@ -47,9 +47,9 @@ enum {
 /* The waterfall's levels (attribution.SHORTFALL_CAUSES, in order), then the causes beyond the
    ideal: a cause's index is its position in attribution.CAUSES. */
 enum {
-    C_HIT_CAP, C_EAGLE_DROPPED_UNIT, C_BLOCK_QUANTISATION, C_MAMBA_NOT_RESERVED, C_MAMBA_NOT_RETAINED,
-    C_MAMBA_SUPPRESSED, C_REKEYED, C_INVALIDATED, C_CHECKPOINT_PUSHOUT, C_EVICTED,
-    C_MAMBA_EVICTED, C_OTHER, C_COLD, C_PARTIAL_UNIT, C_SHORT_PROMPT
+    C_HIT_CAP, C_EAGLE_DROPPED_UNIT, C_BLOCK_QUANTISATION, C_MAMBA_NOT_RESERVED,
+    C_MAMBA_NOT_RETAINED, C_MAMBA_SUPPRESSED, C_REKEYED, C_INVALIDATED, C_CHECKPOINT_PUSHOUT,
+    C_EVICTED, C_MAMBA_EVICTED, C_OTHER, C_COLD, C_PARTIAL_UNIT, C_SHORT_PROMPT
 };
 #define PRESENT 12  /* a key the cache held (len(SHORTFALL_CAUSES)) */
 #define REAL (C_OTHER - 1)  /* keys above this level are the ones the cache held */
