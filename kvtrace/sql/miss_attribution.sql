@@ -9,7 +9,7 @@
 --   query_tokens: the request's num_tokens at the lookup (its prompt on the first admission)
 --   ideal_tokens: the hit an unbounded cache under the same schedule would have given
 --   hit_tokens: the joint hit the cache gave (num_hit_tokens)
---   attention_hit_tokens: full attention's own longest hit at the lookup (NULL: no such group)
+--   attention_hit_tokens: full attention's own longest hit at the lookup, less EAGLE's dropped unit on a use_eagle engine (NULL: no such group)
 --   mamba_hit_tokens: the deepest Mamba state below the last token at the lookup (NULL: none)
 --   cause: why these tokens were not hit (see kvtrace/analysis/attribution.py DESCRIPTIONS)
 --   in_shortfall: true for causes of ideal - hit; false past it (cold, partial_unit, short_prompt)
@@ -26,9 +26,10 @@
 -- the in_shortfall rows sum to ideal_tokens - hit_tokens. The ideal is the longest prefix of the
 -- request's hash units that successful allocations of any request had scheduled before the
 -- lookup (at least the hit). The shortfall is split by a waterfall: restrictions of that ideal
--- cache applied in cause order (hit_cap, block_quantisation, mamba_not_reserved,
--- mamba_not_retained, mamba_suppressed, rekeyed, invalidated, checkpoint_pushout, evicted,
--- mamba_evicted), each cause charged the tokens its restriction took from the recomputed hit;
+-- cache applied in cause order (hit_cap, eagle_dropped_unit, block_quantisation,
+-- mamba_not_reserved, mamba_not_retained, mamba_suppressed, rekeyed, invalidated,
+-- checkpoint_pushout, evicted, mamba_evicted), each cause charged the tokens its restriction
+-- took from the recomputed hit (eagle_dropped_unit: only on an engine built with use_eagle);
 -- `other` is what vLLM's hit search over the keys really cached still does not explain. A cause
 -- only gets tokens the causes before it left. No row for a cause that cost nothing.
 SELECT run, variant, req, lookup, step, query_tokens, ideal_tokens, hit_tokens,

@@ -11,7 +11,7 @@
 --   query_tokens: the tokens it looked up (the prompt on the first admission)
 --   ideal_tokens: what an unbounded cache under the same schedule would have hit
 --   hit_tokens: what it hit
---   attention_hit_tokens: the full-attention groups' own longest hit
+--   attention_hit_tokens: the full-attention groups' own longest hit (less EAGLE's dropped unit on a use_eagle engine)
 --   mamba_hit_tokens: the Mamba groups' own deepest state below the last token
 --   shared_prefix_boundary: the lookup's shared-prefix junction in tokens (0: none)
 --   cause: a cause of missed tokens (miss_attribution)
