@@ -99,6 +99,8 @@ class Overrides:
     long_prefill_token_threshold: int | None = None
     async_scheduling: bool | None = None  # vLLM's AsyncScheduler, or the synchronous one
     num_speculative_tokens: int | None = None  # draft tokens a decode step proposes
+    speculative_method: str | None = None  # SPECULATIVE_METHODS: how the drafts are made
+    lookahead_block_hashes: bool | None = None  # MTP: 0.33's lookahead hashes, or the drop
 
     @property
     def changes_cache(self) -> bool:
@@ -127,8 +129,52 @@ def derive(config: EngineConfig | None, source: str,
     if overrides.num_speculative_tokens is not None:
         changes["num_speculative_tokens"] = overrides.num_speculative_tokens
     config = msgspec.structs.replace(config, **changes)
+    if (overrides.num_speculative_tokens, overrides.speculative_method,
+            overrides.lookahead_block_hashes) != (None, None, None):
+        config = msgspec.structs.replace(config, **drafter_fields(
+            config, overrides.speculative_method or speculative_method(config),
+            overrides.lookahead_block_hashes))
     validate(config)
     return config, SchedulerSettings.from_config(config, **overrides.scheduler())
+
+
+# How drafts are made: n-gram lookup (no forward pass: no lookahead), or a drafter with a
+# forward pass of its own reading the target's hidden states (vLLM's use_eagle family; its
+# cache rules are the same for EAGLE and single-module MTP).
+SPECULATIVE_METHODS = ("ngram", "mtp")
+
+
+def speculative_method(config: EngineConfig) -> str:
+    """The ``SPECULATIVE_METHODS`` entry an engine config drafts with."""
+    return "mtp" if config.num_lookahead_tokens else "ngram"
+
+
+def drafter_fields(config: EngineConfig, method: str,
+                   lookahead_block_hashes: bool | None) -> dict[str, object]:
+    """The config fields vLLM 0.33 derives from a speculative config of ``method`` drafting
+    ``config.num_speculative_tokens`` tokens (``VllmConfig.num_lookahead_tokens``,
+    ``num_prefill_lookahead_tokens``, ``num_hash_lookahead_tokens``, the scheduler's
+    ``use_eagle_block_drop``): single-module MTP reserves a slot a draft, reads one prefill
+    token ahead, and hashes each block with the token after it (on by default,
+    ``disable_lookahead_block_hashes`` off) or else drops the last matched block.
+    ``lookahead_block_hashes`` None keeps the config's choice. ``kvtrace engine`` holds
+    vLLM's own scheduler to these (``VllmScheduler``)."""
+    if method not in SPECULATIVE_METHODS:
+        raise ConfigError(f"speculative method {method!r} is not one kvtrace runs",
+                          f"Use one of {', '.join(SPECULATIVE_METHODS)}.")
+    drafts = config.num_speculative_tokens
+    if method == "ngram" or not drafts:
+        if lookahead_block_hashes is not None:
+            raise ConfigError("lookahead block hashes are MTP's, and this engine does not "
+                              "draft with MTP", "Add --speculative-method mtp and "
+                              "--num-speculative-tokens K, or drop the option.")
+        return {"num_lookahead_tokens": 0, "num_prefill_lookahead_tokens": 0,
+                "num_hash_lookahead_tokens": 0, "use_eagle": False}
+    if lookahead_block_hashes is None:
+        lookahead_block_hashes = not config.use_eagle
+    hash_lookahead = 1 if lookahead_block_hashes and config.enable_caching else 0
+    return {"num_lookahead_tokens": drafts, "num_prefill_lookahead_tokens": 1,
+            "num_hash_lookahead_tokens": hash_lookahead, "use_eagle": not hash_lookahead}
 
 
 def check_possible(config: EngineConfig) -> None:
@@ -160,14 +206,21 @@ def check_possible(config: EngineConfig) -> None:
                 f"KV-cache group {index} has {group.num_prefill_checkpoint_blocks} checkpoint "
                 f"blocks at alignment {alignment}", "Both must be positive (or none).")
     for name in ("num_gpu_blocks", "max_model_len", "max_num_batched_tokens", "max_num_seqs",
-                 "long_prefill_token_threshold", "cache_block_size", "num_speculative_tokens"):
+                 "long_prefill_token_threshold", "cache_block_size", "num_speculative_tokens",
+                 "num_lookahead_tokens", "num_hash_lookahead_tokens",
+                 "num_prefill_lookahead_tokens"):
         if getattr(config, name) < 0:
             raise ConfigError(f"{name} is {getattr(config, name)}, which is negative",
                               "The trace is damaged or was written wrongly; check its source.")
-    if config.num_speculative_tokens > MAX_SPECULATIVE_TOKENS:
-        raise ConfigError(f"the engine drafts {config.num_speculative_tokens} tokens a step, "
-                          f"more than the {MAX_SPECULATIVE_TOKENS} a drafter proposes",
-                          "The trace is damaged or was written wrongly; check its source.")
+    # Lookahead: at most one slot more than the drafts (DFlash's bonus query).
+    for name, limit in (("num_speculative_tokens", MAX_SPECULATIVE_TOKENS),
+                        ("num_lookahead_tokens", MAX_SPECULATIVE_TOKENS + 1),
+                        ("num_hash_lookahead_tokens", MAX_SPECULATIVE_TOKENS + 1),
+                        ("num_prefill_lookahead_tokens", MAX_SPECULATIVE_TOKENS + 1)):
+        if getattr(config, name) > limit:
+            raise ConfigError(f"{name} is {getattr(config, name)}, more than the {limit} "
+                              "tokens a drafter reserves or reads",
+                              "The trace is damaged or was written wrongly; check its source.")
     block = lcm(*(g.block_size for g in groups))
     retention = config.retention_interval
     if retention is not None and (retention < 0 or retention % block):
@@ -202,9 +255,6 @@ def validate(config: EngineConfig) -> None:
             f"the {len(mamba)} Mamba groups differ in block size or checkpoint settings "
             f"({sorted(shapes, key=str)}); vLLM builds every Mamba group from one cache config",
             "Give every Mamba group the same block size, checkpoint blocks and alignment.")
-    if config.use_eagle:
-        raise ConfigError("EAGLE is not supported by the replay",
-                          "Replay the trace with use_eagle off.")
     if config.num_gpu_blocks < 2:
         raise ConfigError(f"num_gpu_blocks is {config.num_gpu_blocks}, which leaves no usable "
                           "block", "vLLM reserves one block as the null block; use at least 2.")
@@ -288,9 +338,17 @@ def blocks_needed(config: EngineConfig, num_tokens: int) -> int:
 FIRST_MADE_UP_HASH_ID = 1 << 62
 
 
+def num_hashed_units(num_tokens: int, hash_unit: int, hash_lookahead: int = 0) -> int:
+    """The hash units vLLM's block hasher has hashed for ``num_tokens`` tokens: the whole ones,
+    each once the ``hash_lookahead`` tokens after it exist too (0.33's lookahead block hashes,
+    ``EngineConfig.num_hash_lookahead_tokens``)."""
+    return max(0, num_tokens - hash_lookahead) // hash_unit
+
+
 def check_request(req: int | str, prompt_len: int, max_tokens: int, hash_ids: Sequence[int],
-                  hash_unit: int) -> None:
-    """A request a replay can run: a prompt with one hash id per full hash unit, each from 0
+                  hash_unit: int, hash_lookahead: int = 0) -> None:
+    """A request a replay can run: a prompt with one hash id per full hash unit (with lookahead
+    hashes, an engine hashes its last ones only once the tokens after them exist), each from 0
     up to ``FIRST_MADE_UP_HASH_ID``, no negative output, and at most ``MAX_REQUEST_TOKENS`` in
     all."""
     if prompt_len < 1 or max_tokens < 0:
@@ -301,9 +359,12 @@ def check_request(req: int | str, prompt_len: int, max_tokens: int, hash_ids: Se
         raise ConfigError(f"request {req} has {prompt_len + max_tokens:,} tokens, more than the "
                           f"{MAX_REQUEST_TOKENS:,} kvtrace replays (longer than any model's "
                           "context)", "Check the request's prompt and output lengths.")
-    if len(hash_ids) != prompt_len // hash_unit:
+    fewest = num_hashed_units(prompt_len, hash_unit, hash_lookahead)
+    if not fewest <= len(hash_ids) <= prompt_len // hash_unit:
+        needs = (f"{prompt_len // hash_unit}" if fewest == prompt_len // hash_unit
+                 else f"{fewest} to {prompt_len // hash_unit}")
         raise ConfigError(f"request {req}: {len(hash_ids)} hash ids for a {prompt_len}-token "
-                          f"prompt (hash unit {hash_unit} needs {prompt_len // hash_unit})",
+                          f"prompt (hash unit {hash_unit} needs {needs})",
                           "Each full hash unit of the prompt needs exactly one hash id.")
     check_hash_ids(req, hash_ids)
 
@@ -328,7 +389,8 @@ def check_added_request(config: EngineConfig, req: int, prompt_len: int, hash_id
                         max_tokens: int, known: bool) -> None:
     """Refuse a request a backend is given as both backends do: ``check_request``, a new
     number (``known``: added before), a sequence the pool can hold."""
-    check_request(req, prompt_len, max_tokens, hash_ids, config.hash_block_size)
+    check_request(req, prompt_len, max_tokens, hash_ids, config.hash_block_size,
+                  config.num_hash_lookahead_tokens)
     if known:
         raise ConfigError(f"request {req} was added twice",
                           "Request numbers must be unique within a trace.")

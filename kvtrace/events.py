@@ -32,7 +32,7 @@ from typing import ClassVar
 import msgspec
 
 FORMAT_MAJOR = 1
-FORMAT_MINOR = 3
+FORMAT_MINOR = 4
 
 
 class StoreKind(enum.IntEnum):
@@ -510,6 +510,16 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
     # 1.3): a decode step schedules them beside its sampled token, and every Mamba group
     # keeps a state block for each (``MambaSpec.num_speculative_blocks``).
     num_speculative_tokens: int = 0
+    # A drafter with a forward pass of its own (vLLM's use_eagle family: EAGLE, MTP; format
+    # 1.4). ``num_lookahead_tokens``: the slots every ``allocate_slots`` reserves past a step's
+    # tokens for the drafter's KV. ``num_hash_lookahead_tokens``: the tokens after each hash
+    # unit that its hash also covers (0.33's lookahead block hashes, which replace the dropped
+    # block: ``use_eagle`` is then off), so a unit is hashed only once they exist.
+    # ``num_prefill_lookahead_tokens``: the prefill tokens past a chunk the drafter reads; a
+    # chunk never ends within them, and the cache keys none of the last ones but one.
+    num_lookahead_tokens: int = 0
+    num_hash_lookahead_tokens: int = 0
+    num_prefill_lookahead_tokens: int = 0
 
     @property
     def scheduler_block_size(self) -> int:

@@ -41,7 +41,6 @@ BROKEN = {
     "mamba groups differ": (
         with_groups(ATTENTION, MAMBA, msgspec.structs.replace(MAMBA, block_size=64)),
         "the 2 Mamba groups differ in block size or checkpoint settings"),
-    "eagle": (msgspec.structs.replace(GOOD, use_eagle=True), "EAGLE is not supported"),
     "pool": (msgspec.structs.replace(GOOD, num_gpu_blocks=1), "leaves no usable block"),
     "retention": (msgspec.structs.replace(GOOD, retention_interval=48),
                   "retention interval 48 is not 0 or a multiple of the scheduler block size 32"),

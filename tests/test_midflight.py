@@ -106,9 +106,10 @@ def capture_mid_flight(engine: EngineProcess, trace: Path, method: str = "auto")
     return err
 
 
-# As production serves (vLLM's AsyncScheduler, MTP-style drafts: 2 a step, 70% accepted), and
-# synchronously without drafts.
-SCHEDULING = {"async-drafting": ("--async-scheduling", "--num-speculative-tokens", "2"),
+# As production serves (vLLM's AsyncScheduler, MTP drafts: 2 a step, 70% accepted, lookahead
+# slots and lookahead block hashes), and synchronously without drafts.
+SCHEDULING = {"async-mtp": ("--async-scheduling", "--num-speculative-tokens", "2",
+                            "--speculative-method", "mtp"),
               "sync": ("--sync-scheduling",)}
 
 
@@ -116,15 +117,20 @@ SCHEDULING = {"async-drafting": ("--async-scheduling", "--num-speculative-tokens
 @pytest.mark.parametrize("model", preset_names())
 def test_a_capture_armed_mid_flight_replays_from_its_snapshot(tmp_path, model, scheduling):
     """Issue #20, must show: captured from 4 s to 10 s after `start` at --speed 30; issue #29:
-    with vLLM's AsyncScheduler (its default) and speculative decoding, as with the synchronous
+    with vLLM's AsyncScheduler (its default) and MTP speculative decoding, as with the synchronous
     scheduler, lockstep matches every effect, and the rescheduled replay of the engine's own
     variant keeps the three bounds (``reschedule_bounds``) against the capture."""
     workload = documents_workload(tmp_path / "w.kvtrace", model)
     trace = tmp_path / "cap.kvtrace"
     capture_mid_flight(serving_engine(workload, *SCHEDULING[scheduling]), trace)
-    config = TraceReader(str(trace)).header.config
-    assert (config.async_scheduling, config.num_speculative_tokens) == (
-        (True, 2) if scheduling == "async-drafting" else (False, 0))
+    header = TraceReader(str(trace)).header
+    config = header.config
+    assert (config.async_scheduling, config.num_speculative_tokens, config.num_lookahead_tokens,
+            config.num_hash_lookahead_tokens, config.num_prefill_lookahead_tokens,
+            config.use_eagle) == ((True, 2, 2, 1, 1, False) if scheduling == "async-mtp"
+                                  else (False, 0, 0, 0, 0, False))
+    if scheduling == "async-mtp":
+        assert header.params["speculative_method"] == "mtp"
     fidelity = lockstep_verify(trace, tmp_path / "fidelity")
     assert fidelity["matched"] == fidelity["total"] > 1000, fidelity
     captured = first_lookup_hit_rate(trace)

@@ -184,22 +184,15 @@ def test_the_model_backends_twins_cache_the_async_mooncake_schedule_as_vllm(tmp_
     assert_twins_cache_as_vllm(mooncake_workload(tmp_path, True))
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("preset, num_gpu_blocks, async_scheduling", [
-    ("shared-prompt", 30, False),  # tight: preemptions
-    ("shared-prompt", 30, True),
-    ("chat", 26, True),
-    ("agent", None, False),
-])
-def test_the_model_drafts_and_verifies_as_vllm(tmp_path, preset, num_gpu_blocks,
-                                               async_scheduling):
-    """Speculative decoding: two draft tokens a decode step, each accepted in turn with
-    probability 0.7 (``accepted_drafts``, the one draw ``kvtrace engine`` answers vLLM's
-    scheduler with). The model schedules the drafts (and pads an admitted one-token decode
-    with them), rolls back the rejected ones, appends the accepted ones, caches the verified
-    tokens' blocks as ``update_from_output`` does, and proposes the next drafts
-    (synchronously) or keeps their placeholders (async): the same records as vLLM's."""
-    from kvtrace.engine_config import SchedulerSettings
+# How drafts are made: n-gram (no lookahead), MTP with 0.33's lookahead block hashes (its
+# default), MTP dropping the last matched block (disable_lookahead_block_hashes).
+DRAFTERS = {"ngram": ("ngram", None), "mtp": ("mtp", True), "mtp-drop": ("mtp", False)}
+
+
+def drafting_workload(tmp_path, preset, num_gpu_blocks, async_scheduling, drafter):
+    """A ``synth`` workload under vLLM's scheduler drafting two tokens a step with
+    ``drafter`` (a ``DRAFTERS`` key), each accepted in turn with probability 0.7."""
+    from kvtrace.engine_config import SchedulerSettings, drafter_fields
     from kvtrace.engine.core import EngineOptions, load_workload
 
     path = tmp_path / "workload.kvtrace"
@@ -208,10 +201,64 @@ def test_the_model_drafts_and_verifies_as_vllm(tmp_path, preset, num_gpu_blocks,
     workload = load_workload(EngineOptions(str(path), variant="unfixed", speed=0))
     config = replace(workload.config, async_scheduling=async_scheduling,
                      num_speculative_tokens=2)
-    workload = dataclasses.replace(workload, config=config,
-                                   settings=SchedulerSettings.from_config(config))
+    config = replace(config, **drafter_fields(config, *DRAFTERS[drafter]))
+    return dataclasses.replace(workload, config=config,
+                               settings=SchedulerSettings.from_config(config))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("drafter", DRAFTERS)
+@pytest.mark.parametrize("preset, num_gpu_blocks, async_scheduling", [
+    ("shared-prompt", 30, False),  # tight: preemptions
+    ("shared-prompt", 30, True),
+    ("chat", 26, True),
+    ("agent", None, False),
+])
+def test_the_model_drafts_and_verifies_as_vllm(tmp_path, preset, num_gpu_blocks,
+                                               async_scheduling, drafter):
+    """Speculative decoding: two draft tokens a decode step, each accepted in turn with
+    probability 0.7 (``accepted_drafts``, the one draw ``kvtrace engine`` answers vLLM's
+    scheduler with). The model schedules the drafts (and pads an admitted one-token decode
+    with them), rolls back the rejected ones, appends the accepted ones, caches the verified
+    tokens' blocks as ``update_from_output`` does, and proposes the next drafts
+    (synchronously) or keeps their placeholders (async): the same records as vLLM's. With
+    MTP, every allocation also reserves the two lookahead slots, and the cache hashes each
+    unit with the token after it, or drops the last matched block."""
+    workload = drafting_workload(tmp_path, preset, num_gpu_blocks, async_scheduling, drafter)
     records = assert_same_schedule(workload)
     decodes = [r.num_new_tokens for r in records if isinstance(r, SlotsAllocated)
                and r.num_computed_tokens >= r.num_tokens - 1]
     assert decodes.count(3) > 100, "decode steps carry their two drafts"
     assert sum(isinstance(r, BlocksCached) for r in records) > 100
+    lookahead = {r.num_lookahead_tokens for r in records if isinstance(r, SlotsAllocated)}
+    assert lookahead == ({0} if drafter == "ngram" else {2})
+
+
+@pytest.mark.parametrize("drafter, expected_hits", [
+    ("ngram", (0, 32, 32)),
+    ("mtp", (0, 16, 32)),  # the second unit is hashed once A's first output token exists
+    ("mtp-drop", (0, 16, 16)),  # every hit drops its last matched block
+])
+def test_each_drafters_hits_by_hand(drafter, expected_hits):
+    """Hand-computed, on one full-attention group of 16-token blocks: A (a 32-token prompt)
+    and B (48 tokens, A's two units first) arrive together, C (B's prompt) long after. B is
+    admitted in A's step, when vLLM has keyed A's blocks but A has no output yet: n-gram
+    drafting hits both of A's units, lookahead block hashes cannot key A's second unit before
+    the token after it exists, and EAGLE's drop loses the last matched block. C comes after A
+    decoded: only the drop still loses a unit. vLLM and the model agree record for record."""
+    from kvtrace.engine.core import EngineWorkload
+    from kvtrace.engine_config import SchedulerSettings, drafter_fields
+    from kvtrace.events import ComputedBlocksFound, EngineConfig, KVCacheGroup
+    from kvtrace.replay.scheduler import Arrival
+
+    config = EngineConfig(kv_cache_groups=[KVCacheGroup(kind="full_attention", block_size=16)],
+                          hash_block_size=16, num_gpu_blocks=64, max_model_len=1024,
+                          max_num_batched_tokens=2048, max_num_seqs=8,
+                          num_speculative_tokens=2)
+    config = replace(config, **drafter_fields(config, *DRAFTERS[drafter]))
+    arrivals = [Arrival(0, 32, [1, 2], 4, 0), Arrival(1, 48, [1, 2, 3], 4, 0),
+                Arrival(2, 48, [1, 2, 3], 4, 10**12)]
+    workload = EngineWorkload(config, SchedulerSettings.from_config(config), arrivals)
+    records = assert_same_schedule(workload)
+    hits = [r.num_hit_tokens for r in records if isinstance(r, ComputedBlocksFound)]
+    assert tuple(hits) == expected_hits

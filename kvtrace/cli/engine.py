@@ -9,7 +9,7 @@ import sys
 import click
 
 from kvtrace.cli.common import async_scheduling_option
-from kvtrace.engine_config import MAX_SPECULATIVE_TOKENS, SchedulerSettings
+from kvtrace.engine_config import MAX_SPECULATIVE_TOKENS, SPECULATIVE_METHODS, SchedulerSettings
 
 @click.command("engine")
 @click.argument("workload", type=click.Path(dir_okay=False))
@@ -28,6 +28,15 @@ from kvtrace.engine_config import MAX_SPECULATIVE_TOKENS, SchedulerSettings
               help="Draft tokens each decode step proposes, as vLLM's speculative decoding "
                    "does (n-gram drafting, which needs no draft model; default: the "
                    "workload's, else none).")
+@click.option("--speculative-method", type=click.Choice(SPECULATIVE_METHODS), default=None,
+              help="How the drafts are made: ngram (prompt lookup, no forward pass) or mtp "
+                   "(a drafter reading the target's hidden states, as MTP and EAGLE do: "
+                   "lookahead slots and lookahead block hashes; run without a draft model, "
+                   "which no step needs). Default: the workload's, else ngram.")
+@click.option("--no-lookahead-block-hashes", "lookahead_block_hashes", flag_value=False,
+              default=None,
+              help="With mtp: vLLM's disable_lookahead_block_hashes, so that every hit drops "
+                   "its last matched block instead (EAGLE's drop, as releases before 0.33 do).")
 @click.option("--draft-acceptance", type=click.FloatRange(min=0, max=1),
               default=SchedulerSettings.draft_acceptance,
               show_default=True, metavar="P",
@@ -44,6 +53,7 @@ from kvtrace.engine_config import MAX_SPECULATIVE_TOKENS, SchedulerSettings
                    "with kvtrace vllm install) instead of the project's own.")
 def command(workload: str, variant: str, num_gpu_blocks: int | None, retention: str | None,
             async_scheduling: bool | None, num_speculative_tokens: int | None,
+            speculative_method: str | None, lookahead_block_hashes: bool | None,
             draft_acceptance: float, speed: float, autostart: bool,
             summary_json: str | None, release: str | None) -> None:
     """Run WORKLOAD through the real vLLM prefix cache as a live engine-core process.
@@ -66,6 +76,7 @@ def command(workload: str, variant: str, num_gpu_blocks: int | None, retention: 
         kvtrace engine agent.kvtrace --autostart --speed 0 --summary-json run.json
         kvtrace engine agent.kvtrace --async-scheduling --speed 10
         kvtrace engine agent.kvtrace --num-speculative-tokens 2 --draft-acceptance 0.7
+        kvtrace engine agent.kvtrace --num-speculative-tokens 2 --speculative-method mtp
         kvtrace engine agent.kvtrace --vllm 0.30.0
     """
     import msgspec
@@ -83,16 +94,19 @@ def command(workload: str, variant: str, num_gpu_blocks: int | None, retention: 
         _run_on(release, workload, variant=variant, num_gpu_blocks=num_gpu_blocks,
                 retention=retention, speed=speed, autostart=autostart,
                 summary_json=summary_json, num_speculative_tokens=num_speculative_tokens,
-                draft_acceptance=draft_acceptance, **{
+                speculative_method=speculative_method, draft_acceptance=draft_acceptance, **{
                     "async_scheduling": async_scheduling is True,
-                    "sync_scheduling": async_scheduling is False})
+                    "sync_scheduling": async_scheduling is False,
+                    "no_lookahead_block_hashes": lookahead_block_hashes is False})
 
     options = EngineOptions(
         source=workload, variant=variant, speed=speed, draft_acceptance=draft_acceptance,
         overrides=Overrides(
             num_gpu_blocks=num_gpu_blocks,
             retention_interval=KEEP if retention is None else parse_retention(retention),
-            async_scheduling=async_scheduling, num_speculative_tokens=num_speculative_tokens))
+            async_scheduling=async_scheduling, num_speculative_tokens=num_speculative_tokens,
+            speculative_method=speculative_method,
+            lookahead_block_hashes=lookahead_block_hashes))
 
     def write_summary(summary: dict) -> None:
         write_atomically(summary_json, msgspec.json.format(msgspec.json.encode(summary),

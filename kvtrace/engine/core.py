@@ -48,7 +48,8 @@ from pathlib import Path
 from typing import Any
 
 from kvtrace.engine_config import (Overrides, SchedulerSettings, check_fits_model_len,
-                                   check_pool_fits, check_request, derive, describe_retention)
+                                   check_pool_fits, check_request, derive, describe_retention,
+                                   speculative_method)
 from kvtrace.errors import ConfigError, KvtraceError
 from kvtrace.events import EngineConfig
 from kvtrace.replay.run import CAPTURED_VARIANT
@@ -109,7 +110,7 @@ def load_workload(options: EngineOptions) -> EngineWorkload:
                            "Run a workload (kvtrace synth / import) or a captured trace.")
     for arrival in arrivals:  # vLLM's scheduler would wait forever for a request that never fits
         check_request(arrival.req, arrival.prompt_len, arrival.max_tokens, arrival.hash_ids,
-                      config.hash_block_size)
+                      config.hash_block_size, config.num_hash_lookahead_tokens)
         check_fits_model_len(settings, arrival.req, arrival.prompt_len)
         check_pool_fits(config, arrival.req, arrival.prompt_len + arrival.max_tokens)
     return EngineWorkload(config, settings, arrivals, reader.header.params.get("model", ""))
@@ -153,6 +154,7 @@ class VllmScheduler:
         except (AssertionError, ValueError) as error:
             raise ConfigError("vLLM's scheduler rejected the engine config: "
                               f"{error or type(error).__name__}") from error
+        check_drafter(config, self.scheduler)
         installed = get_variant(variant)
         for manager in self.scheduler.kv_cache_manager.coordinator.single_type_managers:
             installed.install(manager)
@@ -165,7 +167,7 @@ class VllmScheduler:
     def add_request(self, arrival: Arrival) -> None:
         request = new_request(arrival.req, arrival.prompt_len, arrival.max_tokens,
                               [*arrival.hash_ids, *(arrival.output_hash_ids or ())],
-                              self.config.hash_block_size, self._made_up_hash_id)
+                              self.config, self._made_up_hash_id)
         request.arrival_time = time.time()
         self.requests[request.request_id] = request
         self.scheduler.add_request(request)
@@ -299,8 +301,32 @@ def _vllm_config(config: EngineConfig, settings: SchedulerSettings, model: str) 
     vllm_config = VllmConfig(device_config=DeviceConfig(device="cpu"), model_config=model_config,
                              scheduler_config=scheduler_config, cache_config=cache_config,
                              speculative_config=speculative_config)
+    if speculative_method(config) == "mtp":
+        # MTP needs a draft model, which no bundled config has; the scheduler and cache read
+        # only the method and the hashing choice of it (VllmScheduler checks what they made).
+        speculative_config.method = "mtp"
+        if hasattr(speculative_config, "disable_lookahead_block_hashes"):  # 0.33 on
+            speculative_config.disable_lookahead_block_hashes = (
+                not config.num_hash_lookahead_tokens)
     vllm_config.cache_config.num_gpu_blocks = config.num_gpu_blocks  # as the engine core sets it
     return vllm_config
+
+
+def check_drafter(config: EngineConfig, scheduler: Any) -> None:
+    """vLLM's scheduler derived the drafter fields ``config`` says (``drafter_fields``), or a
+    ``ConfigError`` naming the first it did not."""
+    made = {"num_lookahead_tokens": scheduler.num_lookahead_tokens,
+            "num_prefill_lookahead_tokens": scheduler.num_prefill_lookahead,
+            "num_hash_lookahead_tokens": getattr(scheduler, "num_hash_lookahead_tokens", 0),
+            "use_eagle": scheduler.kv_cache_manager.use_eagle}
+    for name, value in made.items():
+        if value != getattr(config, name):
+            raise ConfigError(
+                f"vLLM's scheduler drafts with {name} {value} where the workload's engine "
+                f"had {getattr(config, name)}", "kvtrace engine runs n-gram and single-module "
+                "MTP drafting (MTP before vLLM 0.33 with --no-lookahead-block-hashes: those "
+                "releases drop the last block); replay other drafters' captures with "
+                "kvtrace replay.")
 
 
 class Engine:

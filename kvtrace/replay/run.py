@@ -240,7 +240,7 @@ def read_source(path: str) -> Source:
                                         or a.max_tokens) for a in arrivals]
     for arrival in arrivals if config else ():
         check_request(arrival.req, arrival.prompt_len, arrival.max_tokens, arrival.hash_ids,
-                      config.hash_block_size)
+                      config.hash_block_size, config.num_hash_lookahead_tokens)
         check_hash_ids(arrival.req, arrival.output_hash_ids or ())
     return Source(path, reader.header, arrivals, reader.truncated,
                   reader.num_dropped or counts["dropped"], counts["calls"], file_digest(path),
@@ -541,8 +541,11 @@ def _source_warnings(source: Source, mode: str, warm: bool) -> list[str]:
                         f"tokens a step ({method}): the rescheduled replay draws its verifier's "
                         f"answers, each draft accepted with {source.draft_acceptance:.2f} (the "
                         "capture's rate), not the capture's own answers step by step"
-                        + ("; MTP and EAGLE's lookahead slots and block hashes are not "
-                           "modelled" if method in LOOKAHEAD_DRAFTERS else ""))
+                        + ("; its engine config, written by a kvtrace older than format "
+                           "1.4, does not say the drafter's lookahead slots and block hashes, "
+                           "which the replay then does not model"
+                           if method in LOOKAHEAD_DRAFTERS
+                           and not header.config.num_lookahead_tokens else ""))
     elif mode != "lockstep" and header.params.get("num_speculative_tokens", "0") != "0" and (
             not drafts):
         warnings.append(f"{source.path} was captured from an engine that drafts "

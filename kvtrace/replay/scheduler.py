@@ -32,13 +32,15 @@ Reproduced from ``vllm/v1/core/sched/scheduler.py`` (0.33.0), in our own code:
   flight): output placeholders, tokens in flight, stale output of a preempted request, each
   step's output taken after the next step is scheduled, ``update_from_output``'s
   ``cache_blocks``;
-* speculative decoding without lookahead (as n-gram drafting): drafts scheduled with the
-  sampled token, an admitted one-token decode padded with them, the verifier's answer drawn
-  (``accepted_drafts``), rejected drafts rolled back, the next drafts proposed (synchronously)
-  or held by placeholders (async).
+* speculative decoding: drafts scheduled with the sampled token, an admitted one-token decode
+  padded with them, the verifier's answer drawn (``accepted_drafts``), rejected drafts rolled
+  back, the next drafts proposed (synchronously) or held by placeholders (async); for a drafter
+  with a forward pass of its own (EAGLE, single-module MTP), the lookahead slots every
+  allocation reserves, and the Mamba checkpoint positions under lookahead block hashes or
+  EAGLE's dropped block (the hashes themselves are the backend's: ``num_hashed_units``).
 
-Not reproduced: priority scheduling, KV connectors and async loads, MTP/EAGLE's lookahead
-slots and lookahead hashes, structured output, encoder inputs and LoRA limits, pipeline
+Not reproduced: priority scheduling, KV connectors and async loads, multi-module MTP's prefill
+lookahead (a chunk never ending within it: refused), structured output, encoder inputs and LoRA limits, pipeline
 parallelism, the DP / local prefill cadence, stop strings or EOS (a captured request decodes as
 far as the capture saw it; a workload's, ``max_tokens``), deferred frees, the adaptive
 long-prefill threshold and the opt-in ``enable_mamba_shared_prefix_checkpoint``.
@@ -82,12 +84,14 @@ def accepted_drafts(request_id: str, num_output_tokens: int, num_drafts: int,
     return accepted
 
 
-def mamba_checkpoint_position(num_tokens: int, unit: int, drop_eagle_block: bool) -> int:
+def mamba_checkpoint_position(num_tokens: int, unit: int, drop_eagle_block: bool,
+                              hash_lookahead: int = 0) -> int:
     """The last reusable Mamba state boundary for a prefill of ``num_tokens`` (on ``unit``).
 
-    At least one token stays for the logits; with EAGLE one more unit is dropped instead
-    (vLLM ``get_mamba_prefill_checkpoint_position`` without hash lookahead)."""
-    limit = num_tokens if drop_eagle_block else num_tokens - 1
+    At least one token stays for the logits, and with lookahead block hashes the tokens the
+    boundary's hash covers; with EAGLE's dropped block one more unit is dropped instead (vLLM
+    ``get_mamba_prefill_checkpoint_position``)."""
+    limit = num_tokens if drop_eagle_block else num_tokens - max(1, hash_lookahead)
     position = limit // unit * unit - (unit if drop_eagle_block else 0)
     return max(position, 0)
 
@@ -104,6 +108,7 @@ class MambaAlignedSplit:
     has_checkpoint_blocks: bool
     checkpoint_alignment: int | None
     drop_eagle_block: bool = False
+    hash_lookahead: int = 0
 
     @classmethod
     def for_config(cls, config: EngineConfig, settings: SchedulerSettings) -> MambaAlignedSplit | None:
@@ -123,7 +128,13 @@ class MambaAlignedSplit:
             has_checkpoint_blocks=all(g.num_prefill_checkpoint_blocks > 0 for g in mamba),
             checkpoint_alignment=mamba[0].prefill_checkpoint_alignment,
             drop_eagle_block=config.use_eagle,
+            hash_lookahead=config.num_hash_lookahead_tokens,
         )
+
+    def checkpoint_position(self, num_tokens: int, unit: int) -> int:
+        """``mamba_checkpoint_position`` under this engine's EAGLE/MTP rules."""
+        return mamba_checkpoint_position(num_tokens, unit, self.drop_eagle_block,
+                                         self.hash_lookahead)
 
     def checkpoint_valid(self, start: int, end: int, position: int) -> bool:
         """Whether the backend can export an internal checkpoint at ``position`` from the chunk
@@ -149,13 +160,13 @@ class MambaAlignedSplit:
             return num_new_tokens
         block = self.block_size
         end = start + num_new_tokens
-        last_cache_position = mamba_checkpoint_position(num_tokens, block, self.drop_eagle_block)
+        last_cache_position = self.checkpoint_position(num_tokens, block)
         checkpoint_unit = self.hash_block_size if self.partial_cache_hit else block
         internal_checkpoint = (
             self.has_checkpoint_blocks
             and end >= prefill_end
-            and self.checkpoint_valid(
-                start, end, mamba_checkpoint_position(prefill_end, checkpoint_unit, self.drop_eagle_block))
+            and self.checkpoint_valid(start, end,
+                                      self.checkpoint_position(prefill_end, checkpoint_unit))
         )
         if internal_checkpoint:
             last_cache_position = 0  # the backend saves the state inside the final chunk
@@ -165,7 +176,7 @@ class MambaAlignedSplit:
             if aligned_end > start or block <= self.max_prefill_tokens:
                 end = aligned_end
         tail_checkpoint = (
-            mamba_checkpoint_position(num_prompt_tokens, self.hash_block_size, self.drop_eagle_block)
+            self.checkpoint_position(num_prompt_tokens, self.hash_block_size)
             if self.partial_cache_hit and not internal_checkpoint
             else 0
         )
@@ -308,6 +319,13 @@ class Scheduler:
             deque() if self.config.async_scheduling else None)
         self.finished_unreported = False
         self.num_speculative_tokens = self.config.num_speculative_tokens
+        self.num_lookahead_tokens = self.config.num_lookahead_tokens
+        if self.config.num_prefill_lookahead_tokens > 1:
+            raise ConfigError(
+                "the engine drafts with multi-module MTP (num_prefill_lookahead_tokens "
+                f"{self.config.num_prefill_lookahead_tokens}), whose prefill chunking the "
+                "rescheduled replay does not reproduce",
+                "Verify its capture with --lockstep, which replays the captured calls.")
 
     def has_requests(self) -> bool:
         """vLLM's ``Scheduler.has_requests``: unfinished requests, or finished ones to report."""
@@ -463,7 +481,8 @@ class Scheduler:
                 if num_new == 0:
                     index += 1
                     continue
-            while not allocate_slots(request.req, num_new):
+            while not allocate_slots(request.req, num_new,
+                                     num_lookahead_tokens=self.num_lookahead_tokens):
                 victim = running.pop()  # FCFS: the last running request
                 self._preempt(victim)
                 preempted = True
@@ -514,6 +533,7 @@ class Scheduler:
                 break
             if not self.backend.allocate_slots(
                     request.req, num_new, num_new_computed_tokens=num_hit,
+                    num_lookahead_tokens=self.num_lookahead_tokens,
                     full_sequence_must_fit=self.settings.reserve_full_sequence):
                 break
             self.waiting.popleft()

@@ -16,7 +16,8 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, NoReturn
 
-from kvtrace.engine_config import MAX_REQUEST_TOKENS, check_pool_fits, hash_id_out_of_range
+from kvtrace.engine_config import (MAX_REQUEST_TOKENS, check_pool_fits, hash_id_out_of_range,
+                                   num_hashed_units)
 from kvtrace.errors import ConfigError, KvtraceError
 from kvtrace.events import EngineConfig, RequestBlocksState, RequestQueue, RequestState
 from kvtrace.probes.snapshot import field_size
@@ -163,6 +164,7 @@ class _Check:
 
     def check_requests(self) -> None:
         snapshot, unit = self.snapshot, self.config.hash_block_size
+        lookahead = self.config.num_hash_lookahead_tokens
         if len({r.req for r in snapshot.requests}) != len(snapshot.requests):
             self.refuse("lists a request twice")
         for request in snapshot.requests:
@@ -175,10 +177,10 @@ class _Check:
                 self.refuse(f"has request {request.req} {status!r} in the "
                             f"{getattr(request.queue, 'name', request.queue)} queue")
             self.check_lengths(record, request)
-            if len(request.hash_ids) != request.num_tokens // unit:
+            num_units = num_hashed_units(request.num_tokens, unit, lookahead)
+            if len(request.hash_ids) != num_units:
                 self.refuse(f"{record} has {len(request.hash_ids)} hash_ids for its "
-                            f"{request.num_tokens} tokens; hash unit {unit} makes "
-                            f"{request.num_tokens // unit}")
+                            f"{request.num_tokens} tokens; hash unit {unit} makes {num_units}")
             self.check_hash_ids(record, request.hash_ids)
             if status in UNADMITTED_STATUSES and request.num_computed_tokens:
                 self.refuse(f"{record} has num_computed_tokens {request.num_computed_tokens}, "

@@ -14,10 +14,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from kvtrace.engine_config import FIRST_MADE_UP_HASH_ID, check_added_request, validate
+from kvtrace.engine_config import (FIRST_MADE_UP_HASH_ID, check_added_request, num_hashed_units,
+                                   validate)
 from kvtrace.errors import ConfigError, KvtraceError
 from kvtrace.events import EngineConfig, FinishStatus, HashInterner
 from kvtrace.probes import CacheProbes
+from kvtrace.probes.signatures import installed_vllm_version, release_has
 from kvtrace.replay.backend import RecordSink, started, take_pending_hit, tokens_to_sync
 from kvtrace.replay.variants import get_variant
 
@@ -60,19 +62,21 @@ class MadeUpHashIds:
 
 
 class _RequestHashes:
-    """A request's block hasher: hands out the next hash ids as its tokens fill hash units."""
+    """A request's block hasher: hands out the next hash ids as its tokens fill hash units
+    (with lookahead block hashes, as the tokens after them arrive too)."""
 
-    __slots__ = ("hash_ids", "hash_block_size", "made_up_hash_id")
+    __slots__ = ("hash_ids", "hash_block_size", "hash_lookahead", "made_up_hash_id")
 
-    def __init__(self, hash_ids: list[int], hash_block_size: int,
+    def __init__(self, hash_ids: list[int], hash_block_size: int, hash_lookahead: int,
                  made_up_hash_id: Callable[[], int]) -> None:
         self.hash_ids = hash_ids
         self.hash_block_size = hash_block_size
+        self.hash_lookahead = hash_lookahead
         self.made_up_hash_id = made_up_hash_id  # for units past the known ones (decode)
 
     def __call__(self, request: Any) -> list[bytes]:
         start = len(request.block_hashes)
-        stop = request.num_tokens // self.hash_block_size
+        stop = num_hashed_units(request.num_tokens, self.hash_block_size, self.hash_lookahead)
         while len(self.hash_ids) < stop:
             self.hash_ids.append(self.made_up_hash_id())
         return [hash_bytes_of(hash_id) for hash_id in self.hash_ids[start:stop]]
@@ -113,11 +117,10 @@ class VllmBackend:
 
     def add_request(self, req: int, prompt_len: int, hash_ids: list[int], max_tokens: int,
                     output_hash_ids: list[int] | None = None) -> None:
-        unit = self.config.hash_block_size
         check_added_request(self.config, req, prompt_len, hash_ids, max_tokens,
                             req in self._requests)
         known_ids = [*hash_ids, *(output_hash_ids or ())]
-        self._requests[req] = new_request(req, prompt_len, max_tokens, known_ids, unit,
+        self._requests[req] = new_request(req, prompt_len, max_tokens, known_ids, self.config,
                                           self.made_up_hash_id)
 
     def get_computed_blocks(self, req: int) -> tuple[int, int]:
@@ -197,11 +200,10 @@ class VllmBackend:
 
         from kvtrace.probes import snapshot as live_snapshot
 
-        unit = self.config.hash_block_size
         for state in snapshot.requests:
             known_ids = [*state.hash_ids, *snapshot.output_hash_ids.get(state.req, ())]
-            request = new_request(state.req, state.prompt_len, state.max_tokens, known_ids, unit,
-                                  self.made_up_hash_id)
+            request = new_request(state.req, state.prompt_len, state.max_tokens, known_ids,
+                                  self.config, self.made_up_hash_id)
             if state.num_tokens > state.prompt_len:
                 request.append_output_token_ids([0] * (state.num_tokens - state.prompt_len))
             request.num_computed_tokens = state.num_computed_tokens
@@ -211,7 +213,7 @@ class VllmBackend:
             request.shared_prefix_boundary = state.shared_prefix_boundary
             self._requests[state.req] = request
             if self.probes is not None:
-                self.probes.adopt_request(request, unit)
+                self.probes.adopt_request(request, self.config.hash_block_size)
         if self.probes is not None:
             for key in snapshot.keys:
                 if key.num_tokens > 0:
@@ -288,9 +290,9 @@ class _ByteInterner:
 
 
 def new_request(req: int, prompt_len: int, max_tokens: int, hash_ids: list[int],
-                hash_block_size: int, made_up_hash_id: MadeUpHashIds) -> Any:
+                config: EngineConfig, made_up_hash_id: MadeUpHashIds) -> Any:
     """A vLLM ``Request`` for workload request ``req``: placeholder tokens, the workload's hash
-    ids as its block hashes, made-up ones past them."""
+    ids as its block hashes (hashed as ``config``'s engine hashes), made-up ones past them."""
     from vllm.sampling_params import SamplingParams
     from vllm.v1.request import Request
 
@@ -299,7 +301,9 @@ def new_request(req: int, prompt_len: int, max_tokens: int, hash_ids: list[int],
     return Request(str(req), [0] * prompt_len,
                    SamplingParams(max_tokens=max(1, max_tokens)), None,
                    arrival_time=0.0,
-                   block_hasher=_RequestHashes(hash_ids, hash_block_size, made_up_hash_id))
+                   block_hasher=_RequestHashes(hash_ids, config.hash_block_size,
+                                               config.num_hash_lookahead_tokens,
+                                               made_up_hash_id))
 
 
 def kv_cache_config_of(config: EngineConfig) -> Any:
@@ -336,12 +340,29 @@ def _build_manager(config: EngineConfig) -> Any:
     from vllm.v1.core.kv_cache_manager import KVCacheManager
 
     kv_cache_config = kv_cache_config_of(config)
+    lookahead = lookahead_hashes(config)
     try:
         return KVCacheManager(kv_cache_config,
                               max_model_len=config.max_model_len or UNLIMITED_MODEL_LEN,
                               scheduler_block_size=config.scheduler_block_size,
                               hash_block_size=config.hash_block_size,
-                              enable_caching=config.enable_caching)
+                              enable_caching=config.enable_caching, use_eagle=config.use_eagle,
+                              num_prefill_lookahead=config.num_prefill_lookahead_tokens,
+                              **lookahead)
     except (AssertionError, ValueError) as error:
         raise ConfigError(f"vLLM rejected the engine config: {error or type(error).__name__}"
                           ) from error
+
+
+def lookahead_hashes(config: EngineConfig) -> dict[str, int]:
+    """The running release's ``KVCacheManager`` argument for ``config``'s lookahead block
+    hashes: none before 0.33, which had none (its EAGLE/MTP dropped the last block instead,
+    a rule this trace's hashes, each covering the next tokens, cannot be replayed under)."""
+    if release_has("BlockPool.num_hash_lookahead_tokens"):
+        return {"num_hash_lookahead_tokens": config.num_hash_lookahead_tokens}
+    if config.num_hash_lookahead_tokens:
+        raise ConfigError(
+            f"the engine hashed each block with the {config.num_hash_lookahead_tokens} tokens "
+            f"after it (lookahead block hashes), which vLLM {installed_vllm_version()} does "
+            "not have", "Replay it on vLLM 0.33 (a variant that is not a vllm-X release).")
+    return {}

@@ -10,7 +10,7 @@ that only wants its summary gets a counting backend: no record is made, the figu
 as the reports are made (``reports.Tally``).
 
 Scope: the engines ``kvtrace.engine_config.validate`` accepts (full-attention and Mamba
-"align" groups, no EAGLE, no KV connector, no speculative or lookahead blocks in Mamba).
+"align" groups, no EAGLE or MTP, no KV connector, no speculative or lookahead blocks in Mamba).
 """
 
 from __future__ import annotations
@@ -558,6 +558,12 @@ def check_vllm_accepts(config: EngineConfig) -> None:
         raise ConfigError(
             f"the engine drafts {config.num_speculative_tokens} tokens a step, and the model "
             "backend keeps no speculative Mamba state blocks",
+            "Replay it on the vllm backend (--backend vllm, the default).")
+    if (config.use_eagle or config.num_lookahead_tokens or config.num_hash_lookahead_tokens
+            or config.num_prefill_lookahead_tokens):
+        raise ConfigError(
+            "the engine drafts with EAGLE or MTP (lookahead slots, lookahead block hashes or "
+            "the dropped last block), which the model backend does not reproduce",
             "Replay it on the vllm backend (--backend vllm, the default).")
     retention = config.retention_interval
     if retention and not any(g.kind == "mamba" for g in groups):
