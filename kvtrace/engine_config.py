@@ -15,8 +15,8 @@ Imports: stdlib, msgspec, events and errors only (every stage imports this modul
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from math import lcm
 
 import msgspec
@@ -61,8 +61,10 @@ class SchedulerSettings:
     # The clock counts steps, every one (a capture's arrivals on its own step numbers,
     # ``captured.StepClock``), instead of time.
     step_clock: bool = False
-    # A drafting engine's verifier: the chance it accepts each draft token in turn.
+    # A drafting engine's verifier: the chance it accepts each draft token in turn, and (a
+    # capture's replay) its own answers, by (request, tokens when the step was scheduled).
     draft_acceptance: float = 0.7
+    draft_answers: Mapping[tuple[int, int], int] = field(default_factory=dict)
 
     @classmethod
     def from_config(cls, config: EngineConfig, **overrides: int | None) -> SchedulerSettings:

@@ -262,3 +262,35 @@ def test_each_drafters_hits_by_hand(drafter, expected_hits):
     records = assert_same_schedule(workload)
     hits = [r.num_hit_tokens for r in records if isinstance(r, ComputedBlocksFound)]
     assert tuple(hits) == expected_hits
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+@pytest.mark.parametrize("drafter", ["ngram", "mtp"])
+def test_the_verifiers_answers_read_off_a_capture_replay_its_run(tmp_path, async_scheduling,
+                                                                  drafter):
+    """The answers a capture's verifier gave (``DraftAcceptance.answers``, read off its
+    outputs) replace the draw: vLLM's scheduler ran with drafts accepted at 0.7, the model
+    runs with a fallback rate of 0 (every drawn draft rejected), and still makes vLLM's
+    records, record for record: every step's answer came from the capture."""
+    from kvtrace.events import TraceHeader
+    from kvtrace.replay.run import read_source
+    from kvtrace.traceio import TraceWriter
+
+    workload = drafting_workload(tmp_path, "chat", 26, async_scheduling, drafter)
+    captured = through_vllm(workload)
+    path = tmp_path / "capture.kvtrace"
+    with open(path, "wb") as file:
+        writer = TraceWriter(file, TraceHeader(kvtrace_version="test", created_ns=0,
+                                               source="capture", config=workload.config))
+        for record in captured:
+            writer.write(record)
+        writer.close()
+    answers = read_source(str(path)).draft_answers
+    assert sum(answers.values()) > 100, "the capture's verifier accepted drafts"
+    replayed = dataclasses.replace(workload, settings=dataclasses.replace(
+        workload.settings, draft_acceptance=0.0, draft_answers=answers))
+    expected, got = comparable(captured), comparable(through_model(replayed))
+    first = next((i for i, (a, b) in enumerate(zip(expected, got)) if a != b), None)
+    assert first is None, f"record {first}: vLLM {expected[first]!r}, model {got[first]!r}"
+    assert len(expected) == len(got)

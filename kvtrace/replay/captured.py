@@ -22,11 +22,13 @@ Both are fed a trace's batches and read its columns with numpy, never record by 
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
 
-from kvtrace.events import ComputedBlocksFound, RequestArrived, SlotsAllocated, StepStarted
+from kvtrace.events import (BlocksCached, ComputedBlocksFound, RequestArrived,
+                            RequestPreempted, SlotsAllocated, StepStarted)
 from kvtrace.replay.snapshot_checks import StatePlacement
 from kvtrace.traceio import RecordBatch
 
@@ -78,16 +80,36 @@ class CaptureEnds:
         return max(1, num_tokens - prompt_len)
 
 
+_STEP_RECORDS = (SlotsAllocated, BlocksCached, RequestPreempted)
+
+
 class DraftAcceptance:
     """How often a drafting engine's verifier accepted its drafts, read off the capture: over
     the consecutive decode steps of a request that carried drafts, the tokens a step added
     beyond its sampled one are the drafts it accepted. ``rate`` turns that into the chance of
-    accepting each draft in turn (``scheduler.accepted_drafts``' model) that gives as many."""
+    accepting each draft in turn (``scheduler.accepted_drafts``' model) that gives as many.
 
-    def __init__(self) -> None:
+    ``answers`` (kept for an engine that drafts, as the header says: no other is asked) holds
+    the verifier's answer of each step by (request, its tokens when the step was scheduled),
+    where the scheduler model asks for it: each step whose chunk reached the request's last
+    token (a successful ``SlotsAllocated``) is paired, in order, with the next output the
+    scheduler cached for it (``BlocksCached``, in ``update_from_output``); the output added
+    1 + the accepted drafts to what the request held before it. A preemption makes the
+    outputs of the request's steps in flight stale: vLLM appends them but caches nothing, so
+    what they added shows only when the request is admitted again."""
+
+    def __init__(self, drafting: bool = True) -> None:
         self._rows: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # req, num_tokens, new
+        self.drafting = drafting
+        self.answers: dict[tuple[int, int], int] = {}
+        self._scheduled: dict[int, deque[int]] = {}  # req -> its sampling steps in flight
+        self._held: dict[int, int] = {}  # req -> its tokens after its last output
+        self._stale: dict[int, list[int]] = {}  # req -> its steps a preemption made stale
 
     def add_batch(self, batch: RecordBatch) -> None:
+        if self.drafting:
+            for row in batch.field_rows(_STEP_RECORDS):
+                self._pair(row)
         if SlotsAllocated not in batch.types:
             return
         req, num_new, num_computed, _, _, _, num_tokens, success = allocation_columns(
@@ -95,6 +117,35 @@ class DraftAcceptance:
         drafting = (success != 0) & (num_new > 1) & (num_computed + 1 >= num_tokens)
         if drafting.any():
             self._rows.append((req[drafting], num_tokens[drafting], num_new[drafting]))
+
+    def _pair(self, row: tuple) -> None:
+        kind, req = row[0], row[1]
+        if kind is SlotsAllocated:
+            _, _, num_new, num_computed, num_new_computed, _, _, num_tokens, success = row[:9]
+            if not success:
+                return
+            stale = self._stale.pop(req, None)
+            if stale:  # resumed: the stale outputs were appended meanwhile, uncached
+                extra = num_tokens - max(self._held.get(req, 0), stale[0]) - len(stale)
+                for scheduled_at in stale:  # only their sum matters: none counts or caches
+                    self.answers[(req, scheduled_at)] = max(extra, 0)
+                    extra = 0
+                self._held[req] = num_tokens
+            if num_computed + num_new_computed + num_new >= num_tokens:
+                self._scheduled.setdefault(req, deque()).append(num_tokens)
+        elif kind is BlocksCached:
+            num_tokens = row[4]
+            scheduled = self._scheduled.get(req)
+            if scheduled:
+                scheduled_at = scheduled.popleft()
+                before = max(self._held.get(req, 0), scheduled_at)
+                if num_tokens > before:
+                    self.answers[(req, scheduled_at)] = num_tokens - before - 1
+            self._held[req] = num_tokens
+        else:  # RequestPreempted: the outputs of its steps in flight arrive stale
+            scheduled = self._scheduled.pop(req, None)
+            if scheduled:
+                self._stale[req] = list(scheduled)
 
     def rate(self) -> float | None:
         """The per-draft acceptance, or None where no request made two drafting steps."""

@@ -128,13 +128,15 @@ class Source:
     step_fit: StepFit | None = None  # how long the captured engine's steps took
     step_clock: StepClock | None = None  # the captured engine's steps, as a clock
     draft_acceptance: float | None = None  # a drafting engine's, as the capture shows it
+    draft_answers: dict[tuple[int, int], int] = dataclasses.field(default_factory=dict)
 
     def scheduler_settings(self, settings: SchedulerSettings) -> SchedulerSettings:
         """``settings`` for a run of this source: a capture's arrivals join on the captured
         steps they joined (``step_clock``), else on its engine's clock with steps that cost
         what the engine's did (``step_fit``)."""
         if self.draft_acceptance is not None:
-            settings = dataclasses.replace(settings, draft_acceptance=self.draft_acceptance)
+            settings = dataclasses.replace(settings, draft_acceptance=self.draft_acceptance,
+                                           draft_answers=self.draft_answers)
         if self.step_clock is not None:
             return dataclasses.replace(settings, step_clock=True)
         if self.step_fit is None:
@@ -206,7 +208,9 @@ def read_source(path: str) -> Source:
     counts: Counter = Counter()
     state: list[Record] = []
     in_flight: set[int] = set()
-    ends, step_costs, acceptance = CaptureEnds(), StepCosts(), DraftAcceptance()
+    config = reader.header.config  # without one, replay refuses the source anyway
+    ends, step_costs = CaptureEnds(), StepCosts()
+    acceptance = DraftAcceptance(drafting=config is not None and config.num_speculative_tokens > 0)
 
     def counted(batches):
         for batch in batches:
@@ -226,7 +230,6 @@ def read_source(path: str) -> Source:
 
     in_flight_outputs: dict[int, Any] = {}
     arrivals = arrivals_of(counted(reader.batches()), in_flight, in_flight_outputs)
-    config = reader.header.config  # without one, replay refuses the source anyway
     if config is not None:
         check_possible(config)
     snapshot = snapshot_of(state)
@@ -247,7 +250,8 @@ def read_source(path: str) -> Source:
                   snapshot, ends if counts["calls"] else None,
                   step_costs.fit() if counts["calls"] else None,
                   step_costs.clock() if counts["calls"] else None,
-                  acceptance.rate() if counts["calls"] else None)
+                  acceptance.rate() if counts["calls"] else None,
+                  acceptance.answers if counts["calls"] else {})
 
 
 # --- summaries ----------------------------------------------------------------------------------
@@ -538,9 +542,11 @@ def _source_warnings(source: Source, mode: str, warm: bool) -> list[str]:
     method = header.params.get("speculative_method") or "?"
     if mode != "lockstep" and drafts and source.draft_acceptance is not None:
         warnings.append(f"{source.path} was captured from an engine that drafts {drafts} "
-                        f"tokens a step ({method}): the rescheduled replay draws its verifier's "
-                        f"answers, each draft accepted with {source.draft_acceptance:.2f} (the "
-                        "capture's rate), not the capture's own answers step by step"
+                        f"tokens a step ({method}): the rescheduled replay answers a step's "
+                        "drafts as the capture's verifier did at the same request and position "
+                        f"({len(source.draft_answers):,} answers), and draws the others (a "
+                        "schedule the capture did not run), each draft accepted with "
+                        f"{source.draft_acceptance:.2f} (the capture's rate)"
                         + ("; its engine config, written by a kvtrace older than format "
                            "1.4, does not say the drafter's lookahead slots and block hashes, "
                            "which the replay then does not model"

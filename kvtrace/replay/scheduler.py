@@ -598,14 +598,23 @@ class Scheduler:
             accepted = 0
             if samples:
                 if num_drafts:
-                    accepted = accepted_drafts(str(request.req), request.num_output_tokens,
-                                               num_drafts, self.settings.draft_acceptance)
+                    accepted = self._verify(request, num_drafts)
                 if is_async:
                     request.num_output_placeholders += 1 + num_drafts
                     request.num_drafts = num_speculative_tokens
             scheduled[index] = (request, num_new, samples, num_drafts, accepted)
             sync_request(request.req, request.num_computed_tokens, request.num_tokens,
                          request.num_in_flight_tokens)
+
+    def _verify(self, request: _Request, num_drafts: int) -> int:
+        """The verifier's answer to a step's drafts: the capture's own for this request at
+        this position where it has one (``SchedulerSettings.draft_answers``), else drawn."""
+        settings = self.settings
+        answer = settings.draft_answers.get((request.req, request.num_tokens))
+        if answer is not None:
+            return min(answer, num_drafts)
+        return accepted_drafts(str(request.req), request.num_output_tokens, num_drafts,
+                               settings.draft_acceptance)
 
     def _update_from_output(self, scheduled: list) -> None:
         """``Scheduler.update_from_output`` of a step (async: scheduled one step ago): roll
