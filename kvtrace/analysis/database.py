@@ -549,6 +549,26 @@ def create_views(connection) -> None:
         connection.execute(f"CREATE OR REPLACE VIEW {name} AS {body}")
 
 
+DUCKDB_MAGIC_OFFSET, DUCKDB_MAGIC = 8, b"DUCK"
+
+
+def is_database_file(path: str, purpose: str) -> bool:
+    """Whether ``path`` is a DuckDB file rather than a trace or a replay directory (a regular
+    file is required: ``purpose`` says why)."""
+    from kvtrace.errors import TraceNotFoundError
+    from kvtrace.files import require_regular_file
+
+    if os.path.isdir(path):
+        return False
+    require_regular_file(path, purpose)
+    try:
+        with open(path, "rb") as file:
+            head = file.read(DUCKDB_MAGIC_OFFSET + len(DUCKDB_MAGIC))
+    except OSError as error:
+        raise TraceNotFoundError(f"cannot open {path}: {error.strerror}") from None
+    return head[DUCKDB_MAGIC_OFFSET:] == DUCKDB_MAGIC
+
+
 def open_database(path: str | os.PathLike, *, read_only: bool = True, unsafe: bool = False,
                   writable_dirs: tuple[str, ...] = ()):
     """Open a forensics DB, refusing a missing file, a non-kvtrace file and a newer schema.

@@ -26,6 +26,7 @@ COMMAND_MODULES = {
     "sql": "sql",
     "report": "report",
     "why": "why",
+    "doctor": "doctor",
     "export": "export",
     "capture": "capture",
     "synth": "synth",

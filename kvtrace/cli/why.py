@@ -6,9 +6,6 @@ import os
 
 import click
 
-DUCKDB_MAGIC_OFFSET, DUCKDB_MAGIC = 8, b"DUCK"
-
-
 @click.command("why")
 @click.argument("source", type=click.Path(exists=True))
 @click.option("-r", "--request", "request", required=True, metavar="ID",
@@ -60,7 +57,11 @@ def _traces(source: str, variants: set[str]) -> list[str]:
     from kvtrace.errors import KvtraceError
     from kvtrace.traceio import TraceReader
 
-    paths = _database_traces(source) if _is_database(source) else trace_paths([source])
+    from kvtrace.analysis.database import is_database_file
+
+    paths = (_database_traces(source) if is_database_file(source, "kvtrace why reads it more "
+                                                                  "than once")
+             else trace_paths([source]))
     if not variants:
         return paths
     kept = []
@@ -72,21 +73,6 @@ def _traces(source: str, variants: set[str]) -> list[str]:
         raise KvtraceError(f"no run of variant {', '.join(sorted(variants))} in {source}",
                            "Drop --variant to see every run, or name a variant it has.")
     return kept
-
-
-def _is_database(path: str) -> bool:
-    from kvtrace.files import require_regular_file
-    from kvtrace.errors import TraceNotFoundError
-
-    if os.path.isdir(path):
-        return False
-    require_regular_file(path, "kvtrace why reads it more than once")
-    try:
-        with open(path, "rb") as file:
-            head = file.read(DUCKDB_MAGIC_OFFSET + len(DUCKDB_MAGIC))
-    except OSError as error:
-        raise TraceNotFoundError(f"cannot open {path}: {error.strerror}") from None
-    return head[DUCKDB_MAGIC_OFFSET:] == DUCKDB_MAGIC
 
 
 def _database_traces(db: str) -> list[str]:
