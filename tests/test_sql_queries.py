@@ -25,7 +25,7 @@ EXPECTED = {"prefix_hotness", "checkpoint_pushouts", "lost_hits_by_prefix", "hit
             "eviction_causes", "checkpoint_publications", "stale_key_hazards", "cache_occupancy",
             "pushed_out_prefixes", "miss_attribution", "miss_attribution_summary",
             "recompute_gpu_seconds", "variant_verdict", "pushout_lookups", "request_causes",
-            "sweep_break_even"}
+            "sweep_break_even", "diagnosis", "counter_reconciliation"}
 
 
 GOLDEN = [Path(__file__).parent / "data" / f"forensics-v1-{v}.kvtrace" for v in ("unfixed", "fixed")]

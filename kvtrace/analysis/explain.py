@@ -12,6 +12,7 @@ from kvtrace.analysis.attribution import (
     Removal,
     Segment,
 )
+from kvtrace.analysis.diagnosis import CAUSE_MECHANISMS, PREEMPTION
 from kvtrace.analysis.load import run_labels
 from kvtrace.analysis.queries import Result
 from kvtrace.events import RemoveReason, TraceHeader, enum_label
@@ -95,9 +96,16 @@ def _describe_lookup(lookup: LookupAttribution, config) -> list[str]:
         for segment in segments:
             lines.append(f"    tokens {segment.start:,}-{segment.end:,} ({segment.tokens:,}"
                          f"{_blocks(segment, config)}): {segment.cause} - "
-                         f"{DESCRIPTIONS[segment.cause]}.")
+                         f"{DESCRIPTIONS[segment.cause]}{_mechanism(lookup, segment.cause)}.")
             lines += [f"      {_describe_key(key, config)}" for key in segment.keys]
     return lines
+
+
+def _mechanism(lookup: LookupAttribution, cause: str) -> str:
+    """The finding ``kvtrace doctor`` files these tokens under (a resumed lookup's, all of
+    them, under preemption-recompute), as a suffix."""
+    mechanism = PREEMPTION if lookup.lookup > 1 else CAUSE_MECHANISMS.get(cause)
+    return f" [doctor: {mechanism}]" if mechanism else ""
 
 
 def _blocks(segment, config) -> str:

@@ -164,6 +164,7 @@ class ReportData:
     break_even: Result
     hits_went: Result
     explanations: dict[tuple[int, int], str] = field(default_factory=dict)
+    diagnoses: list = field(default_factory=list)  # kvtrace doctor's, without predictions
 
     def table(self, key: str) -> Table:
         return next(table for table in self.tables if table.key == key)
@@ -221,6 +222,9 @@ def collect(connection, db: str, *, bucket_steps: int = 10, min_hits: int = 2,
         hits_went=hits_went(attribution),
     )
     if attribution is not None:
+        from kvtrace.analysis.diagnosis import diagnose
+
+        data.diagnoses = diagnose(connection, db, pricing=priced)
         headers = {row[0]: msgspec.json.decode(row[4], type=TraceHeader) for row in runs.rows}
         paths = {row[0]: row[2] for row in runs.rows}
         for run, req in _drill_down_requests(pushouts, lookups):
@@ -600,11 +604,10 @@ def _verdict_text(data: ReportData, bullet: str, escape, code,
                   title=lambda text: text) -> list[str]:
     """The verdict block's lines, shared by the terminal and Markdown (``escape`` shows what
     came from the database, ``code`` marks a command, ``title`` a pair's heading)."""
-    if not data.verdicts:
-        return [f"{bullet}No pair of variants replayed from one source: replay the traffic "
-                f"under two variants (kvtrace replay SOURCE --variant unfixed --variant fixed "
-                f"--db DB) for a verdict.\n"]
-    lines = []
+    lines = [] if data.verdicts else [
+        f"{bullet}No pair of variants replayed from one source: replay the traffic under two "
+        f"variants (kvtrace replay SOURCE --variant unfixed --variant fixed --db DB) for a "
+        "verdict.\n"]
     for verdict in (_inert_verdict(v, data.pricing, escape) for v in data.verdicts):
         lines.append(f"{title(verdict_title(verdict))}\n")
         lines.append(f"{bullet}{verdict.advice}\n")
@@ -612,9 +615,37 @@ def _verdict_text(data: ReportData, bullet: str, escape, code,
         if verdict.prefixes:
             lines.append(f"{bullet}top pushed-out prefixes (run {verdict.row['from_run']}): "
                          + "; ".join(prefix_phrase(p) for p in verdict.prefixes) + "\n")
-    lines.append(f"{bullet}{data.pricing.describe(escape(m) for m in data.cost_models if m)}\n")
-    lines.append(f"{bullet}Reproduce: {code(data.verdict_command)}; prefixes: "
-                 f"{code(data.table('pushouts').command)}\n")
+    if data.verdicts:
+        lines.append(f"{bullet}{data.pricing.describe(escape(m) for m in data.cost_models if m)}"
+                     "\n")
+        lines.append(f"{bullet}Reproduce: {code(data.verdict_command)}; prefixes: "
+                     f"{code(data.table('pushouts').command)}\n")
+    lines += [f"{bullet}{escape(line)}\n" for line in diagnosis_lines(data)]
+    if data.diagnoses:
+        lines.append(f"{bullet}Each finding's evidence, and what a replay of its change "
+                     f"predicts: {code(f'kvtrace doctor {data.db}')}\n")
+    return lines
+
+
+def diagnosis_lines(data: ReportData) -> list[str]:
+    """Per run, kvtrace doctor's findings (the same diagnosis, without predictions): the top
+    ones with their share of the missed prefill and what to change."""
+    from kvtrace.analysis.diagnosis import OVERCOUNT
+
+    lines = []
+    for diagnosis in data.diagnoses:
+        label = data.labels.runs.get(diagnosis.run, str(diagnosis.run))
+        if not diagnosis.findings:
+            lines.append(f"run {label}: no mechanism reaches {diagnosis.threshold:.0%} of the "
+                         "missed prefill")
+            continue
+        findings = "; ".join(
+            f"{f.id} ({f.tokens:,} hit tokens counted twice)" if f.id == OVERCOUNT
+            else f"{f.id} ({f.share_of_missed:.1%} of the missed prefill)"
+            for f in diagnosis.findings[:TOP_VERDICT_PREFIXES])
+        top = diagnosis.findings[0]
+        lines.append(f"run {label}: why it misses (kvtrace doctor): {findings}. "
+                     f"{top.mechanism.name}: {top.mechanism.action}")
     return lines
 
 

@@ -24,6 +24,7 @@ from kvtrace.analysis.report import (
     ReportData,
     Table,
     prefix_phrase,
+    diagnosis_lines,
     verdict_lines,
     verdict_title,
 )
@@ -189,6 +190,12 @@ def _verdict_html(data: ReportData) -> str:
         parts.append(f'<p class="note">{_e(data.priced_as)}</p>')
         parts.append(f'<p class="note">Reproduce: <code>{_e(data.verdict_command)}</code>; the '
                      f'prefixes: <code>{_e(data.table("pushouts").command)}</code></p>')
+    diagnosis = diagnosis_lines(data)
+    if diagnosis:
+        parts.append("<h3>Why it misses (kvtrace doctor)</h3><ul>"
+                     + "".join(f"<li>{_e(line)}</li>" for line in diagnosis)
+                     + f'</ul><p class="note">Evidence and predictions: '
+                       f'<code>{_e(f"kvtrace doctor {data.db}")}</code></p>')
     parts.append("</section>")
     return "".join(parts)
 

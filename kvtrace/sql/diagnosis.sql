@@ -31,21 +31,21 @@ totals AS (
     FROM per_lookup
     GROUP BY run, resumed),
 per_request AS (
-    SELECT m.run, m.resumed, m.cause, m.req, sum(m.tokens) AS tokens,
-           sum((c.per_token * m.tokens
-                + c.per_position * (m.to_tokens * (m.to_tokens + 1)
-                                    - m.from_tokens * (m.from_tokens + 1)) / 2)
-               / $gpu_flops_per_s) AS gpu_seconds,
-           any_value(c.cost_model) AS cost_model
-    FROM miss_attribution m
-    JOIN run_costs($flops_per_token, $flops_per_position) c ON c.run = m.run
-    GROUP BY m.run, m.resumed, m.cause, m.req),
+    SELECT run, resumed, cause, req, sum(tokens) AS tokens,
+           sum(to_tokens * (to_tokens + 1) - from_tokens * (from_tokens + 1)) AS positions
+    FROM miss_attribution
+    GROUP BY run, resumed, cause, req),
 per_cause AS (
-    SELECT run, resumed, cause, sum(tokens) AS tokens, sum(gpu_seconds) AS gpu_seconds,
-           any_value(cost_model) AS cost_model,
-           list(req ORDER BY tokens DESC, req)[1:3] AS examples
-    FROM per_request
-    GROUP BY run, resumed, cause),
+    -- Integer sums, priced once per cause: the same figures whatever order DuckDB adds in.
+    SELECT p.run, p.resumed, p.cause, sum(p.tokens) AS tokens,
+           (any_value(c.per_token) * sum(p.tokens)
+            + any_value(c.per_position) * sum(p.positions) / 2) / $gpu_flops_per_s
+               AS gpu_seconds,
+           any_value(c.cost_model) AS cost_model,
+           list(p.req ORDER BY p.tokens DESC, p.req)[1:3] AS examples
+    FROM per_request p
+    JOIN run_costs($flops_per_token, $flops_per_position) c ON c.run = p.run
+    GROUP BY p.run, p.resumed, p.cause),
 spans AS (
     SELECT a.run, (max(s.ts_ns) - min(a.first_arrival)) / 3.6e12 AS hours
     FROM (SELECT run, min(arrival_ns) AS first_arrival FROM request_arrived GROUP BY run) a
