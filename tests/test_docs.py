@@ -12,6 +12,7 @@ import click
 import pytest
 from click.testing import CliRunner
 
+from kvtrace.analysis.diagnosis import MECHANISMS
 from kvtrace.cli import COMMAND_MODULES, cli
 
 ROOT = Path(__file__).parent.parent
@@ -116,6 +117,62 @@ def test_links_between_pages_resolve():
             resolved = (path.parent / target).resolve()
             assert resolved.exists(), f"{path}: {target}"
             assert not anchor or anchor in anchors(resolved), f"{path}: {target}#{anchor}"
+
+
+# --- kvtrace doctor's findings ----------------------------------------------------------------
+
+FINDINGS = DOCS / "doctor"
+FINDING_SECTIONS = ("## What it is", "## How kvtrace detects it", "## Public reports",
+                    "## What to do", "## Prediction")
+
+
+def section(text: str, heading: str) -> str:
+    """A page's section under ``heading``, its whitespace folded to single spaces."""
+    return " ".join(text.partition(f"{heading}\n")[2].partition("\n## ")[0].split())
+
+
+@pytest.mark.parametrize("mechanism", MECHANISMS, ids=lambda mechanism: mechanism.id)
+def test_every_finding_has_its_page(mechanism):
+    """A page per finding of `kvtrace doctor`: short, in the same sections, naming the causes
+    it comes from, every public report its `reference` names, and the change it replays."""
+    text = (FINDINGS / f"{mechanism.id}.md").read_text()
+    assert text.startswith(f"# `{mechanism.id}`: {mechanism.name}\n")
+    for heading in FINDING_SECTIONS:
+        assert f"\n{heading}\n" in text, f"docs/doctor/{mechanism.id}.md lacks {heading}"
+    assert 30 <= len(text.splitlines()) <= 60, "a finding's page is 30 to 60 lines"
+    detects = section(text, "## How kvtrace detects it")
+    for cause in mechanism.causes:
+        assert f"`{cause}`" in detects, f"{mechanism.id}: the cause {cause} is not explained"
+    public = section(text, "## Public reports")
+    for number in re.findall(r"#\d+", mechanism.reference):
+        assert number in public, f"{mechanism.id}: {number} is not among its public reports"
+    prediction = section(text, "## Prediction")
+    change = mechanism.change
+    if change is None:
+        assert prediction.startswith("None"), f"{mechanism.id}: it has no prediction"
+    else:
+        assert not prediction.startswith("None"), f"{mechanism.id}: it has a prediction"
+        flags = " ".join(change.flags) or ("--num-gpu-blocks" if change.pool_factor else "")
+        assert flags in prediction, f"{mechanism.id}: the prediction's {flags} is not named"
+    index = (FINDINGS / "README.md").read_text()
+    assert f"| [`{mechanism.id}`]({mechanism.id}.md) |" in index
+    assert f"(../doctor/{mechanism.id}.md)" in page("doctor")
+
+
+def test_the_findings_pages_are_the_mechanisms():
+    pages = {path.stem for path in FINDINGS.glob("*.md")} - {"README"}
+    assert pages == {mechanism.id for mechanism in MECHANISMS}
+
+
+def test_the_pages_the_diagnosis_names_exist():
+    """diagnosis.py's references and docstrings point at docs pages: they must be there."""
+    from kvtrace.analysis import diagnosis
+
+    text = Path(diagnosis.__file__).read_text()
+    named = set(re.findall(r"docs/[\w/.-]+\.md", text))
+    assert named, "diagnosis.py names no docs page"
+    missing = sorted(path for path in named if not (ROOT / path).exists())
+    assert not missing, f"diagnosis.py names {missing}"
 
 
 # --- figures ---------------------------------------------------------------------------------
