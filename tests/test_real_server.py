@@ -249,3 +249,36 @@ def test_a_real_server_that_evicts_is_rescheduled_as_it_ran(tmp_path):
     assert result.returncode == 0, err
     found = assert_within_bounds(trace, tmp_path / "runs" / f"evicting.vllm-{RELEASE}.kvtrace")
     assert found["lru_evictions"][0] > 50, found  # the pool did evict
+    assert_doctor_names_the_dominant_cause(trace, tmp_path)
+
+
+def assert_doctor_names_the_dominant_cause(trace, tmp_path) -> None:
+    """Issue #31 on the real server: ``kvtrace doctor``'s top finding owns the cause that cost
+    the capture's first admissions the most tokens (the miss attribution's), the pool's
+    evictions show as pool pressure, and each finding with a change carries what a replay of
+    that change gives."""
+    import json
+
+    from kvtrace.analysis.database import open_database
+    from kvtrace.analysis.diagnosis import BY_ID, CAUSE_MECHANISMS
+    from kvtrace.analysis.queries import run_query
+
+    db = tmp_path / "doctor.duckdb"
+    doctor = kvtrace("doctor", str(trace), "--json", "--db", str(db))
+    out, err = doctor.communicate(timeout=600)
+    assert doctor.returncode == 0, err
+    diagnosis = json.loads(out)
+    connection = open_database(db)
+    try:
+        summary = run_query(connection, "miss_attribution_summary")
+    finally:
+        connection.close()
+    rows = [dict(zip(summary.columns, row)) for row in summary.rows]
+    dominant = max((r for r in rows if r["lookups"] == "first"), key=lambda r: r["tokens"])
+    top = diagnosis["findings"][0]
+    assert top["id"] == CAUSE_MECHANISMS[dominant["cause"]], (dominant, top)
+    pool = [f for f in diagnosis["findings"] + diagnosis["ruled_out"] if f["id"] == "pool-pressure"]
+    assert pool and pool[0]["tokens"] > 0, diagnosis
+    for finding in diagnosis["findings"]:
+        if BY_ID[finding["id"]].change is not None:
+            assert finding["predicted"] is not None or finding["note"], finding
