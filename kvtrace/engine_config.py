@@ -106,7 +106,11 @@ class Overrides:
 
     @property
     def changes_cache(self) -> bool:
-        return self.num_gpu_blocks is not None or self.retention_interval is not KEEP
+        """A cache a start snapshot cannot describe: another pool, retention, or drafter (its
+        speculative Mamba blocks, and which hashes its requests have)."""
+        return (self.num_gpu_blocks is not None or self.retention_interval is not KEEP
+                or (self.num_speculative_tokens, self.speculative_method,
+                    self.lookahead_block_hashes) != (None, None, None))
 
     def scheduler(self) -> dict[str, int | None]:
         return {"max_num_batched_tokens": self.max_num_batched_tokens,

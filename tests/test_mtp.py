@@ -152,3 +152,26 @@ def test_a_release_without_lookahead_hashes_refuses_a_trace_hashed_with_them(tmp
     assert result.exit_code != 0
     assert "lookahead block hashes" in result.output and "0.32.0" in result.output
     assert "0.33" in result.output
+
+
+def test_replay_switches_an_mtp_engine_between_the_drop_and_lookahead_hashes(tmp_path):
+    """`kvtrace replay --lookahead-block-hashes` on a dropping engine's trace replays it as
+    vLLM 0.33 hashes by default (no dropped block: more hits), `--no-lookahead-block-hashes`
+    the other way; on an engine that does not draft with MTP it is refused."""
+    import json
+
+    dropping = replace(FULL_ATTENTION, **drafter_fields(FULL_ATTENTION, "mtp", False))
+    source = trace(tmp_path / "drop.kvtrace", requests(), header(dropping))
+    rates = {}
+    for flag in ("--lookahead-block-hashes", "--no-lookahead-block-hashes"):
+        summary = tmp_path / f"{flag}.json"
+        result = CliRunner().invoke(cli, ["replay", str(source), "--variant", "unfixed", flag,
+                                          "-o", str(tmp_path / flag), "--summary-json",
+                                          str(summary)])
+        assert result.exit_code == 0, result.output
+        rates[flag] = json.loads(summary.read_text())["variants"]["unfixed"]["hit_rate"]
+    assert rates["--lookahead-block-hashes"] > rates["--no-lookahead-block-hashes"], rates
+    ngram = trace(tmp_path / "ngram.kvtrace", requests(), header(FULL_ATTENTION))
+    result = CliRunner().invoke(cli, ["replay", str(ngram), "--lookahead-block-hashes", "-o",
+                                      str(tmp_path / "refused")])
+    assert result.exit_code != 0 and "lookahead block hashes are MTP's" in result.output

@@ -33,6 +33,17 @@ async_scheduling_option = click.option(
          "as the source's engine did).")
 
 
+# An MTP/EAGLE engine's choice of vLLM 0.33's lookahead block hashes or the dropped last block;
+# the source's by default.
+lookahead_block_hashes_option = click.option(
+    "--lookahead-block-hashes/--no-lookahead-block-hashes", "lookahead_block_hashes",
+    default=None,
+    help="With MTP drafting: hash each block with the token after it (vLLM 0.33's lookahead "
+         "block hashes, its default) or drop the last matched block of every hit instead "
+         "(disable_lookahead_block_hashes; EAGLE's drop, as releases before 0.33 do). "
+         "Default: as the source's engine did.")
+
+
 def terminal_safe(text: str) -> str:
     """``text`` with every terminal control shown as its escape (``\\x1b``, ``\\u202e``): a
     trace's header or a database's strings are input, and must not drive root's terminal."""

@@ -8,7 +8,7 @@ import sys
 
 import click
 
-from kvtrace.cli.common import async_scheduling_option
+from kvtrace.cli.common import async_scheduling_option, lookahead_block_hashes_option
 from kvtrace.engine_config import MAX_SPECULATIVE_TOKENS, SPECULATIVE_METHODS, SchedulerSettings
 
 @click.command("engine")
@@ -33,10 +33,7 @@ from kvtrace.engine_config import MAX_SPECULATIVE_TOKENS, SPECULATIVE_METHODS, S
                    "(a drafter reading the target's hidden states, as MTP and EAGLE do: "
                    "lookahead slots and lookahead block hashes; run without a draft model, "
                    "which no step needs). Default: the workload's, else ngram.")
-@click.option("--no-lookahead-block-hashes", "lookahead_block_hashes", flag_value=False,
-              default=None,
-              help="With mtp: vLLM's disable_lookahead_block_hashes, so that every hit drops "
-                   "its last matched block instead (EAGLE's drop, as releases before 0.33 do).")
+@lookahead_block_hashes_option
 @click.option("--draft-acceptance", type=click.FloatRange(min=0, max=1),
               default=SchedulerSettings.draft_acceptance,
               show_default=True, metavar="P",
@@ -97,6 +94,7 @@ def command(workload: str, variant: str, num_gpu_blocks: int | None, retention: 
                 speculative_method=speculative_method, draft_acceptance=draft_acceptance, **{
                     "async_scheduling": async_scheduling is True,
                     "sync_scheduling": async_scheduling is False,
+                    "lookahead_block_hashes": lookahead_block_hashes is True,
                     "no_lookahead_block_hashes": lookahead_block_hashes is False})
 
     options = EngineOptions(

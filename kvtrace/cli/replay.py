@@ -6,7 +6,7 @@ import sys
 
 import click
 
-from kvtrace.cli.common import async_scheduling_option
+from kvtrace.cli.common import async_scheduling_option, lookahead_block_hashes_option
 from kvtrace.cli.model_options import hf_overrides_option
 
 
@@ -32,6 +32,7 @@ from kvtrace.cli.model_options import hf_overrides_option
 @click.option("--long-prefill-token-threshold", type=click.IntRange(min=0), default=None,
               help="Cap on one request's prefill chunk (default: the source's, else 0 = off).")
 @async_scheduling_option
+@lookahead_block_hashes_option
 @click.option("--lockstep", is_flag=True,
               help="Re-issue a captured trace's calls in order instead of rescheduling.")
 @click.option("--verify", is_flag=True,
@@ -64,7 +65,7 @@ from kvtrace.cli.model_options import hf_overrides_option
 def command(source: str, variants: tuple[str, ...], backend: str, num_gpu_blocks: int | None,
             retention: str | None, max_num_batched_tokens: int | None, max_num_seqs: int | None,
             long_prefill_token_threshold: int | None, async_scheduling: bool | None,
-            lockstep: bool, verify: bool, outdir: str,
+            lookahead_block_hashes: bool | None, lockstep: bool, verify: bool, outdir: str,
             summary_json: str | None, db: str | None, model: str | None, execute: bool,
             device: str | None, state_scale: float | None, gpu: str | None) -> None:
     """Replay SOURCE against the prefix-cache logic of each --variant.
@@ -106,7 +107,7 @@ def command(source: str, variants: tuple[str, ...], backend: str, num_gpu_blocks
             retention_interval=KEEP if retention is None else parse_retention(retention),
             max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
             long_prefill_token_threshold=long_prefill_token_threshold,
-            async_scheduling=async_scheduling),
+            async_scheduling=async_scheduling, lookahead_block_hashes=lookahead_block_hashes),
         execute=ExecuteOptions(device=device or "auto", state_scale=state_scale,
                                gpu=gpu or DEFAULT_GPU) if execute else None, model=model)
     result = replay(options, progress=_progress_bar if sys.stderr.isatty() else None)

@@ -422,7 +422,8 @@ def replay(options: ReplayOptions,
             tensor_parallel_size=pricing.tensor_parallel_size if pricing else None))
     if options.verify and options.overrides.changes_cache:
         raise ConfigError("--verify compares with the captured run, so the cache must be the "
-                          "captured one", "Drop --num-gpu-blocks / --retention with --verify.")
+                          "captured one", "Drop --num-gpu-blocks, --retention and "
+                          "--[no-]lookahead-block-hashes with --verify.")
     config, settings = derive(header.config, options.source, options.overrides)
     mode = "lockstep" if options.lockstep or options.verify else "reschedule"
     engine_variant = _engine_variant(header)
