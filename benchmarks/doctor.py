@@ -15,9 +15,9 @@ against the predicted one, in points.
 trace (cached beside its own, or at ``--trace``); `kvtrace doctor TRACE --no-predict` and
 `kvtrace doctor TRACE` run ``--repeats`` times each, in fresh processes (wall seconds, the
 CPU seconds of the child, its peak RSS: min / median / max); `--threshold 0.01 --backend
-model`, which makes a finding with a change of the trace's 2% `mamba-state-not-retained` and
-so replays the trace twice, once; and one in-process run split into its phases (the load,
-the diagnosis SQL, the counter reconciliation, the rest of ``diagnose``).
+model`, which makes a finding with a change of the trace's few-percent
+`mamba-state-not-retained` and so replays the trace twice, once; and one in-process run split
+into its phases (the load, the diagnosis SQL, the counter reconciliation, ``diagnose``).
 
     .venv/bin/python benchmarks/doctor.py --table [--requests 200] [--models ...]
         [--workloads ...] [--json FILE]
@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import shlex
 import shutil
 import statistics
