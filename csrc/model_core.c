@@ -352,7 +352,7 @@ static int out_bytes(Columns *w, const void *data, size_t n) {
 static int out_header(Columns *w, size_t n, uint8_t fix, size_t fix_max, int has8, uint8_t first) {
     uint8_t head[5];
     size_t len;
-    if (n <= fix_max) { head[0] = (uint8_t)(fix | n); len = 1; }
+    if (fix && n <= fix_max) { head[0] = (uint8_t)(fix | n); len = 1; }  /* bin has no fix form */
     else if (has8 && n < 256) { head[0] = first; head[1] = (uint8_t)n; len = 2; }
     else if (n < 65536) { head[0] = (uint8_t)(first + has8); head[1] = (uint8_t)(n >> 8);
                           head[2] = (uint8_t)n; len = 3; }
