@@ -122,20 +122,22 @@ MECHANISMS = (
         "vLLM 0.33's lookahead block hashes, on by default (do not set "
         "disable_lookahead_block_hashes), which hash each block with the token after it "
         "instead of dropping it.",
-        Change("0.33's lookahead block hashes", (), overrides={"lookahead_block_hashes": True})),
+        Change("0.33's lookahead block hashes", ("--lookahead-block-hashes",),
+               overrides={"lookahead_block_hashes": True})),
     Mechanism(
         "preemption-recompute", (), "Preempted requests prefill again",
         "requests preempted under memory pressure lost their blocks and prefilled everything "
         "their resumed lookup did not hit",
-        "vLLM's docs on preemption (recompute mode); vllm #32802",
+        "vLLM's docs on preemption (recompute mode: docs.vllm.ai, Optimization and Tuning)",
         "A larger KV pool, or fewer requests at once (max_num_seqs, max_num_batched_tokens).",
         DOUBLE_POOL),
     Mechanism(
         "metric-overcount", (), "vLLM's hit counter is not the hit rate",
         "vLLM records prefix-cache stats at the lookup, before the request is scheduled, so a "
-        "lookup retried after its admission failed counts again; kvtrace counts each "
-        "admitted lookup once",
-        "vllm #43736, #43711",
+        "lookup retried after its admission failed counts again, and so does a preempted "
+        "request's lookup when it resumes; kvtrace counts each request's first admitted "
+        "lookup once. Its size is the prompt tokens the counter's rate misreports",
+        "vllm #43736, #43711, #25780",
         "Read the hit rate per admitted lookup (kvtrace's), not vllm:prefix_cache_hits over "
         "vllm:prefix_cache_queries."),
 )
@@ -172,6 +174,17 @@ class Finding:
     def mechanism(self) -> Mechanism:
         return BY_ID[self.id]
 
+    @property
+    def action(self) -> str:
+        """The mechanism's action, and, where the replay of its change says it does not help
+        on this traffic, that it does not."""
+        action = self.mechanism.action
+        predicted = self.predicted
+        if predicted is not None and predicted.hit_rate_after <= predicted.hit_rate_before:
+            action += (" On this traffic, though, the replay predicts it does not help: look "
+                       "at the next finding, or at `kvtrace sweep` for a pool where it pays.")
+        return action
+
     def to_json(self, run: int) -> dict[str, Any]:
         mechanism = self.mechanism
         return {"run": run, "id": self.id, "name": mechanism.name, "tokens": self.tokens,
@@ -179,7 +192,7 @@ class Finding:
                 "gpu_seconds": self.gpu_seconds, "gpu_seconds_per_hour":
                     self.gpu_seconds_per_hour, "examples": self.examples,
                 "evidence": self.evidence, "reference": mechanism.reference,
-                "mechanism": mechanism.mechanism, "action": mechanism.action,
+                "mechanism": mechanism.mechanism, "action": self.action,
                 "predicted": None if self.predicted is None
                 else dataclasses.asdict(self.predicted), "note": self.note}
 
@@ -197,6 +210,7 @@ class Diagnosis:
     ruled_out: list[Finding]
     unexplained: dict[str, int]  # causes no mechanism owns (rekeyed, invalidated, other)
     threshold: float
+    lookups: int  # admitted lookups (first and resumed): none in a workload not replayed
 
     @property
     def top(self) -> Finding | None:
@@ -205,7 +219,8 @@ class Diagnosis:
     def run_json(self) -> dict[str, Any]:
         return {"run": self.run, "variant": self.variant, "path": self.path,
                 "hit_rate": round(self.hit_rate, 6), "missed_tokens": self.missed_tokens,
-                "threshold": self.threshold, "unexplained": self.unexplained}
+                "threshold": self.threshold, "lookups": self.lookups,
+                "unexplained": self.unexplained}
 
 
 def diagnoses_json(diagnoses: list[Diagnosis]) -> dict[str, Any]:
@@ -279,23 +294,25 @@ def _diagnose_run(run: int, variant: str, path: str, rows: list[dict], counter: 
     overcount = findings[OVERCOUNT]
     counter_points = 0.0
     if counter is not None and counter["counter_hit_rate"] is not None:
-        overcount.tokens = counter["overcounted_hit_tokens"]
         counter_points = abs(counter["counter_hit_rate"] - (counter["hit_rate"] or 0.0))
+        overcount.tokens = round(counter_points * query)  # prompt tokens misreported
         overcount.note = (
-            f"vLLM's counter reads {counter['counter_hit_rate']:.2%} "
-            f"({counter['lookups']:,} lookups, {counter['retried_lookups']:,} of them retried "
-            f"after a failed admission); kvtrace's admitted lookups {counter['hit_rate'] or 0:.2%}")
+            f"vLLM's counter reads {counter['counter_hit_rate']:.2%} over "
+            f"{counter['lookups']:,} lookups ({counter['retried_lookups']:,} retried after a "
+            f"failed admission, {counter['overcounted_hit_tokens']:,} hit tokens counted "
+            f"again); kvtrace's first admitted lookups {counter['hit_rate'] or 0:.2%}")
     for finding in findings.values():
         finding.share_of_missed = finding.tokens / missed if missed else 0.0
         finding.evidence = _evidence(finding, db, run, path)
     def found(finding: Finding) -> bool:
-        if finding.id == OVERCOUNT:
-            return counter_points >= COUNTER_POINTS
+        if finding.id == OVERCOUNT and counter_points < COUNTER_POINTS:
+            return False
         return finding.tokens > 0 and finding.share_of_missed >= threshold
     ranked = sorted(findings.values(), key=lambda f: (-f.tokens, f.id))
+    lookups = sum(row["num_lookups"] for row in kinds.values())
     return Diagnosis(run, variant, path, hit / query if query else 0.0, missed,
                      [f for f in ranked if found(f)], [f for f in ranked if not found(f)],
-                     unexplained, threshold)
+                     unexplained, threshold, lookups)
 
 
 def _merged_examples(examples: list[int], more: list[int] | None) -> list[int]:
@@ -354,8 +371,12 @@ def run_source(connection, run: int) -> RunSource:
 def replay_predictor(connection, backend: str | None = None
                      ) -> Callable[[Diagnosis, Finding], Prediction | str]:
     """Predict by replaying: the run's source, rescheduled, with and without the change, on
-    the run's backend (``backend`` to choose another); the baseline once per run."""
-    baselines: dict[int, dict[str, Any]] = {}
+    the run's backend (``backend`` to choose another). A change of the cache itself (the
+    pool, retention, drafter) starts both from an empty cache: a capture's start snapshot
+    cannot describe it (``Overrides.changes_cache``). Each baseline runs once."""
+    from kvtrace.engine_config import Overrides
+
+    baselines: dict[tuple[int, bool], dict[str, Any]] = {}
 
     def predict(diagnosis: Diagnosis, finding: Finding) -> Prediction | str:
         source = run_source(connection, diagnosis.run)
@@ -363,15 +384,21 @@ def replay_predictor(connection, backend: str | None = None
             return (f"no prediction: the run's source {source.path or '(unnamed)'} is not "
                     "where it was replayed from")
         change = finding.mechanism.change
+        if change.variant == source.variant:
+            return f"no prediction: the run already runs {change.description}"
         chosen = backend or source.backend
+        overrides = dict(change.overrides)
+        warm = not Overrides(num_gpu_blocks=1 if change.pool_factor else None,
+                             **overrides).changes_cache
         try:
-            if diagnosis.run not in baselines:
-                baselines[diagnosis.run] = _replayed(source.path, source.variant, chosen, {})
-            before = baselines[diagnosis.run]
-            overrides = dict(change.overrides)
+            if (diagnosis.run, warm) not in baselines:
+                baselines[(diagnosis.run, warm)] = _replayed(source.path, source.variant,
+                                                             chosen, {}, warm)
+            before = baselines[(diagnosis.run, warm)]
             if change.pool_factor:
                 overrides["num_gpu_blocks"] = before["num_gpu_blocks"] * change.pool_factor
-            after = _replayed(source.path, change.variant or source.variant, chosen, overrides)
+            after = _replayed(source.path, change.variant or source.variant, chosen, overrides,
+                              warm)
         except KvtraceError as error:
             return f"no prediction: {error}"
         flags = list(change.flags)
@@ -388,7 +415,7 @@ def replay_predictor(connection, backend: str | None = None
     return predict
 
 
-def _replayed(path: str, variant: str, backend: str, overrides: dict[str, Any]
+def _replayed(path: str, variant: str, backend: str, overrides: dict[str, Any], warm: bool
               ) -> dict[str, Any]:
     """A rescheduled replay's figures: hit rate, missed prefill tokens, the pool."""
     from kvtrace.engine_config import Overrides
@@ -396,7 +423,8 @@ def _replayed(path: str, variant: str, backend: str, overrides: dict[str, Any]
 
     with tempfile.TemporaryDirectory(prefix="kvtrace-doctor-") as outdir:
         result = replay(ReplayOptions(path, outdir, (variant,), backend=backend,
-                                      overrides=Overrides(**overrides), write_traces=False))
+                                      overrides=Overrides(**overrides), write_traces=False,
+                                      warm_start=warm))
     summary = result.variants[0].summary
     missed = summary["prompt_tokens"] - summary["hit_tokens"]
     return {"hit_rate": summary["hit_rate"], "missed": missed,
@@ -420,7 +448,10 @@ def render_text(diagnoses: list[Diagnosis]) -> str:
         lines.append(f"run {diagnosis.run} ({diagnosis.variant}, {diagnosis.path}): hit rate "
                      f"{diagnosis.hit_rate:.2%} at first admissions, "
                      f"{diagnosis.missed_tokens:,} prefill tokens missed")
-        if not diagnosis.findings:
+        if not diagnosis.lookups:
+            lines.append("  no admitted prefix lookup: a workload (kvtrace synth / import) has "
+                         "none until it is replayed (kvtrace replay WORKLOAD -o runs/)")
+        elif not diagnosis.findings:
             lines.append("  no mechanism reaches "
                          f"{diagnosis.threshold:.0%} of the missed prefill")
         for rank, finding in enumerate(diagnosis.findings, 1):
@@ -431,7 +462,7 @@ def render_text(diagnoses: list[Diagnosis]) -> str:
                 lines.append(f"     {finding.note}.")
             lines.append(f"     evidence: {'; '.join(finding.evidence)}")
             lines.append(f"     reference: {finding.mechanism.reference}")
-            lines.append(f"     action: {finding.mechanism.action}")
+            lines.append(f"     action: {finding.action}")
             if finding.predicted is not None:
                 lines.append(f"     predicted: {prediction_phrase(finding.predicted)}")
         if diagnosis.ruled_out:
@@ -446,9 +477,8 @@ def render_text(diagnoses: list[Diagnosis]) -> str:
 
 
 def _size(finding: Finding) -> str:
-    if finding.id == OVERCOUNT:
-        return f"{finding.tokens:,} hit tokens counted twice"
-    size = f"{finding.tokens:,} tokens, {finding.share_of_missed:.1%} of the missed prefill"
+    what = "prompt tokens misreported" if finding.id == OVERCOUNT else "tokens"
+    size = f"{finding.tokens:,} {what}, {finding.share_of_missed:.1%} of the missed prefill"
     if finding.gpu_seconds is not None:
         size += f", {finding.gpu_seconds:,.3g} GPU-seconds"
         if finding.gpu_seconds_per_hour is not None:

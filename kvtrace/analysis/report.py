@@ -630,8 +630,6 @@ def _verdict_text(data: ReportData, bullet: str, escape, code,
 def diagnosis_lines(data: ReportData) -> list[str]:
     """Per run, kvtrace doctor's findings (the same diagnosis, without predictions): the top
     ones with their share of the missed prefill and what to change."""
-    from kvtrace.analysis.diagnosis import OVERCOUNT
-
     lines = []
     for diagnosis in data.diagnoses:
         label = data.labels.runs.get(diagnosis.run, str(diagnosis.run))
@@ -639,13 +637,11 @@ def diagnosis_lines(data: ReportData) -> list[str]:
             lines.append(f"run {label}: no mechanism reaches {diagnosis.threshold:.0%} of the "
                          "missed prefill")
             continue
-        findings = "; ".join(
-            f"{f.id} ({f.tokens:,} hit tokens counted twice)" if f.id == OVERCOUNT
-            else f"{f.id} ({f.share_of_missed:.1%} of the missed prefill)"
-            for f in diagnosis.findings[:TOP_VERDICT_PREFIXES])
+        findings = "; ".join(f"{f.id} ({f.share_of_missed:.1%} of the missed prefill)"
+                             for f in diagnosis.findings[:TOP_VERDICT_PREFIXES])
         top = diagnosis.findings[0]
         lines.append(f"run {label}: why it misses (kvtrace doctor): {findings}. "
-                     f"{top.mechanism.name}: {top.mechanism.action}")
+                     f"{top.mechanism.name}: {top.action}")
     return lines
 
 

@@ -73,7 +73,7 @@ def command(sources: tuple[str, ...], as_json: bool, threshold: float, no_predic
                 refuse_overwrite([("--db", db_path)], list(sources))
                 check_output_dir(db_path, "--db")
             db = db_path or os.path.join(scratch, "doctor.duckdb")
-            load_traces(list(sources), db)
+            load_traces(list(sources), db, option="--db")
         connection = open_database(db)
         try:
             shown = db if given_database or db_path else "doctor.duckdb"
