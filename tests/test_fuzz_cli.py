@@ -290,6 +290,11 @@ COMMANDS: dict[str, tuple[st.SearchStrategy, int]] = {
                              BROKEN_TRACES + CRAFTED_DATABASES)], {
         "--request": Opt(st.sampled_from(["0", "1", "3"]), st.sampled_from(
             ["99", "²", "-1", "", "9" * 30]), True), "--variant": VARIANT}), 20),
+    "doctor": (arguments([files(["replayed", "truncated", "db", "runs-dir"],
+                                BROKEN_TRACES + CRAFTED_DATABASES)], {
+        "--json": FLAG, "--no-predict": FLAG, "--backend": BACKEND,
+        "--threshold": floats("0", "0.05", "0.5"), "--db": output(".duckdb"),
+        "--gpu": choice(["h100", "400"], ["nope", "-1"])}), 10),
     "export": (arguments([DATABASE_IN], {
         "--parquet": output(required=True), "--overwrite": FLAG}), 6),
     # capture: only pids no process can have, only endpoints no publisher can be behind

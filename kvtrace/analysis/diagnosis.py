@@ -8,24 +8,19 @@ counters against kvtrace's admitted lookups (``counter_reconciliation.sql``). Ea
 ``kvtrace why`` and the report read too, so the three never disagree). A mechanism whose share
 of the missed prefill reaches the threshold is a finding; the others are ruled out, with
 their share. A finding with a ``Change`` gets a prediction: the run's source replayed with the
-change, against the same replay without it (docs/commands/doctor.md; a page per finding in
-docs/doctor/).
+change, against the same replay without it: the caller's ``predict`` (analysis never runs a
+replay; ``kvtrace doctor`` does: docs/commands/doctor.md; a page per finding in docs/doctor/).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
-import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import msgspec
-
 from kvtrace.analysis.queries import Result, run_query
-from kvtrace.errors import ConfigError, KvtraceError
-from kvtrace.events import TraceHeader
+from kvtrace.errors import ConfigError
 
 DEFAULT_THRESHOLD = 0.05  # of the missed prefill: below it, a mechanism is ruled out
 COUNTER_POINTS = 0.01  # vLLM's counter off kvtrace's hit rate by this much: a finding
@@ -341,94 +336,6 @@ def _evidence(finding: Finding, db: str, run: int, path: str) -> list[str]:
     commands = [sql_command(db, QUERIES[finding.id])]
     commands += [f"kvtrace why {path} --request {req}" for req in finding.examples]
     return commands
-
-
-# --- predictions: the run's source replayed with the change ------------------------------------
-
-
-@dataclass(frozen=True)
-class RunSource:
-    """What a run replays: its source trace, the variant, backend and mode to replay it with."""
-
-    path: str
-    variant: str
-    backend: str
-
-
-def run_source(connection, run: int) -> RunSource:
-    """The source and variant that reproduce ``run``: a replay's own source and variant, or
-    a capture or workload itself under the engine's variant."""
-    from kvtrace.replay.run import CAPTURED_VARIANT
-
-    path, header_json = connection.execute(
-        "SELECT path, header_json FROM runs WHERE run = ?", [run]).fetchone()
-    header = msgspec.json.decode(header_json, type=TraceHeader)
-    if header.replay is not None:
-        return RunSource(header.replay.source_path, header.replay.variant, header.replay.backend)
-    return RunSource(path, header.params.get("variant", CAPTURED_VARIANT), "vllm")
-
-
-def replay_predictor(connection, backend: str | None = None
-                     ) -> Callable[[Diagnosis, Finding], Prediction | str]:
-    """Predict by replaying: the run's source, rescheduled, with and without the change, on
-    the run's backend (``backend`` to choose another). A change of the cache itself (the
-    pool, retention, drafter) starts both from an empty cache: a capture's start snapshot
-    cannot describe it (``Overrides.changes_cache``). Each baseline runs once."""
-    from kvtrace.engine_config import Overrides
-
-    baselines: dict[tuple[int, bool], dict[str, Any]] = {}
-
-    def predict(diagnosis: Diagnosis, finding: Finding) -> Prediction | str:
-        source = run_source(connection, diagnosis.run)
-        if not source.path or not os.path.exists(source.path):
-            return (f"no prediction: the run's source {source.path or '(unnamed)'} is not "
-                    "where it was replayed from")
-        change = finding.mechanism.change
-        if change.variant == source.variant:
-            return f"no prediction: the run already runs {change.description}"
-        chosen = backend or source.backend
-        overrides = dict(change.overrides)
-        warm = not Overrides(num_gpu_blocks=1 if change.pool_factor else None,
-                             **overrides).changes_cache
-        try:
-            if (diagnosis.run, warm) not in baselines:
-                baselines[(diagnosis.run, warm)] = _replayed(source.path, source.variant,
-                                                             chosen, {}, warm)
-            before = baselines[(diagnosis.run, warm)]
-            if change.pool_factor:
-                overrides["num_gpu_blocks"] = before["num_gpu_blocks"] * change.pool_factor
-            after = _replayed(source.path, change.variant or source.variant, chosen, overrides,
-                              warm)
-        except KvtraceError as error:
-            return f"no prediction: {error}"
-        flags = list(change.flags)
-        if change.pool_factor:
-            flags += ["--num-gpu-blocks", str(overrides["num_gpu_blocks"])]
-        if not change.variant:
-            flags = ["--variant", source.variant, *flags]
-        command = " ".join(["kvtrace", "replay", source.path, *flags, "--backend", chosen,
-                            "-o", "doctor-runs/"])
-        return Prediction(change.description, before["hit_rate"], after["hit_rate"],
-                          before["missed"], after["missed"], before["preemptions"],
-                          after["preemptions"], command)
-
-    return predict
-
-
-def _replayed(path: str, variant: str, backend: str, overrides: dict[str, Any], warm: bool
-              ) -> dict[str, Any]:
-    """A rescheduled replay's figures: hit rate, missed prefill tokens, the pool."""
-    from kvtrace.engine_config import Overrides
-    from kvtrace.replay.run import ReplayOptions, replay
-
-    with tempfile.TemporaryDirectory(prefix="kvtrace-doctor-") as outdir:
-        result = replay(ReplayOptions(path, outdir, (variant,), backend=backend,
-                                      overrides=Overrides(**overrides), write_traces=False,
-                                      warm_start=warm))
-    summary = result.variants[0].summary
-    missed = summary["prompt_tokens"] - summary["hit_tokens"]
-    return {"hit_rate": summary["hit_rate"], "missed": missed,
-            "preemptions": summary["preemptions"], "num_gpu_blocks": result.config.num_gpu_blocks}
 
 
 def check_threshold(threshold: float) -> None:

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import os
 import tempfile
+from dataclasses import dataclass
+from typing import Any, Callable
 
 import click
 
-from kvtrace.analysis.diagnosis import DEFAULT_THRESHOLD
 from kvtrace.cli.model_options import hf_overrides_option
 
 
@@ -16,8 +17,9 @@ from kvtrace.cli.model_options import hf_overrides_option
 @click.option("--json", "as_json", is_flag=True,
               help="Print the diagnosis as JSON: per run, findings (id, tokens, "
                    "share_of_missed, evidence, reference, action, predicted) and ruled_out.")
-@click.option("--threshold", type=float, default=DEFAULT_THRESHOLD, show_default=True,
-              help="The share of the missed prefill below which a mechanism is ruled out.")
+@click.option("--threshold", type=float, default=None, metavar="SHARE",
+              help="The share of the missed prefill below which a mechanism is ruled out "
+                   "[default: 0.05].")
 @click.option("--no-predict", is_flag=True,
               help="Do not replay the suggested changes (faster; no predicted figures).")
 @click.option("--backend", default=None, metavar="NAME",
@@ -31,7 +33,7 @@ from kvtrace.cli.model_options import hf_overrides_option
 @click.option("--model", "model", default=None, metavar="NAME|CONFIG.json",
               help="The model that prices the runs whose header names none.")
 @hf_overrides_option
-def command(sources: tuple[str, ...], as_json: bool, threshold: float, no_predict: bool,
+def command(sources: tuple[str, ...], as_json: bool, threshold: float | None, no_predict: bool,
             backend: str | None, db_path: str | None, gpu: str, model: str | None) -> None:
     """Name why the prefix cache of each run in SOURCES misses, ranked by the prefill it costs.
 
@@ -51,8 +53,8 @@ def command(sources: tuple[str, ...], as_json: bool, threshold: float, no_predic
     import msgspec
 
     from kvtrace.analysis.database import is_database_file, open_database
-    from kvtrace.analysis.diagnosis import (check_threshold, diagnose, diagnoses_json,
-                                            render_text, replay_predictor)
+    from kvtrace.analysis.diagnosis import (DEFAULT_THRESHOLD, check_threshold, diagnose,
+                                            diagnoses_json, render_text)
     from kvtrace.analysis.load import load_traces
     from kvtrace.analysis.report import pricing_for
     from kvtrace.cli.common import terminal_safe
@@ -60,6 +62,7 @@ def command(sources: tuple[str, ...], as_json: bool, threshold: float, no_predic
     from kvtrace.replay.backend import BACKENDS
     from kvtrace.errors import ConfigError
 
+    threshold = DEFAULT_THRESHOLD if threshold is None else threshold
     check_threshold(threshold)
     if backend is not None and backend not in BACKENDS:
         raise ConfigError(f"unknown backend {backend!r}", f"Known backends: {', '.join(BACKENDS)}.")
@@ -90,3 +93,95 @@ def command(sources: tuple[str, ...], as_json: bool, threshold: float, no_predic
         click.echo(terminal_safe("kvtrace: the evidence's queries read doctor.duckdb: keep it "
                                  "with --db doctor.duckdb"), err=True)
     click.echo(terminal_safe(render_text(diagnoses)), nl=False)
+
+
+# --- predictions: the run's source replayed with the change (analysis runs no replay) ----------
+
+
+@dataclass(frozen=True)
+class RunSource:
+    """What a run replays: its source trace, the variant, backend and mode to replay it with."""
+
+    path: str
+    variant: str
+    backend: str
+
+
+def run_source(connection, run: int) -> RunSource:
+    """The source and variant that reproduce ``run``: a replay's own source and variant, or
+    a capture or workload itself under the engine's variant."""
+    import msgspec
+
+    from kvtrace.events import TraceHeader
+    from kvtrace.replay.run import CAPTURED_VARIANT
+
+    path, header_json = connection.execute(
+        "SELECT path, header_json FROM runs WHERE run = ?", [run]).fetchone()
+    header = msgspec.json.decode(header_json, type=TraceHeader)
+    if header.replay is not None:
+        return RunSource(header.replay.source_path, header.replay.variant, header.replay.backend)
+    return RunSource(path, header.params.get("variant", CAPTURED_VARIANT), "vllm")
+
+
+def replay_predictor(connection, backend: str | None = None) -> Callable[[Any, Any], Any]:
+    """Predict by replaying: the run's source, rescheduled, with and without the change, on
+    the run's backend (``backend`` to choose another). A change of the cache itself (the
+    pool, retention, drafter) starts both from an empty cache: a capture's start snapshot
+    cannot describe it (``Overrides.changes_cache``). Each baseline runs once."""
+    from kvtrace.analysis.diagnosis import Prediction
+    from kvtrace.engine_config import Overrides
+    from kvtrace.errors import KvtraceError
+
+    baselines: dict[tuple[int, bool], dict[str, Any]] = {}
+
+    def predict(diagnosis, finding):  # a Diagnosis and its Finding: a Prediction, or why none
+        source = run_source(connection, diagnosis.run)
+        if not source.path or not os.path.exists(source.path):
+            return (f"no prediction: the run's source {source.path or '(unnamed)'} is not "
+                    "where it was replayed from")
+        change = finding.mechanism.change
+        if change.variant == source.variant:
+            return f"no prediction: the run already runs {change.description}"
+        chosen = backend or source.backend
+        overrides = dict(change.overrides)
+        warm = not Overrides(num_gpu_blocks=1 if change.pool_factor else None,
+                             **overrides).changes_cache
+        try:
+            if (diagnosis.run, warm) not in baselines:
+                baselines[(diagnosis.run, warm)] = _replayed(source.path, source.variant,
+                                                             chosen, {}, warm)
+            before = baselines[(diagnosis.run, warm)]
+            if change.pool_factor:
+                overrides["num_gpu_blocks"] = before["num_gpu_blocks"] * change.pool_factor
+            after = _replayed(source.path, change.variant or source.variant, chosen, overrides,
+                              warm)
+        except KvtraceError as error:
+            return f"no prediction: {error}"
+        flags = list(change.flags)
+        if change.pool_factor:
+            flags += ["--num-gpu-blocks", str(overrides["num_gpu_blocks"])]
+        if not change.variant:
+            flags = ["--variant", source.variant, *flags]
+        command = " ".join(["kvtrace", "replay", source.path, *flags, "--backend", chosen,
+                            "-o", "doctor-runs/"])
+        return Prediction(change.description, before["hit_rate"], after["hit_rate"],
+                          before["missed"], after["missed"], before["preemptions"],
+                          after["preemptions"], command)
+
+    return predict
+
+
+def _replayed(path: str, variant: str, backend: str, overrides: dict[str, Any], warm: bool
+              ) -> dict[str, Any]:
+    """A rescheduled replay's figures: hit rate, missed prefill tokens, the pool."""
+    from kvtrace.engine_config import Overrides
+    from kvtrace.replay.run import ReplayOptions, replay
+
+    with tempfile.TemporaryDirectory(prefix="kvtrace-doctor-") as outdir:
+        result = replay(ReplayOptions(path, outdir, (variant,), backend=backend,
+                                      overrides=Overrides(**overrides), write_traces=False,
+                                      warm_start=warm))
+    summary = result.variants[0].summary
+    missed = summary["prompt_tokens"] - summary["hit_tokens"]
+    return {"hit_rate": summary["hit_rate"], "missed": missed,
+            "preemptions": summary["preemptions"], "num_gpu_blocks": result.config.num_gpu_blocks}
