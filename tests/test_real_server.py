@@ -185,6 +185,10 @@ class TestOneServerCapturedOneWayAfterAnother:
                 f"(kvtrace's plugin answered in pid {server.engine_core})") in err
         check_trace(trace, tmp_path)
         check_served_model(trace)
+        # Three shared 256-token prefixes on 256-token blocks and a 300-block pool: what misses
+        # is each prompt's own tail, inside a block; nothing is evicted.
+        top, ruled_out = assert_doctor_names_the_dominant_cause(trace, tmp_path, evicts=False)
+        assert top == "hash-unit-exceeds-prompts" and "pool-pressure" in ruled_out
 
 
 @needs_ptrace
@@ -249,14 +253,16 @@ def test_a_real_server_that_evicts_is_rescheduled_as_it_ran(tmp_path):
     assert result.returncode == 0, err
     found = assert_within_bounds(trace, tmp_path / "runs" / f"evicting.vllm-{RELEASE}.kvtrace")
     assert found["lru_evictions"][0] > 50, found  # the pool did evict
-    assert_doctor_names_the_dominant_cause(trace, tmp_path)
+    top, _ = assert_doctor_names_the_dominant_cause(trace, tmp_path, evicts=True)
+    assert top == "pool-pressure"
 
 
-def assert_doctor_names_the_dominant_cause(trace, tmp_path) -> None:
-    """Issue #31 on the real server: ``kvtrace doctor``'s top finding owns the cause that cost
-    the capture's first admissions the most tokens (the miss attribution's), the pool's
-    evictions show as pool pressure, and each finding with a change carries what a replay of
-    that change gives."""
+def assert_doctor_names_the_dominant_cause(trace, tmp_path, evicts: bool
+                                           ) -> tuple[str, list[str]]:
+    """Issue #31 on a real server: ``kvtrace doctor``'s top finding owns the cause that cost
+    the capture's first admissions the most tokens (the miss attribution's), a pool that
+    ``evicts`` shows as pool pressure, and each finding with a change carries what a replay of
+    that change gives. Returns the top finding's id and the ids ruled out."""
     import json
 
     from kvtrace.analysis.database import open_database
@@ -277,8 +283,11 @@ def assert_doctor_names_the_dominant_cause(trace, tmp_path) -> None:
     dominant = max((r for r in rows if r["lookups"] == "first"), key=lambda r: r["tokens"])
     top = diagnosis["findings"][0]
     assert top["id"] == CAUSE_MECHANISMS[dominant["cause"]], (dominant, top)
-    pool = [f for f in diagnosis["findings"] + diagnosis["ruled_out"] if f["id"] == "pool-pressure"]
-    assert pool and pool[0]["tokens"] > 0, diagnosis
+    if evicts:
+        pool = [f for f in diagnosis["findings"] + diagnosis["ruled_out"]
+                if f["id"] == "pool-pressure"]
+        assert pool and pool[0]["tokens"] > 0, diagnosis
     for finding in diagnosis["findings"]:
         if BY_ID[finding["id"]].change is not None:
             assert finding["predicted"] is not None or finding["note"], finding
+    return top["id"], [f["id"] for f in diagnosis["ruled_out"]]
