@@ -840,12 +840,16 @@ def silent_zero_warning(label: str, totals: CauseTotals, unit: int) -> str | Non
     if not causes:
         return None
     ideal_rate = totals.ideal_tokens / totals.query_tokens
+    from kvtrace.analysis.diagnosis import CAUSE_MECHANISMS  # diagnosis reads the database
+
     cause, tokens = max(causes.items(), key=lambda item: item[1])
     if ideal_rate < IDEAL_WORTH_HITTING and sum(causes.values()) < STRUCTURAL_SHARE * missed:
         return None
+    mechanism = CAUSE_MECHANISMS.get(cause)
     return (f"{label}: prefix-cache hit rate {totals.hit_tokens / totals.query_tokens:.1%} "
             f"(an unbounded cache: {ideal_rate:.1%}); {_cause_phrase(cause, unit)}: "
-            f"{tokens / missed:.0%} of the missed tokens")
+            f"{tokens / missed:.0%} of the missed tokens"
+            + (f" (kvtrace doctor's {mechanism})" if mechanism else ""))
 
 
 def _cause_phrase(cause: str, unit: int) -> str:
