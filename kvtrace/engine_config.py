@@ -135,6 +135,10 @@ def derive(config: EngineConfig | None, source: str,
     if overrides.num_speculative_tokens is not None:
         changes["num_speculative_tokens"] = overrides.num_speculative_tokens
     config = msgspec.structs.replace(config, **changes)
+    if overrides.speculative_method is not None and not config.num_speculative_tokens:
+        raise ConfigError(f"speculative method {overrides.speculative_method} drafts nothing: "
+                          "the engine proposes no draft tokens",
+                          "Add --num-speculative-tokens K (e.g. 2).")
     if (overrides.num_speculative_tokens, overrides.speculative_method,
             overrides.lookahead_block_hashes) != (None, None, None):
         config = msgspec.structs.replace(config, **drafter_fields(

@@ -75,6 +75,9 @@ def test_derive_applies_the_drafter_only_when_asked():
     with pytest.raises(ConfigError, match="lookahead block hashes are MTP's") as error:
         derive(FULL_ATTENTION, "w", Overrides(lookahead_block_hashes=False))
     assert "--speculative-method mtp" in error.value.hint
+    with pytest.raises(ConfigError, match="drafts nothing") as error:
+        derive(FULL_ATTENTION, "w", Overrides(speculative_method="mtp", num_speculative_tokens=0))
+    assert "--num-speculative-tokens" in error.value.hint
 
 
 def test_a_lookahead_hashing_engine_hashes_a_unit_once_the_token_after_it_exists():
