@@ -255,6 +255,11 @@ def test_a_capture_ends_with_its_controller(small_workload, tmp_path, signum):
         while not control.request(engine.pid, PingRequest()).patched:  # the next step armed
             assert time.monotonic() < deadline
             time.sleep(0.05)
+        # and a step ran under the probes (a loaded machine may signal before one did, and a
+        # capture stopped before any step rightly holds no record)
+        while not control.request(engine.pid, StatusRequest()).records:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
         capture.send_signal(signum)
         out, err = finish(capture)
         assert wait_until_vllm_runs_alone(engine.pid) < 5

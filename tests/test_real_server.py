@@ -259,10 +259,13 @@ def test_a_real_server_that_evicts_is_rescheduled_as_it_ran(tmp_path):
 
 def assert_doctor_names_the_dominant_cause(trace, tmp_path, evicts: bool
                                            ) -> tuple[str, list[str]]:
-    """Issue #31 on a real server: ``kvtrace doctor``'s top finding owns the cause that cost
-    the capture's first admissions the most tokens (the miss attribution's), a pool that
-    ``evicts`` shows as pool pressure, and each finding with a change carries what a replay of
-    that change gives. Returns the top finding's id and the ids ruled out."""
+    """Issue #31 on a real server: the cause that cost the capture's first admissions the most
+    tokens (the miss attribution's) falls under one of ``kvtrace doctor``'s findings, none
+    ranked above the top one; a pool that ``evicts`` shows as pool pressure; each finding with
+    a change carries what a replay of that change gives. Returns the top finding's id and the
+    ids ruled out. (The top finding need not own that one cause: a mechanism sums its causes,
+    pool pressure both eviction causes, and on a live server's traffic the sum may pass the
+    largest single cause.)"""
     import json
 
     from kvtrace.analysis.database import open_database
@@ -282,7 +285,9 @@ def assert_doctor_names_the_dominant_cause(trace, tmp_path, evicts: bool
     rows = [dict(zip(summary.columns, row)) for row in summary.rows]
     dominant = max((r for r in rows if r["lookups"] == "first"), key=lambda r: r["tokens"])
     top = diagnosis["findings"][0]
-    assert top["id"] == CAUSE_MECHANISMS[dominant["cause"]], (dominant, top)
+    owner = [f for f in diagnosis["findings"] if f["id"] == CAUSE_MECHANISMS[dominant["cause"]]]
+    assert owner and owner[0]["tokens"] >= dominant["tokens"], (dominant, diagnosis["findings"])
+    assert top["tokens"] == max(f["tokens"] for f in diagnosis["findings"])
     if evicts:
         pool = [f for f in diagnosis["findings"] + diagnosis["ruled_out"]
                 if f["id"] == "pool-pressure"]
