@@ -234,7 +234,7 @@ def diagnose(connection, db: str, *, threshold: float = DEFAULT_THRESHOLD,
              ) -> list[Diagnosis]:
     """The diagnosis of every run in ``connection`` (a loaded database at ``db``).
     ``predict(diagnosis, finding)`` gives a finding with a change its prediction, or a
-    sentence saying why there is none (``replay_predictor``)."""
+    sentence saying why there is none (``kvtrace.cli.doctor.replay_predictor``)."""
     rows = run_query(connection, "diagnosis", pricing or {})
     counters = {row["run"]: row for row in _dicts(run_query(connection,
                                                             "counter_reconciliation"))}
@@ -298,7 +298,8 @@ def _diagnose_run(run: int, variant: str, path: str, rows: list[dict], counter: 
             f"again); kvtrace's first admitted lookups {counter['hit_rate'] or 0:.2%}")
     for finding in findings.values():
         finding.share_of_missed = finding.tokens / missed if missed else 0.0
-        finding.evidence = _evidence(finding, db, run, path)
+        finding.evidence = _evidence(finding, db, path)
+
     def found(finding: Finding) -> bool:
         if finding.id == OVERCOUNT and counter_points < COUNTER_POINTS:
             return False
@@ -329,7 +330,7 @@ QUERIES = {"unique-prompts": "miss_attribution_summary",
            "metric-overcount": "counter_reconciliation"}
 
 
-def _evidence(finding: Finding, db: str, run: int, path: str) -> list[str]:
+def _evidence(finding: Finding, db: str, path: str) -> list[str]:
     """The commands that show a finding: its query, and ``kvtrace why`` of its examples."""
     from kvtrace.analysis.report import sql_command
 
