@@ -53,7 +53,7 @@ from kvtrace.events import (
     Record,
     TraceHeader,
 )
-from kvtrace.probes.signatures import release_has
+from kvtrace.probes.signatures import drafter_fields_of, release_has
 from kvtrace.traceio import TraceWriter, encode_rows
 from kvtrace.vllm_releases import running_vllm_build, running_vllm_version
 
@@ -143,9 +143,8 @@ def engine_config_of(manager: Any, scheduler: Any = None) -> EngineConfig:
         num_gpu_blocks=config.num_blocks,
         retention_interval=config.prefix_cache_retention_interval,
         enable_caching=manager.enable_caching,
-        use_eagle=manager.use_eagle,
-        num_hash_lookahead_tokens=getattr(manager.block_pool, "num_hash_lookahead_tokens", 0),
         max_model_len=manager.max_model_len,
+        **drafter_fields_of(manager, scheduler),
         **({} if scheduler is None else _scheduler_limits(scheduler, groups)),
     )
 
@@ -157,9 +156,6 @@ def _scheduler_limits(scheduler: Any, groups: list[KVCacheGroup]) -> dict[str, A
     mamba_block_sizes = {group.block_size for group in groups if group.kind == "mamba"}
     return {
         "async_scheduling": is_async_scheduler(scheduler),
-        "num_speculative_tokens": getattr(scheduler, "num_spec_tokens", 0) or 0,
-        "num_lookahead_tokens": getattr(scheduler, "num_lookahead_tokens", 0) or 0,
-        "num_prefill_lookahead_tokens": getattr(scheduler, "num_prefill_lookahead", 0) or 0,
         "cache_block_size": (split_block_size if mamba_block_sizes
                              and mamba_block_sizes != {split_block_size} else 0),
         "max_num_batched_tokens": scheduler_config.max_num_batched_tokens,

@@ -313,12 +313,11 @@ def _vllm_config(config: EngineConfig, settings: SchedulerSettings, model: str) 
 
 
 def check_drafter(config: EngineConfig, scheduler: Any) -> None:
-    """vLLM's scheduler derived the drafter fields ``config`` says (``drafter_fields``), or a
-    ``ConfigError`` naming the first it did not."""
-    made = {"num_lookahead_tokens": scheduler.num_lookahead_tokens,
-            "num_prefill_lookahead_tokens": scheduler.num_prefill_lookahead,
-            "num_hash_lookahead_tokens": getattr(scheduler, "num_hash_lookahead_tokens", 0),
-            "use_eagle": scheduler.kv_cache_manager.use_eagle}
+    """vLLM's scheduler derived the drafter fields ``config`` says (``drafter_fields``), as a
+    capture would read them, or a ``ConfigError`` naming the first it did not."""
+    from kvtrace.probes.signatures import drafter_fields_of
+
+    made = drafter_fields_of(scheduler.kv_cache_manager, scheduler)
     for name, value in made.items():
         if value != getattr(config, name):
             raise ConfigError(

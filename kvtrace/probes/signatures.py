@@ -19,7 +19,7 @@ import importlib
 import inspect
 import sys
 import types
-from typing import Callable
+from typing import Any, Callable
 
 from kvtrace.errors import KvtraceError
 
@@ -110,6 +110,24 @@ def release_has(feature: str, version: str | None = None) -> bool:
     ``SINCE``."""
     version = check_supported(version or installed_vllm_version())
     return SUPPORTED_VLLM_VERSIONS.index(version) >= SUPPORTED_VLLM_VERSIONS.index(SINCE[feature])
+
+
+def drafter_fields_of(manager: Any, scheduler: Any = None) -> dict[str, Any]:
+    """The ``EngineConfig`` fields a live engine's drafter decides, as its ``KVCacheManager``
+    holds them (the drop, the hash lookahead) and, given the scheduler that owns it, as that
+    holds them (drafts, lookahead slots, prefill lookahead): what a capture records and what
+    ``kvtrace engine`` holds vLLM's scheduler to."""
+    fields: dict[str, Any] = {
+        "use_eagle": manager.use_eagle,
+        "num_hash_lookahead_tokens": (manager.block_pool.num_hash_lookahead_tokens
+                                      if release_has("BlockPool.num_hash_lookahead_tokens")
+                                      else 0)}
+    if scheduler is not None:
+        fields.update(num_speculative_tokens=getattr(scheduler, "num_spec_tokens", 0) or 0,
+                      num_lookahead_tokens=getattr(scheduler, "num_lookahead_tokens", 0) or 0,
+                      num_prefill_lookahead_tokens=getattr(scheduler, "num_prefill_lookahead",
+                                                           0) or 0)
+    return fields
 
 
 def expected_signatures(version: str) -> dict[str, tuple[str, ...]]:
