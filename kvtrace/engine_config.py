@@ -105,12 +105,16 @@ class Overrides:
     lookahead_block_hashes: bool | None = None  # MTP: 0.33's lookahead hashes, or the drop
 
     @property
+    def changes_drafter(self) -> bool:
+        return (self.num_speculative_tokens, self.speculative_method,
+                self.lookahead_block_hashes) != (None, None, None)
+
+    @property
     def changes_cache(self) -> bool:
         """A cache a start snapshot cannot describe: another pool, retention, or drafter (its
         speculative Mamba blocks, and which hashes its requests have)."""
         return (self.num_gpu_blocks is not None or self.retention_interval is not KEEP
-                or (self.num_speculative_tokens, self.speculative_method,
-                    self.lookahead_block_hashes) != (None, None, None))
+                or self.changes_drafter)
 
     def scheduler(self) -> dict[str, int | None]:
         return {"max_num_batched_tokens": self.max_num_batched_tokens,
@@ -139,8 +143,7 @@ def derive(config: EngineConfig | None, source: str,
         raise ConfigError(f"speculative method {overrides.speculative_method} drafts nothing: "
                           "the engine proposes no draft tokens",
                           "Add --num-speculative-tokens K (e.g. 2).")
-    if (overrides.num_speculative_tokens, overrides.speculative_method,
-            overrides.lookahead_block_hashes) != (None, None, None):
+    if overrides.changes_drafter:
         config = msgspec.structs.replace(config, **drafter_fields(
             config, overrides.speculative_method or speculative_method(config),
             overrides.lookahead_block_hashes))

@@ -144,8 +144,7 @@ def replay_predictor(connection, backend: str | None = None) -> Callable[[Any, A
             return f"no prediction: the run already runs {change.description}"
         chosen = backend or source.backend
         overrides = dict(change.overrides)
-        warm = not Overrides(num_gpu_blocks=1 if change.pool_factor else None,
-                             **overrides).changes_cache
+        warm = not (change.pool_factor or Overrides(**overrides).changes_cache)
         try:
             if (diagnosis.run, warm) not in baselines:
                 baselines[(diagnosis.run, warm)] = _replayed(source.path, source.variant,
