@@ -141,6 +141,12 @@ CAUSE_MECHANISMS = {cause: m.id for m in MECHANISMS for cause in m.causes}
 PREEMPTION, OVERCOUNT = "preemption-recompute", "metric-overcount"
 
 
+def mechanism_of(cause: str, resumed: bool) -> str | None:
+    """The finding a lookup's tokens lost to ``cause`` go under: a resumed lookup's, all of
+    them, under preemption-recompute; None for a cause no mechanism owns."""
+    return PREEMPTION if resumed else CAUSE_MECHANISMS.get(cause)
+
+
 @dataclass
 class Prediction:
     change: str
@@ -274,8 +280,7 @@ def _diagnose_run(run: int, variant: str, path: str, rows: list[dict], counter: 
     findings: dict[str, Finding] = {m.id: Finding(m.id, 0, 0.0) for m in MECHANISMS}
     unexplained: dict[str, int] = {}
     for row in rows:
-        mechanism = (PREEMPTION if row["lookups"] == "resumed"
-                     else CAUSE_MECHANISMS.get(row["cause"]))
+        mechanism = mechanism_of(row["cause"], row["lookups"] == "resumed")
         if mechanism is None:
             unexplained[row["cause"]] = unexplained.get(row["cause"], 0) + row["tokens"]
             continue

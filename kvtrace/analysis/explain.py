@@ -12,7 +12,7 @@ from kvtrace.analysis.attribution import (
     Removal,
     Segment,
 )
-from kvtrace.analysis.diagnosis import CAUSE_MECHANISMS, PREEMPTION
+from kvtrace.analysis.diagnosis import mechanism_of
 from kvtrace.analysis.load import run_labels
 from kvtrace.analysis.queries import Result
 from kvtrace.events import RemoveReason, TraceHeader, enum_label
@@ -102,9 +102,8 @@ def _describe_lookup(lookup: LookupAttribution, config) -> list[str]:
 
 
 def _mechanism(lookup: LookupAttribution, cause: str) -> str:
-    """The finding ``kvtrace doctor`` files these tokens under (a resumed lookup's, all of
-    them, under preemption-recompute), as a suffix."""
-    mechanism = PREEMPTION if lookup.lookup > 1 else CAUSE_MECHANISMS.get(cause)
+    """The finding ``kvtrace doctor`` files these tokens under, as a suffix."""
+    mechanism = mechanism_of(cause, lookup.lookup > 1)
     return f" [doctor: {mechanism}]" if mechanism else ""
 
 
