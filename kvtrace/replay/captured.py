@@ -38,6 +38,12 @@ def allocation_columns(columns: list) -> list[np.ndarray]:
     return [np.asarray(column, dtype=np.int64) for column in columns[:8]]
 
 
+def reaches_last_token(num_computed, num_new_computed, num_new, num_tokens):
+    """Whether a successful ``SlotsAllocated`` scheduled its request up to its last known
+    token, so that the step samples one more (ints, or numpy columns element by element)."""
+    return num_computed + num_new_computed + num_new >= num_tokens
+
+
 class CaptureEnds:
     """How far each request of a capture got: the tokens it held after its last successful
     chunk (``SlotsAllocated``; a chunk that reaches the last token samples one more).
@@ -60,7 +66,8 @@ class CaptureEnds:
          success) = allocation_columns(columns)
         ok = (success != 0) & (req >= 0)
         req, num_tokens = req[ok], num_tokens[ok]
-        after = num_tokens + (num_computed[ok] + num_new_computed[ok] + num_new[ok] >= num_tokens)
+        after = num_tokens + reaches_last_token(num_computed[ok], num_new_computed[ok],
+                                                num_new[ok], num_tokens)
         if not len(req):
             return
         if req.max() >= len(self._num_tokens):
@@ -131,7 +138,7 @@ class DraftAcceptance:
                     self.answers[(req, scheduled_at)] = max(extra, 0)
                     extra = 0
                 self._held[req] = num_tokens
-            if num_computed + num_new_computed + num_new >= num_tokens:
+            if reaches_last_token(num_computed, num_new_computed, num_new, num_tokens):
                 self._scheduled.setdefault(req, deque()).append(num_tokens)
         elif kind is BlocksCached:
             num_tokens = row[4]
