@@ -26,8 +26,7 @@ from kvtrace.engine_config import MAX_SPECULATIVE_TOKENS, SPECULATIVE_METHODS, S
               default=None,
               metavar="K",
               help="Draft tokens each decode step proposes, as vLLM's speculative decoding "
-                   "does (n-gram drafting, which needs no draft model; default: the "
-                   "workload's, else none).")
+                   "does (default: the workload's, else none).")
 @click.option("--speculative-method", type=click.Choice(SPECULATIVE_METHODS), default=None,
               help="How the drafts are made: ngram (prompt lookup, no forward pass) or mtp "
                    "(a drafter reading the target's hidden states, as MTP and EAGLE do: "
