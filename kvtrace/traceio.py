@@ -69,6 +69,12 @@ FRAME_HEADER, FRAME_BATCH, FRAME_ROWS, FRAME_CLOSED = b"H", b"B", b"R", b"C"
 MAX_FRAME_BYTES = 1 << 30
 DEFAULT_BATCH_SIZE = 8192
 
+
+class HeaderCutError(TraceFormatError):
+    """A file that ends before its header is complete: empty, cut off at once, or a trace whose
+    writer has only just begun (a follower waits for it: ``kvtrace.analysis.live``)."""
+
+
 _INT_CODES = ((1, "b"), (2, "h"), (4, "i"), (8, "q"))
 _INT_CODES_NARROW_FIRST = tuple(code for _, code in _INT_CODES)
 _WIDTH_OF_CODE = {code: w for w, code in _INT_CODES}
@@ -619,7 +625,7 @@ class TraceReader:
             frame = self._next_frame()
             if frame is None or frame[0] != FRAME_HEADER:
                 if self.truncated or frame is None:
-                    raise TraceFormatError(
+                    raise HeaderCutError(
                         f"{self.path} ends before its header is complete",
                         hint="Nothing can be recovered from it; capture the trace again.",
                     )
@@ -650,13 +656,13 @@ class TraceReader:
     def _read_preamble(self) -> None:
         preamble = self._read(_PREAMBLE.size)
         if not preamble:
-            raise TraceFormatError(
+            raise HeaderCutError(
                 f"{self.path} is empty", hint="The writer never started; capture the trace again."
             )
         if not MAGIC.startswith(preamble[: len(MAGIC)]):
             raise TraceFormatError(f"{self.path} is not a kvtrace trace (bad magic bytes)", 0)
         if len(preamble) < _PREAMBLE.size:
-            raise TraceFormatError(
+            raise HeaderCutError(
                 f"{self.path} ends before its header is complete",
                 hint="Nothing can be recovered from it; capture the trace again.",
             )
@@ -706,34 +712,46 @@ class TraceReader:
             raise RuntimeError("a TraceReader can be iterated once; open the trace again")
         self._consumed = True
         try:
-            while (frame := self._next_frame()) is not None:
-                frame_type, body, offset = frame
-                if self.closing is not None:
-                    raise TraceFormatError(f"{self.path}: data after the closing frame", offset)
-                if frame_type in (FRAME_BATCH, FRAME_ROWS):
-                    decode = _decode_batch if frame_type == FRAME_BATCH else _decode_rows
-                    try:
-                        batch, unknown = decode(body, self.num_records)
-                    except (msgspec.DecodeError, msgspec.ValidationError, ValueError, TypeError) as e:
-                        raise TraceFormatError(f"{self.path}: undecodable batch ({e})", offset) from None
-                    if unknown:
-                        self.unknown_kinds.update(unknown)
-                    if batch.unknown_values:
-                        self.unknown_values.update(batch.unknown_values)
-                    # A B batch keeps unknown kinds' rows (typeless); an R batch drops them.
-                    self.num_records += len(batch) + (
-                        unknown.total() if frame_type == FRAME_ROWS else 0)
-                    yield batch
-                elif frame_type == FRAME_CLOSED:
-                    self.closing = self._decode(_CLOSED_DECODER, frame)
-                elif frame_type == FRAME_HEADER:
-                    raise TraceFormatError(f"{self.path}: a second header frame", offset)
-                else:
-                    self.unknown_frames += 1
+            yield from self._decoded_batches()
             if self.closing is None and not self.truncated:
                 self._cut(self._offset)
         finally:
             self._file.close()
+
+    def new_batches(self) -> Iterator[RecordBatch]:
+        """The batches written since the last call, for a trace still being written (a regular
+        file): up to its end, or to a frame not yet whole, where the next call resumes. The
+        file stays open (``close``); ``closing`` is set once its writer closed it."""
+        self._file.seek(self._offset)  # back to the start of a frame read only in part
+        self.truncated, self.truncated_at = False, None
+        yield from self._decoded_batches()
+
+    def _decoded_batches(self) -> Iterator[RecordBatch]:
+        """Decode frames from ``_offset`` on, until the end or a frame cut short."""
+        while (frame := self._next_frame()) is not None:
+            frame_type, body, offset = frame
+            if self.closing is not None:
+                raise TraceFormatError(f"{self.path}: data after the closing frame", offset)
+            if frame_type in (FRAME_BATCH, FRAME_ROWS):
+                decode = _decode_batch if frame_type == FRAME_BATCH else _decode_rows
+                try:
+                    batch, unknown = decode(body, self.num_records)
+                except (msgspec.DecodeError, msgspec.ValidationError, ValueError, TypeError) as e:
+                    raise TraceFormatError(f"{self.path}: undecodable batch ({e})", offset) from None
+                if unknown:
+                    self.unknown_kinds.update(unknown)
+                if batch.unknown_values:
+                    self.unknown_values.update(batch.unknown_values)
+                # A B batch keeps unknown kinds' rows (typeless); an R batch drops them.
+                self.num_records += len(batch) + (
+                    unknown.total() if frame_type == FRAME_ROWS else 0)
+                yield batch
+            elif frame_type == FRAME_CLOSED:
+                self.closing = self._decode(_CLOSED_DECODER, frame)
+            elif frame_type == FRAME_HEADER:
+                raise TraceFormatError(f"{self.path}: a second header frame", offset)
+            else:
+                self.unknown_frames += 1
 
     def __iter__(self) -> Iterator[Record]:
         for batch in self.batches():
