@@ -77,7 +77,9 @@ def arm_line(**options) -> bytes:
 @pytest.mark.parametrize("request_", [
     PingRequest(), StatusRequest(), DisarmRequest(),
     ArmRequest(CaptureOptions(path="/x/t.kvtrace", hash_bytes=False, buffer_capacity=2048,
-                              gpu_interval_ms=0))])
+                              gpu_interval_ms=0)),
+    ArmRequest(CaptureOptions(path="/x/ring", hash_bytes=False, ring_s=1800, keyframe_s=180,
+                              max_bytes=2 << 30))])
 def test_every_request_round_trips(request_):
     line = encode(request_)
     assert line.endswith(b"\n") and line.count(b"\n") == 1
@@ -88,7 +90,8 @@ def test_the_wire_format_is_tagged_json():
     """Written down, because a kvtrace of another version parses it."""
     assert encode(ArmRequest(CaptureOptions(path="/t"))) == (
         b'{"cmd":"arm","options":{"path":"/t","hash_bytes":true,"buffer_capacity":262144,'
-        b'"gpu_interval_ms":1000},"lease_s":15.0}\n')
+        b'"gpu_interval_ms":1000,"ring_s":0.0,"keyframe_s":0.0,"max_bytes":0},'
+        b'"lease_s":15.0}\n')
     assert encode(ErrorReply("AttachError", "m", "h")) == (
         b'{"reply":"error","kind":"AttachError","message":"m","hint":"h"}\n')
 
@@ -318,3 +321,17 @@ def test_options_from_a_dict_are_checked_as_on_the_socket():
 
 def test_every_request_has_its_reply_type():
     assert set(REPLY_TYPES) == {PingRequest, ArmRequest, StatusRequest, DisarmRequest}
+
+
+@pytest.mark.parametrize("fields, names", [
+    ({"ring_s": 60.0, "keyframe_s": 0.0, "hash_bytes": False}, "keyframes every 0 < keyframe_s"),
+    ({"ring_s": 60.0, "keyframe_s": 61.0, "hash_bytes": False}, "keyframes every 0 < keyframe_s"),
+    ({"ring_s": 60.0, "keyframe_s": 6.0}, "a ring records hash ids only"),
+    ({"ring_s": -1.0}, "Expected `float` >= 0.0 - at `$.ring_s`"),
+])
+def test_ring_options_that_do_not_go_together_are_refused_before_anything_starts(fields, names):
+    """A ring needs a keyframe within its length, and records no hash bytes: a segment it
+    drops would take with it the only record of what an id hashes."""
+    with pytest.raises(ControlMessageError, match=re.escape(names)):
+        options_from({"path": "/x/ring", **fields})
+    assert type(control.answer(arm_line(path="/x/ring", **fields))) is ErrorReply

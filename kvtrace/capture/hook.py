@@ -36,6 +36,8 @@ import threading
 import time
 from typing import Any, Callable
 
+import msgspec
+
 from kvtrace import __version__, native
 from kvtrace.capture.messages import (
     AlreadyCapturingError,
@@ -43,6 +45,7 @@ from kvtrace.capture.messages import (
     CaptureStatus,
     checked_options,
 )
+from kvtrace.capture.recorder import RingFiles
 from kvtrace.capture.safe_paths import NewTraceFile
 from kvtrace.errors import KvtraceError
 from kvtrace.events import (
@@ -299,6 +302,10 @@ class NextStep:
         setattr(self._owner, "new_step_starts", self._original)
         return True
 
+    def pending(self) -> bool:
+        """Whether the trigger still waits for its step."""
+        return self._owner.__dict__.get("new_step_starts") is self._trigger
+
     def cancel(self) -> bool:
         """Take the trigger back if no step has come yet (waiting for one that runs)."""
         with self._lock:
@@ -333,6 +340,14 @@ class CaptureSession:
                                   ENCODE_BATCH_RECORDS, ENCODE_MAX_DELAY_S)
         self._stop = threading.Event()
         self._trace_file: NewTraceFile | None = None
+        self._header: TraceHeader | None = None
+        self._ring: RingFiles | None = None  # a flight recorder's segments (``options.ring_s``)
+        self._segment_taken = False  # whether the segment being written has its snapshot
+        # In a ring's segments before the current one.
+        self._bytes_closed = self._records_closed = self._dropped_closed = 0
+        self._keyframe_due_ns = 0  # monotonic
+        self._keyframe_lock = threading.Lock()  # no keyframe is asked for once stopping
+        self.num_keyframes = self.max_keyframe_pause_ns = 0  # a ring's, after its first
         self._writer: TraceWriter | None = None
         self._writer_thread: threading.Thread | None = None
         self._probes: Any = None
@@ -379,7 +394,8 @@ class CaptureSession:
         from kvtrace.probes import CacheProbes, probe_targets, snapshot
 
         probe_targets()  # signature check before anything else happens
-        self._take_snapshot = snapshot.take  # imported here: not on the scheduler's time
+        # Imported here: not on the scheduler's time.
+        self._take_snapshot, self._take_keyframe = snapshot.take, snapshot.take_keyframe
         managers = find_kv_cache_managers()
         config = engine_config_of(*managers[0]) if managers else None
         self.started_ns = time.time_ns()
@@ -401,9 +417,18 @@ class CaptureSession:
                     **(served_model(managers[0][1]) if managers else {}),
                     **(scheduling(managers[0][1]) if managers and managers[0][1] else {})},
         )
-        trace_file = self._trace_file = NewTraceFile(self.options.path, self._default_path)
+        if self.options.ring_s:
+            self._ring = RingFiles(self.options.path, self.started_ns, self.options.ring_s,
+                                   self.options.max_bytes)
+            header = msgspec.structs.replace(header, params={
+                **header.params, "ring_s": f"{self.options.ring_s:g}",
+                "keyframe_s": f"{self.options.keyframe_s:g}"})
+            trace_file = self._trace_file = self._ring.next_segment()
+        else:
+            trace_file = self._trace_file = NewTraceFile(self.options.path, self._default_path)
+        self._header = header
         try:
-            self._writer = TraceWriter(trace_file.reopen_path, header, rows=True)
+            self._writer = self._new_writer(trace_file)
         except OSError as error:
             trace_file.discard()
             trace_file.close()
@@ -423,6 +448,13 @@ class CaptureSession:
             self._undo_start()
             raise
 
+    def _new_writer(self, trace_file: NewTraceFile) -> TraceWriter:
+        header = self._header
+        if self._ring is not None:
+            header = msgspec.structs.replace(header, params={
+                **header.params, "segment": str(self._ring.seq)})
+        return TraceWriter(trace_file.reopen_path, header, rows=True)
+
     def _begin(self, manager: Any, scheduler: Any) -> None:
         """At the first step after arming, on the scheduler thread: the start snapshot goes
         first (whatever the buffer's room: it is what the rest means), then the probes arm.
@@ -433,14 +465,10 @@ class CaptureSession:
             if self._stopped:
                 return
             taken = self._take_snapshot(manager, scheduler, self._probes)
-            steps = self._steps
-            steps.flush()
-            # The writer thread makes its records (``_drain``): the scheduler has waited enough.
-            steps.chunks.append((len(taken), taken))
-            steps.num_buffered += len(taken)
-            steps.num_enqueued += len(taken)
+            self._hand_over(taken)
             self.snapshot_pause_ns = taken.ended.pause_ns
             self._scheduler_thread = threading.get_ident()
+            self._keyframe_due_ns = time.monotonic_ns() + int(self.options.keyframe_s * 1e9)
             self._probes.arm()
         except BaseException as error:  # noqa: BLE001 - the engine must never see ours
             self._probes.disarm()
@@ -450,6 +478,48 @@ class CaptureSession:
             self._stop.set()
             if not ours:
                 raise
+
+    def _hand_over(self, taken: Any) -> None:
+        """A snapshot to the writer thread, after the records before it; the writer thread
+        makes its records (``_drain``): the scheduler has waited enough."""
+        steps = self._steps
+        steps.flush()
+        steps.chunks.append((len(taken), taken))
+        steps.num_buffered += len(taken)
+        steps.num_enqueued += len(taken)
+
+    def _keyframe(self, manager: Any, scheduler: Any) -> None:
+        """A ring's keyframe, at the start of a step on the scheduler thread (``NextStep``):
+        a snapshot that opens the next segment. A failure ends the capture, never the
+        engine; a stop raised meanwhile goes on to vLLM (see ``_begin``)."""
+        try:
+            if self._stopped or not self._probes._armed:
+                return
+            started = time.perf_counter_ns()
+            self._hand_over(self._take_keyframe(manager, scheduler, self._probes))
+            pause_ns = time.perf_counter_ns() - started
+            self.num_keyframes += 1
+            self.max_keyframe_pause_ns = max(self.max_keyframe_pause_ns, pause_ns)
+        except BaseException as error:  # noqa: BLE001 - the engine must never see ours
+            self._probes.disarm()
+            ours = isinstance(error, Exception)
+            self.error = (f"a keyframe failed: {error!r}" if ours else
+                          f"the engine was stopped during a keyframe ({error!r})")
+            self._stop.set()
+            if not ours:
+                raise
+
+    def _ask_for_keyframe(self) -> None:
+        """On the writer thread: have the scheduler take the next keyframe at its next step,
+        once one is due (none is asked for once the capture stops)."""
+        if (self._ring is None or self.snapshot_pause_ns is None
+                or time.monotonic_ns() < self._keyframe_due_ns):
+            return
+        with self._keyframe_lock:
+            if self._stopped or self.error is not None or self._next_step.pending():
+                return  # an idle engine's keyframe still waits for its step
+            self._keyframe_due_ns = time.monotonic_ns() + int(self.options.keyframe_s * 1e9)
+            self._next_step = NextStep(self._keyframe)
 
     def _undo_start(self) -> None:
         """Take back a start that failed part way: nothing patched, running or written."""
@@ -465,17 +535,20 @@ class CaptureSession:
             while not self._stop.is_set():
                 # Drain, then always sleep: draining again as soon as anything new arrived
                 # would keep this thread competing with the scheduler for the interpreter lock.
-                self._drain(writer)
+                self._drain()
+                self._ask_for_keyframe()
                 self._stop.wait(WRITER_POLL_S)
             self._steps.flush()  # the probes are disarmed: nothing else hands records over
-            while self._drain(writer):
+            while self._drain():
                 pass
+            writer = self._writer
             steps = self._steps
             if steps.unmarked_drops:  # drops after the last record still get their marker
                 writer.write(EventsDropped(steps.unmarked_drops, time.time_ns() - self.started_ns))
                 steps.unmarked_drops = 0
-            writer.close(num_dropped=self.num_dropped)
+            writer.close(num_dropped=self.num_dropped - self._dropped_closed)
         except BaseException as error:  # noqa: BLE001 - the engine must never see it
+            writer = self._writer
             self._disarm_probes()  # before the error shows: a status that says so is final
             self.error = f"trace writer failed: {error!r}"
             steps = self._steps
@@ -487,23 +560,45 @@ class CaptureSession:
             except Exception:  # noqa: BLE001
                 pass
 
-    def _drain(self, writer: TraceWriter) -> bool:
+    def _drain(self) -> bool:
         """Move everything buffered into the writer; False when there was nothing. The buffer's
         chunks leave it in one slice: producers only append behind them, and each of the two
-        list operations is one step under the interpreter lock. The start snapshot comes as
-        read; its records are made and encoded here."""
+        list operations is one step under the interpreter lock. A snapshot comes as read
+        (``snapshot.Taken``); its records are made and encoded here, and one that finds the
+        segment holding its own already (a ring's keyframe) opens the next segment."""
         buffer = self._steps.chunks
         num_chunks = len(buffer)
         if not num_chunks:
-            writer.flush()
+            self._writer.flush()
             return False
         chunks = buffer[:num_chunks]
         del buffer[:num_chunks]
-        chunks = [chunk if type(chunk[1]) is bytes  # the start snapshot comes as read:
-                  else (chunk[0], encode_rows(chunk[1].records()))  # ``snapshot.Taken``
-                  for chunk in chunks]
-        self._steps.num_drained += writer.write_encoded_rows(chunks)
+        ready: list[tuple[int, bytes]] = []
+        for num_records, chunk in chunks:
+            if type(chunk) is not bytes:
+                if self._segment_taken:
+                    self._steps.num_drained += self._writer.write_encoded_rows(ready)
+                    ready = []
+                    self._next_segment()
+                self._segment_taken = True
+                chunk = encode_rows(chunk.records())
+            ready.append((num_records, chunk))
+        self._steps.num_drained += self._writer.write_encoded_rows(ready)
         return True
+
+    def _next_segment(self) -> None:
+        """Close the segment being written and open the ring's next one; then remove the
+        segments that fell out of the ring."""
+        num_dropped = self.num_dropped  # the scheduler thread may add to it meanwhile
+        self._writer.close(num_dropped=num_dropped - self._dropped_closed)
+        self._dropped_closed = num_dropped
+        self._trace_file.close()
+        self._bytes_closed += self._trace_file.size()
+        self._records_closed += self._writer.num_records
+        self._trace_file = self._ring.next_segment()
+        self._writer = self._new_writer(self._trace_file)
+        self._trace_file.publish()
+        self._ring.prune()
 
     def _disarm_probes(self, wait_s: float = 0.0) -> None:
         """Disarm where the trace holds whole calls only: the probes hand each step's records
@@ -512,8 +607,9 @@ class CaptureSession:
         holds the scheduler. Disarmed from here instead (an idle engine, no wait), a step the
         scheduler is in the middle of is dropped and marked, never cut; one it is not in (an
         idle engine's last) is kept."""
-        if self._next_step is not None:
-            self._next_step.cancel()
+        with self._keyframe_lock:
+            if self._next_step is not None:
+                self._next_step.cancel()
         probes = self._probes
         if probes is None:
             return
@@ -575,15 +671,17 @@ class CaptureSession:
             armed=not self._stopped and self.error is None,
             path=self.options.path,
             records=self._steps.num_enqueued,
-            written=writer.num_records if writer else 0,
+            written=self._records_closed + (writer.num_records if writer else 0),
             dropped=self.num_dropped,
             buffered=self._steps.num_buffered - self._steps.num_drained,
             probe_failures=self._probes.num_failures if self._probes else 0,
-            bytes=self._trace_file.size() if self._trace_file else 0,
+            bytes=self._bytes_closed + (self._trace_file.size() if self._trace_file else 0),
             gpu=self._telemetry.description if self._telemetry else "",
             error=self.error,
             started_ns=self.started_ns,
             snapshot_pause_ns=-1 if self.snapshot_pause_ns is None else self.snapshot_pause_ns,
+            num_keyframes=self.num_keyframes,
+            max_keyframe_pause_ns=self.max_keyframe_pause_ns,
         )
 
 

@@ -42,6 +42,13 @@ class CaptureOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, f
     hash_bytes: bool = True
     buffer_capacity: Annotated[int, msgspec.Meta(ge=1)] = DEFAULT_BUFFER_CAPACITY
     gpu_interval_ms: Annotated[int, msgspec.Meta(ge=0)] = 1000  # 0: no GPU telemetry
+    # A flight recorder (``kvtrace capture --ring``): ``path`` is then the ring's directory,
+    # the capture is written there in segments, each opening with a keyframe taken every
+    # ``keyframe_s``, and the engine removes the segments older than ``ring_s`` (and the oldest
+    # while the ring holds more than ``max_bytes``, 0: no cap). 0: one trace file at ``path``.
+    ring_s: Annotated[float, msgspec.Meta(ge=0)] = 0.0
+    keyframe_s: Annotated[float, msgspec.Meta(ge=0)] = 0.0
+    max_bytes: Annotated[int, msgspec.Meta(ge=0)] = 0
 
 
 # The KvtraceError subclasses an arm may raise in the engine besides KvtraceError itself; this
@@ -114,6 +121,9 @@ class CaptureStatus(Reply, tag="status"):
     # How long the start snapshot held the engine's scheduler thread; -1: the engine's next
     # step (which takes it, then arms the probes) has not come yet.
     snapshot_pause_ns: int = -1
+    # A ring's keyframes so far, and the longest any held the scheduler thread.
+    num_keyframes: int = 0
+    max_keyframe_pause_ns: int = 0
 
     def __getitem__(self, field: str):
         """Mapping access, for callers written against the dict status this replaced
@@ -159,11 +169,21 @@ def _decode(decoder: msgspec.json.Decoder, line: bytes, what: str):
 
 def checked_options(options: CaptureOptions) -> CaptureOptions:
     """``options`` if every field has its type and range (a Struct built in Python is not
-    checked); else ``ControlMessageError`` naming the field."""
+    checked) and they go together; else ``ControlMessageError`` naming the field."""
     try:
-        return msgspec.convert(msgspec.to_builtins(options), CaptureOptions)
+        options = msgspec.convert(msgspec.to_builtins(options), CaptureOptions)
     except (msgspec.ValidationError, TypeError) as error:
         raise ControlMessageError(f"bad capture options: {error}") from None
+    if options.ring_s and not 0 < options.keyframe_s <= options.ring_s:
+        raise ControlMessageError(f"bad capture options: a ring of {options.ring_s:g} s needs "
+                                  f"keyframes every 0 < keyframe_s <= ring_s s, not "
+                                  f"{options.keyframe_s:g}")
+    if options.ring_s and options.hash_bytes:
+        # A hash's bytes are written once, at its first sight: a dropped segment would take
+        # them with it, and a dump could not say what its ids hash.
+        raise ControlMessageError("bad capture options: a ring records hash ids only "
+                                  "(hash_bytes must be false)")
+    return options
 
 
 def options_from(fields: CaptureOptions | dict) -> CaptureOptions:
@@ -171,7 +191,7 @@ def options_from(fields: CaptureOptions | dict) -> CaptureOptions:
     if isinstance(fields, CaptureOptions):
         return checked_options(fields)
     try:
-        return msgspec.convert(fields, CaptureOptions)
+        return checked_options(msgspec.convert(fields, CaptureOptions))
     except msgspec.ValidationError as error:
         raise ControlMessageError(f"bad capture options: {error}") from None
 

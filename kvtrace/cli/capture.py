@@ -17,18 +17,34 @@ LAPSE_WAIT_S = 2.0  # for the engine's word that a lease lapsed, once its captur
 PID = click.IntRange(min=1, max=1 << 22)  # Linux's PID_MAX_LIMIT: no process has another
 
 
-def parse_duration(text: str | None) -> float | None:
+def parse_duration(text: str | None, option: str = "--duration") -> float | None:
     """``90``, ``90s``, ``10m``, ``1h`` -> seconds (positive: a capture of nothing is refused
     whichever way it is made)."""
     if text is None:
         return None
     match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smh]?)\s*", text)
     if not match:
-        raise click.BadParameter(f"{text!r} is not a duration like 30s, 10m or 1h", param_hint="--duration")
+        raise click.BadParameter(f"{text!r} is not a duration like 30s, 10m or 1h", param_hint=option)
     seconds = float(match.group(1)) * {"": 1, "s": 1, "m": 60, "h": 3600}[match.group(2)]
     if not 0 < seconds < math.inf:
-        raise click.BadParameter(f"{text!r} is not a positive duration", param_hint="--duration")
+        raise click.BadParameter(f"{text!r} is not a positive duration", param_hint=option)
     return seconds
+
+
+_SIZE_UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "kib": 2**10, "m": 1e6, "mb": 1e6,
+               "mib": 2**20, "g": 1e9, "gb": 1e9, "gib": 2**30, "t": 1e12, "tb": 1e12,
+               "tib": 2**40}
+
+
+def parse_size(text: str | None, option: str) -> int:
+    """``2GiB``, ``500MB``, ``1g`` -> bytes (0: none given)."""
+    if text is None:
+        return 0
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
+    unit = _SIZE_UNITS.get(match.group(2).lower()) if match else None
+    if unit is None or not 1 <= float(match.group(1)) * unit < 2**63:
+        raise click.BadParameter(f"{text!r} is not a size like 500MB or 2GiB", param_hint=option)
+    return int(float(match.group(1)) * unit)
 
 
 # attach.METHODS, spelled out so that `kvtrace --help` imports no capture code (a test holds
@@ -57,8 +73,20 @@ METHODS = ("auto", "plugin", "remote-exec", "ptrace", "gdb", "lldb")
 @click.option("--bind", is_flag=True,
               help="With --zmq: bind ENDPOINT (when vLLM's publisher connects out, i.e. its "
                    "endpoint has no '*').")
+@click.option("--ring", "ring", metavar="DURATION",
+              help="Run as a flight recorder: keep only the last DURATION (30m) in --dir, as "
+                   "segments that each open with a keyframe; `kvtrace dump` writes a trace "
+                   "from it. Records hash ids only.")
+@click.option("--dir", "ring_dir", type=click.Path(file_okay=False),
+              help="With --ring: the ring's directory (the engine makes it, 0700).")
+@click.option("--max-size", metavar="SIZE",
+              help="With --ring: never keep more than SIZE (2GiB, 500MB) in the ring.")
+@click.option("--keyframe-every", metavar="DURATION",
+              help="With --ring: a keyframe (and a new segment) this often; default: a tenth "
+                   "of the ring.")
 def command(pid, method, duration, output, no_hash_bytes, buffer_capacity, gpu_interval_ms,
-            stop_pid, zmq_endpoint, topic, bind) -> None:
+            stop_pid, zmq_endpoint, topic, bind, ring, ring_dir, max_size,
+            keyframe_every) -> None:
     """Capture a live engine's prefix-cache calls and effects into a trace.
 
     Attaches to the engine core(s) behind --pid (an API-server pid finds its
@@ -74,6 +102,7 @@ def command(pid, method, duration, output, no_hash_bytes, buffer_capacity, gpu_i
     \b
     Example:
         kvtrace capture --pid 4242 --duration 10m -o prod.kvtrace
+        kvtrace capture --pid 4242 --ring 30m --dir /var/lib/kvtrace/ring --max-size 2GiB
         kvtrace capture --stop 4242
         kvtrace capture --zmq tcp://127.0.0.1:5557 --duration 60s -o events.kvtrace
     """
@@ -85,15 +114,37 @@ def command(pid, method, duration, output, no_hash_bytes, buffer_capacity, gpu_i
     if stop_pid is not None:
         _stop(stop_pid)
         return
-    if output is None:
-        raise click.UsageError("-o/--output is required")
+    ring_s = parse_duration(ring, "--ring")
+    ring_options = {"--dir": ring_dir, "--max-size": max_size, "--keyframe-every": keyframe_every}
+    if ring_s is None:
+        given = [name for name, value in ring_options.items() if value is not None]
+        if given:
+            raise click.UsageError(f"{given[0]} goes with --ring")
+        if output is None:
+            raise click.UsageError("-o/--output is required")
+    elif output is not None or zmq_endpoint is not None:
+        raise click.UsageError("--ring writes to --dir: give no -o (and no --zmq)")
+    elif ring_dir is None:
+        raise click.UsageError("--ring needs --dir")
     if zmq_endpoint is not None:
         _capture_zmq(zmq_endpoint, output, seconds, topic, not no_hash_bytes, bind)
         return
     from kvtrace.capture.messages import CaptureOptions
 
-    options = CaptureOptions(path=os.path.abspath(output), hash_bytes=not no_hash_bytes,
-                             buffer_capacity=buffer_capacity, gpu_interval_ms=gpu_interval_ms)
+    if ring_s is None:
+        options = CaptureOptions(path=os.path.abspath(output), hash_bytes=not no_hash_bytes,
+                                 buffer_capacity=buffer_capacity,
+                                 gpu_interval_ms=gpu_interval_ms)
+    else:
+        keyframe_s = parse_duration(keyframe_every, "--keyframe-every") or ring_s / 10
+        if keyframe_s > ring_s:
+            raise click.BadParameter("a keyframe must come within the ring's length",
+                                     param_hint="--keyframe-every")
+        options = CaptureOptions(path=os.path.abspath(ring_dir), hash_bytes=False,
+                                 buffer_capacity=buffer_capacity,
+                                 gpu_interval_ms=gpu_interval_ms, ring_s=ring_s,
+                                 keyframe_s=keyframe_s,
+                                 max_bytes=parse_size(max_size, "--max-size"))
     _capture_pid(pid, method, options, seconds)
 
 
@@ -104,9 +155,14 @@ def _log(message: str) -> None:
         click.echo(message.rstrip(), err=True)
 
 
-def _output_path(path: str, target, num_targets: int) -> str:
+def _output_path(options, target, num_targets: int) -> str:
+    """Each engine core's trace (or ring directory), its rank in the name when there are
+    several."""
+    path = options.path
     if num_targets == 1:
         return path
+    if options.ring_s:
+        return f"{path}.{target.rank_suffix or target.pid}"
     stem, ext = os.path.splitext(path)
     return f"{stem}.{target.rank_suffix or target.pid}{ext or '.kvtrace'}"
 
@@ -124,7 +180,7 @@ def _capture_pid(pid: int, method: str, options, seconds: float | None) -> None:
     try:
         for target in targets:
             way_in = attach.ensure_hook(target, method, _log)
-            path = _output_path(options.path, target, len(targets))
+            path = _output_path(options, target, len(targets))
             leases[target.pid] = attach.arm(target, msgspec.structs.replace(options, path=path))
             sessions.append((target, path))
             click.echo(f"kvtrace: capturing pid {target.pid} ({target.title}) via {way_in} "
@@ -247,6 +303,10 @@ def _still_alive(pid: int, grace_s: float = 2.0) -> bool:
 def _print_summary(target, path: str, final) -> None:
     click.echo(f"kvtrace: pid {target.pid}: {final.written:,} records written, "
                f"{final.dropped:,} dropped, {final.bytes / 2**20:.1f} MiB -> {path}")
+    if final.num_keyframes:
+        click.echo(f"kvtrace: pid {target.pid}: {final.num_keyframes} keyframes after the "
+                   f"first, each holding its scheduler {final.max_keyframe_pause_ns / 1e6:.1f} "
+                   "ms at most")
     if final.snapshot_pause_ns >= 0:
         click.echo(f"kvtrace: pid {target.pid}: the start snapshot held its scheduler "
                    f"{final.snapshot_pause_ns / 1e6:.1f} ms")

@@ -237,14 +237,28 @@ class CacheProbes(object if native.built is None else native.built.ProbeState):
     def adopt_request(self, request: Any, hash_block_size: int) -> tuple[int, list[int]]:
         """Take over a request already in flight when the capture armed (the start snapshot):
         number it and intern every block hash it has; no ``RequestArrived`` is reported for
-        it. Returns its ``req`` and hash ids."""
+        it. Returns its ``req`` and hash ids. A request the probes know already (a ring's
+        keyframe, after ``report_request``) keeps its number."""
         request_id = request.request_id
+        hashes = request.block_hashes
+        known = self._reqs.get(request_id)
+        if known is not None:
+            return known[0], self._hash_ids(hashes, 0, len(hashes), hash_block_size)
         req = self._req_number(request_id) if self._req_number else self._num_requests
         self._num_requests += 1
-        hashes = request.block_hashes
         hash_ids = self._hash_ids(hashes, 0, len(hashes), hash_block_size)
         self._reqs[request_id] = (req, len(hashes))
         return req, hash_ids
+
+    def report_request(self, request: Any, hash_block_size: int) -> None:
+        """Report what the trace does not yet say of a request in flight (its arrival, the
+        hash units it completed since), as its next probed call would: before a keyframe,
+        so that the trace read on through the keyframe and the trace read from it agree."""
+        held = self._held
+        try:
+            self._enter(request, hash_block_size)
+        finally:
+            self._leave(held)
 
     def _hash_ids(self, hashes: list, start: int, stop: int, hash_block_size: int) -> list[int]:
         """Intern a request's hash units (a prompt has hundreds: comprehensions, not a loop; with

@@ -117,6 +117,17 @@ def take(manager: Any, scheduler: Any, probes: Any) -> Taken:
             gc.enable()
 
 
+def take_keyframe(manager: Any, scheduler: Any, probes: Any) -> Taken:
+    """A snapshot taken while ``probes`` record (a ring's keyframe, at the start of a step):
+    the probes first report each request in flight as far as the step that ended leaves it,
+    and hand that step's records over, so that the keyframe comes after all of them."""
+    unit = manager.block_pool.hash_block_size
+    for request, _ in _requests_in_flight(manager, scheduler):
+        probes.report_request(request, unit)
+    probes._flush()
+    return take(manager, scheduler, probes)
+
+
 @dataclass(frozen=True)
 class Taken:
     """A start snapshot as read off the engine: the records that need the live objects (the
