@@ -39,8 +39,8 @@ SMALL_CONFIG = EngineConfig(
 
 
 def header(config: EngineConfig | None = SMALL_CONFIG, **fields) -> TraceHeader:
-    return TraceHeader(kvtrace_version="test", created_ns=0, source="synth", config=config,
-                       **fields)
+    return TraceHeader(**{"kvtrace_version": "test", "created_ns": 0, "source": "synth",
+                          "config": config, **fields})
 
 
 def requests(count: int = 6, prompt_len: int = 160) -> list:
@@ -291,3 +291,20 @@ def node_kind(path: Path) -> tuple:
     info = path.lstat()
     return (stat.S_IFMT(info.st_mode), info.st_rdev, info.st_ino,
             os.readlink(path) if path.is_symlink() else None)
+
+
+def ring(directory: Path, num_segments: int = 3, session: int = 10**18,
+         keyframe_every_ns: int = 10**9) -> Path:
+    """A flight recorder's ring directory (0700) as the engine writes one: segments of one
+    session, each a whole trace opening with a keyframe (an empty pool's), then steps."""
+    from kvtrace.events import SnapshotEnded, SnapshotStarted, StepStarted
+    from kvtrace.ring import segment_name
+
+    directory.mkdir(mode=0o700)
+    for seq in range(1, num_segments + 1):
+        start_ns = (seq - 1) * keyframe_every_ns
+        records = [SnapshotStarted(start_ns, 0, 0, 0), SnapshotEnded(1000),
+                   *(StepStarted(10 * seq + step, start_ns + step * 10**8) for step in range(3))]
+        trace(directory / segment_name(session, seq), records,
+              header(created_ns=session, source="capture"))
+    return directory

@@ -40,6 +40,7 @@ from bad_traces import (
     impossible_configs,
     node_kind,
     requests,
+    ring,
     special_output,
     trace,
     unknown_enum_records,
@@ -122,6 +123,13 @@ def pool(tmp_path_factory) -> dict[str, str]:
     files["bad model config"] = root / "config.json"
     files["a directory"] = root
     files["missing"] = root / "missing.kvtrace"
+    files["ring"] = ring(root / "ring")
+    files["empty ring"] = root / "empty-ring"
+    files["empty ring"].mkdir(mode=0o700)
+    files["open ring"] = ring(root / "open-ring")
+    files["open ring"].chmod(0o777)
+    files["garbage ring"] = ring(root / "garbage-ring", num_segments=2)
+    shutil.copy(files["garbage"], min(files["garbage ring"].iterdir()))
     return {name: str(path) for name, path in files.items()}
 
 
@@ -308,6 +316,17 @@ COMMANDS: dict[str, tuple[st.SearchStrategy, int]] = {
         "--zmq": Opt(st.sampled_from(["", "nonsense", "tcp://", "tcp://hostonly", "tcp://h:0",
                                       "tcp://h:99999", "inproc://x"]), required=True),
         "-o": output(".kvtrace", True), **CAPTURE_OPTIONS}), 10),
+    "capture --ring": (arguments([], {
+        "--pid": Opt(st.sampled_from([2**22, 2**22 + 3]), JUNK, True),
+        "--ring": Opt(st.sampled_from(["30m", "20s"]), st.sampled_from(["0", "x", ""]), True),
+        "--dir": Opt(st.sampled_from(["/tmp/kvtrace-fuzz-ring"]), required=True),
+        "--max-size": choice(["2GiB", "500MB", "1g"], ["0", "2XB", "-1G", "1e99G"]),
+        "--keyframe-every": choice(["10s", "2m"], ["0", "1h", "x"]),
+        "--duration": choice(["10m"], ["0"])}), 10),
+    "dump": (arguments([files(["ring"], ["empty ring", "open ring", "garbage ring", "missing",
+                                         "workload", "a directory"])], {
+        "--last": choice(["10m", "1s", "1h"], ["0", "x", ""]),
+        "-o": output(".kvtrace", True)}), 12),
     "synth": (arguments([], {
         "--preset": Opt(st.sampled_from(["shared-prompt", "documents", "chat", "agent"]),
                         st.sampled_from(["nope", ""]), required=True),

@@ -196,12 +196,12 @@ def dump(directory: str | os.PathLike, output: str | os.PathLike, *,
                         continue
                     raise RingError(f"{keyframe.segment.name} left the ring while it was "
                                     "dumped", "Dump a shorter --last, or again.") from None
+                in_keyframe = writer is not None  # the first segment's stays
                 if writer is None:
                     header = msgspec.structs.replace(reader.header, params={
                         **reader.header.params, "dumped_from": ring.directory,
                         "segment": str(keyframe.segment.seq)})
                     writer = TraceWriter(output, header, atomic=True)
-                in_keyframe = writer.num_records > 0  # the first segment's stays
                 for batch in reader.batches():
                     records = batch.records()
                     if in_keyframe:

@@ -1,0 +1,179 @@
+"""Issue #32, the flight recorder: a ring directory's segments, the engine's pruning, `kvtrace
+dump`, the trigger; and, on a serving `kvtrace engine`, a 20 s ring that stops growing, a dump
+taken while it records that verifies in lockstep, and a trigger that catches a collapse."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+from bad_traces import header, ring, trace
+from click.testing import CliRunner
+
+from kvtrace.analysis.trigger import TriggerError, TriggerWatch, parse_trigger
+from kvtrace.capture.dump import Keyframe, Ring, RingError, choose, dump
+from kvtrace.capture.recorder import RingFiles
+from kvtrace.cli import cli
+from kvtrace.errors import UnsafePathError
+from kvtrace.events import SnapshotEnded, SnapshotStarted, StepStarted
+from kvtrace.ring import list_segments, parse_segment_name, segment_name
+from kvtrace.traceio import count_kinds, read_records
+
+SESSION = 10**18
+
+
+def test_segment_names_sort_by_time_and_other_files_are_not_segments(tmp_path):
+    names = [segment_name(SESSION + 5, 2), segment_name(SESSION, 10), segment_name(SESSION, 9)]
+    for name in names + ["notes.txt", "ring-1-1.kvtrace", "incident.kvtrace"]:
+        (tmp_path / name).write_bytes(b"")
+    assert [(s.session, s.seq) for s in list_segments(tmp_path)] == [
+        (SESSION, 9), (SESSION, 10), (SESSION + 5, 2)]
+    assert parse_segment_name("ring-1-1.kvtrace") is None
+
+
+def make_segments(directory: Path, ages_s: list[float], size: int = 1000) -> list[str]:
+    """Segments of one session, oldest first, last written ``ages_s`` ago."""
+    names = []
+    for seq, age_s in enumerate(ages_s, 1):
+        name = segment_name(SESSION, seq)
+        (directory / name).write_bytes(b"x" * size)
+        stamp = time.time() - age_s
+        os.utime(directory / name, (stamp, stamp))
+        names.append(name)
+    return names
+
+
+def test_the_engine_removes_segments_older_than_the_ring_and_never_the_one_it_writes(tmp_path):
+    ring_dir = tmp_path / "ring"
+    files = RingFiles(str(ring_dir), SESSION, ring_s=20, max_bytes=0)
+    assert ring_dir.stat().st_mode & 0o777 == 0o700
+    names = make_segments(ring_dir, [60, 30, 21, 19, 5, 0])
+    (ring_dir / "mine.txt").write_text("the operator's")
+    os.symlink(ring_dir / names[0], ring_dir / segment_name(SESSION - 1, 1))
+    files.seq = 6  # segment 6 is being written; old as it may look, it stays
+    os.utime(ring_dir / names[5], (0, 0))
+    files.prune()
+    left = sorted(p.name for p in ring_dir.iterdir())
+    assert left == sorted([segment_name(SESSION - 1, 1), *names[3:], "mine.txt"])
+    assert files.num_removed == 3
+
+
+def test_the_size_cap_removes_the_oldest_first(tmp_path):
+    ring_dir = tmp_path / "ring"
+    files = RingFiles(str(ring_dir), SESSION, ring_s=3600, max_bytes=3500)
+    names = make_segments(ring_dir, [50, 40, 30, 20, 10])
+    files.seq = 5
+    files.prune()
+    assert sorted(p.name for p in ring_dir.iterdir()) == names[2:]  # 3000 bytes <= 3500
+
+
+def test_a_ring_directory_open_to_others_is_refused_by_the_engine(tmp_path):
+    ring_dir = tmp_path / "ring"
+    ring_dir.mkdir(mode=0o777)
+    ring_dir.chmod(0o777)
+    with pytest.raises(UnsafePathError, match="open to other users"):
+        RingFiles(str(ring_dir), SESSION, ring_s=20, max_bytes=0)
+
+
+def test_a_dump_is_the_first_segment_whole_then_the_others_past_their_keyframes(tmp_path):
+    directory = ring(tmp_path / "ring", num_segments=3)
+    written = dump(directory, tmp_path / "all.kvtrace")
+    reader, records = read_records(tmp_path / "all.kvtrace")
+    assert [type(r) for r in records] == [SnapshotStarted, SnapshotEnded, *[StepStarted] * 9]
+    assert [r.step for r in records[2:]] == [10, 11, 12, 20, 21, 22, 30, 31, 32]
+    assert reader.closing is not None and not reader.truncated
+    assert reader.header.params["dumped_from"] == str(directory)
+    assert written.num_records == 11 and written.older_sessions == 0
+    assert [k.segment.seq for k in written.keyframes] == [1, 2, 3]
+    assert written.first_ns == SESSION and written.last_ns == SESSION + 2 * 10**9 + 2 * 10**8
+
+
+def test_the_last_keyframe_at_or_before_the_start_begins_the_dump():
+    keyframes = [Keyframe(parse_segment_name(segment_name(SESSION, seq)), seq * 100)
+                 for seq in (1, 2, 3, 4)]
+    seqs = lambda chosen: [k.segment.seq for k in chosen]  # noqa: E731
+    assert seqs(choose(keyframes, 250, None)) == [2, 3, 4]
+    assert seqs(choose(keyframes, 200, None)) == [2, 3, 4]
+    assert seqs(choose(keyframes, 50, None)) == [1, 2, 3, 4]  # older than the ring: all of it
+    assert seqs(choose(keyframes, 150, 399)) == [1, 2, 3]
+    assert seqs(choose(keyframes, None, None)) == [1, 2, 3, 4]
+
+
+def test_a_restarted_ring_dumps_its_newest_capture_only(tmp_path):
+    directory = ring(tmp_path / "ring", num_segments=2)
+    trace(directory / segment_name(SESSION + 10**12, 1),
+          [SnapshotStarted(0, 0, 0, 0), SnapshotEnded(1), StepStarted(0, 5)],
+          header(created_ns=SESSION + 10**12, source="capture"))
+    written = dump(directory, tmp_path / "new.kvtrace")
+    assert written.older_sessions == 1 and written.num_records == 3
+    result = CliRunner().invoke(cli, ["dump", str(directory), "-o", str(tmp_path / "c.kvtrace")])
+    assert result.exit_code == 0 and "1 earlier capture(s)" in result.stderr
+
+
+def test_a_segment_being_written_is_read_to_its_last_whole_frame(tmp_path):
+    directory = ring(tmp_path / "ring", num_segments=2)
+    newest = max(directory.iterdir())
+    data = newest.read_bytes()
+    newest.write_bytes(data[:-20])  # its closing frame not yet written: cut mid-frame
+    written = dump(directory, tmp_path / "d.kvtrace")
+    assert written.num_records == 8
+    assert count_kinds(tmp_path / "d.kvtrace")["step_started"] == 6
+
+
+@pytest.mark.parametrize("plant", ["open", "link", "dir link"])
+def test_a_ring_another_user_could_have_changed_is_refused_unread(tmp_path, plant):
+    directory = ring(tmp_path / "ring", num_segments=2)
+    target = directory
+    if plant == "open":
+        directory.chmod(0o777)
+    elif plant == "link":
+        secret = tmp_path / "secret.kvtrace"
+        os.rename(min(directory.iterdir()), secret)
+        os.symlink(secret, directory / segment_name(SESSION, 1))
+    else:
+        target = tmp_path / "alias"
+        os.symlink(directory, target)
+    with pytest.raises((UnsafePathError, RingError)):
+        dump(target, tmp_path / "out.kvtrace")
+    assert not (tmp_path / "out.kvtrace").exists()
+
+
+def test_a_directory_without_segments_says_so(tmp_path):
+    (tmp_path / "ring").mkdir(mode=0o700)
+    with pytest.raises(RingError, match="holds no segment yet"):
+        Ring(tmp_path / "ring").keyframes()
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("hit_rate < 0.2 for 60s", ("hit_rate", "<", 0.2, 60.0)),
+    ("checkpoint_share>=.5 for 2m", ("checkpoint_share", ">=", 0.5, 120.0)),
+    ("pushouts_per_min > 100", ("pushouts_per_min", ">", 100.0, 0.0)),
+])
+def test_triggers_parse(text, expected):
+    trigger = parse_trigger(text)
+    assert (trigger.figure, trigger.op, trigger.threshold, trigger.hold_s) == expected
+
+
+@pytest.mark.parametrize("text", ["hit_rate < x", "tokens < 3", "hit_rate = 0.2",
+                                  "hit_rate < 0.2 for 1d", ""])
+def test_a_trigger_that_does_not_parse_says_how_to_write_one(text):
+    with pytest.raises(TriggerError) as error:
+        parse_trigger(text)
+    assert "hit_rate < 0.2 for 60s" in error.value.hint
+
+
+class Figures:
+    def __init__(self, ts_s, hit_rate):
+        self.ts_s, self.hit_rate = ts_s, hit_rate
+
+
+def test_a_trigger_fires_once_the_condition_held_long_enough_then_waits_for_it_to_clear():
+    watch = TriggerWatch(parse_trigger("hit_rate < 0.2 for 10s"))
+    series = [(0, 0.5), (1, 0.1), (6, 0.1), (10, None), (11, 0.1), (20, 0.15), (21, 0.1),
+              (30, 0.05), (31, 0.6), (32, 0.1), (42, 0.1)]
+    fired = [ts for ts, rate in series if watch.update(Figures(ts, rate))]
+    # None (no lookup) breaks the hold at 10; held again from 11, it fires at 21, not again at
+    # 30; cleared at 31, held from 32, it fires again at 42.
+    assert fired == [21, 42] and watch.num_fired == 2
