@@ -29,6 +29,7 @@ COMMAND_MODULES = {
     "doctor": "doctor",
     "export": "export",
     "capture": "capture",
+    "top": "top",
     "dump": "dump",
     "synth": "synth",
     "importcmd": "import",
