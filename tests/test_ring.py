@@ -177,3 +177,118 @@ def test_a_trigger_fires_once_the_condition_held_long_enough_then_waits_for_it_t
     # None (no lookup) breaks the hold at 10; held again from 11, it fires at 21, not again at
     # 30; cleared at 31, held from 32, it fires again at 42.
     assert fired == [21, 42] and watch.num_fired == 2
+
+
+# --- a ring on a serving engine -------------------------------------------------------------
+
+RING_S, KEYFRAME_S, KEEP_S = 20, 1, 9
+SWITCH = 300  # the collapse: requests from this one on share nothing
+
+
+def collapsing_workload(path: Path) -> Path:
+    """Shared prompts on Kimi-K3's cache (a hit rate near 60%), then, from request ``SWITCH``
+    on, prompts that share nothing (near 0%): 600 requests over about 146 virtual seconds."""
+    import dataclasses
+
+    from kvtrace.workloads.synth import synthesize
+    from kvtrace.workloads.workload import EngineShape, write_workload
+
+    shape = EngineShape(model="kimi-k3")
+    workload = synthesize("shared-prompt", 600, 0, shape.hash_block_size)
+    unique = iter(range(10**12, 10**13))
+    workload.requests[SWITCH:] = [dataclasses.replace(
+        request, hash_ids=[next(unique) for _ in request.hash_ids],
+        output_hash_ids=[next(unique) for _ in request.output_hash_ids])
+        for request in workload.requests[SWITCH:]]
+    write_workload(path, workload, shape)
+    return path
+
+
+def first_admission_hits(trace_path: Path) -> list[tuple[int, int, int]]:
+    """(arrival ns, prompt tokens, hit tokens) of each request that arrived in the trace, at
+    its first lookup, in arrival order."""
+    from kvtrace.events import ComputedBlocksFound, RequestArrived
+
+    arrived, hits = {}, {}
+    for record in read_records(trace_path)[1]:
+        if type(record) is RequestArrived:
+            arrived[record.req] = (record.arrival_ns, record.prompt_len)
+        elif type(record) is ComputedBlocksFound and record.req in arrived:
+            hits.setdefault(record.req, record.num_hit_tokens)
+    return sorted((*arrived[req], hit) for req, hit in hits.items())
+
+
+def rate(rows) -> float:
+    return sum(hit for _, _, hit in rows) / max(1, sum(prompt for _, prompt, _ in rows))
+
+
+def ring_bytes(directory: Path) -> int:
+    return sum(path.stat().st_size for path in directory.glob("ring-*.kvtrace")
+               if path.exists())
+
+
+@pytest.mark.slow
+def test_a_ring_on_a_serving_engine_stays_bounded_dumps_and_catches_a_collapse(tmp_path):
+    """Issue #32, must show: on `kvtrace engine` serving for 90 s with a 20 s ring, the ring
+    holds the last 20 s (plus the segment being written) and no more; a dump taken while it
+    records verifies in lockstep at 100%; the trigger fires on shared prompts switching to
+    unique ones, and its incident holds the collapse and verifies too."""
+    from test_capture_live import kvtrace, lockstep_verify
+    from test_midflight import serving_engine
+
+    from kvtrace.capture import control
+    from kvtrace.capture.messages import StatusRequest
+
+    workload = collapsing_workload(tmp_path / "w.kvtrace")
+    speed = 146 / 84  # the workload's arrivals over 84 s of wall time
+    ring_dir, incidents = tmp_path / "ring", tmp_path / "incidents"
+    engine = serving_engine(workload, "--speed", f"{speed:.4f}")
+    try:
+        started = time.monotonic()
+        time.sleep(6)  # a warm cache: the trigger watches a collapse, not the cold start
+        capture = kvtrace("capture", "--pid", str(engine.pid), "--ring", f"{RING_S}s",
+                          "--keyframe-every", f"{KEYFRAME_S}s", "--dir", str(ring_dir),
+                          "--duration", "80s", "--trigger", "hit_rate < 0.2 for 2s",
+                          "--live-window", "4s", "--keep-around", f"{KEEP_S}s",
+                          "--incident-dir", str(incidents))
+        samples = []  # (seconds into the capture, bytes written so far, bytes in the ring)
+        dumped = None
+        while capture.poll() is None:
+            time.sleep(0.5)
+            try:
+                status = control.request(engine.pid, StatusRequest())
+            except Exception:  # noqa: BLE001 - the capture ends meanwhile
+                continue
+            if status.armed and status.started_ns:
+                samples.append((time.time() - status.started_ns / 1e9, status.bytes,
+                                ring_bytes(ring_dir)))
+            if dumped is None and samples and samples[-1][0] > 30:
+                dumped = CliRunner().invoke(cli, ["dump", str(ring_dir), "--last", "10s",
+                                                  "-o", str(tmp_path / "mid.kvtrace")])
+        out, err = capture.communicate(timeout=60)
+        assert capture.returncode == 0, err
+        assert time.monotonic() - started > 85  # it served throughout
+        assert engine.process.poll() is None
+    finally:
+        engine.stop()
+    # Bounded: past its first 20 s, the ring holds what the engine wrote in the last 20 s and
+    # the segment being written (a keyframe interval), up to the pruning's lag; never all of it.
+    full = [sample for sample in samples if sample[0] > RING_S + 5]
+    assert len(full) > 80, samples
+    for elapsed, written, in_ring in full:
+        written_before = [w for t, w, _ in samples if t <= elapsed - RING_S - 3 * KEYFRAME_S]
+        assert in_ring <= written - max(written_before), (elapsed, samples)
+    assert full[-1][2] < full[-1][1] / 2
+    assert len(list(ring_dir.glob("ring-*"))) <= RING_S // KEYFRAME_S + 3
+    # A dump taken while the ring recorded replays in lockstep at 100%.
+    assert dumped.exit_code == 0, dumped.output
+    fidelity = lockstep_verify(tmp_path / "mid.kvtrace", tmp_path / "mid-fidelity")
+    assert fidelity["matched"] == fidelity["total"] > 1000, fidelity
+    # The trigger fired once, at the collapse; the incident holds both sides of it.
+    written = sorted(incidents.glob("incident-*.kvtrace"))
+    assert len(written) == 1 and err.count("trigger 'hit_rate < 0.2 for 2s' fired") == 1, err
+    rows = first_admission_hits(written[0])
+    assert rate(rows[:len(rows) // 4]) > 0.3 and rate(rows[-len(rows) // 4:]) < 0.05, rows
+    assert read_records(written[0])[0].header.params["ring_s"] == f"{RING_S:g}"
+    fidelity = lockstep_verify(written[0], tmp_path / "incident-fidelity")
+    assert fidelity["matched"] == fidelity["total"] > 1000, fidelity

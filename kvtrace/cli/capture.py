@@ -84,9 +84,29 @@ METHODS = ("auto", "plugin", "remote-exec", "ptrace", "gdb", "lldb")
 @click.option("--keyframe-every", metavar="DURATION",
               help="With --ring: a keyframe (and a new segment) this often; default: a tenth "
                    "of the ring.")
+@click.option("--trigger", metavar="CONDITION",
+              help="With --ring: write an incident trace by itself when CONDITION holds, e.g. "
+                   "'hit_rate < 0.2 for 60s' (figures: hit_rate, checkpoint_share, "
+                   "pushouts_per_min).")
+@click.option("--keep-around", metavar="DURATION",
+              help="With --trigger: the incident holds this long before and after the moment "
+                   "it fired; default: half the ring less a keyframe interval, at most 5m.")
+@click.option("--incident-dir", type=click.Path(file_okay=False),
+              help="With --trigger: where incidents go (made 0700); default: DIR.incidents.")
+@click.option("--live-window", metavar="DURATION", default="60s", show_default=True,
+              help="The window of the live hit rate and pushouts (--trigger, --metrics-port).")
+@click.option("--metrics-port", type=click.IntRange(min=0, max=65535), metavar="PORT",
+              help="Serve the live figures for Prometheus on PORT (0: any free port; one more "
+                   "per further engine core).")
+@click.option("--metrics-host", default="127.0.0.1", show_default=True,
+              help="With --metrics-port: the address to listen on.")
+@click.option("--vllm-metrics", metavar="URL",
+              help="With -o: record vLLM's own prefix-cache counters from its /metrics (URL) "
+                   "beside the trace, for the report to reconcile with the trace's lookups.")
 def command(pid, method, duration, output, no_hash_bytes, buffer_capacity, gpu_interval_ms,
             stop_pid, zmq_endpoint, topic, bind, ring, ring_dir, max_size,
-            keyframe_every) -> None:
+            keyframe_every, trigger, keep_around, incident_dir, live_window, metrics_port,
+            metrics_host, vllm_metrics) -> None:
     """Capture a live engine's prefix-cache calls and effects into a trace.
 
     Attaches to the engine core(s) behind --pid (an API-server pid finds its
@@ -115,7 +135,13 @@ def command(pid, method, duration, output, no_hash_bytes, buffer_capacity, gpu_i
         _stop(stop_pid)
         return
     ring_s = parse_duration(ring, "--ring")
-    ring_options = {"--dir": ring_dir, "--max-size": max_size, "--keyframe-every": keyframe_every}
+    ring_options = {"--dir": ring_dir, "--max-size": max_size, "--keyframe-every": keyframe_every,
+                    "--trigger": trigger}
+    if trigger is None and (keep_around or incident_dir):
+        raise click.UsageError(f"{'--keep-around' if keep_around else '--incident-dir'} goes "
+                               "with --trigger")
+    if vllm_metrics is not None and output is None:
+        raise click.UsageError("--vllm-metrics records beside an -o trace")
     if ring_s is None:
         given = [name for name, value in ring_options.items() if value is not None]
         if given:
@@ -145,7 +171,29 @@ def command(pid, method, duration, output, no_hash_bytes, buffer_capacity, gpu_i
                                  gpu_interval_ms=gpu_interval_ms, ring_s=ring_s,
                                  keyframe_s=keyframe_s,
                                  max_bytes=parse_size(max_size, "--max-size"))
-    _capture_pid(pid, method, options, seconds)
+    alongside = None
+    if trigger is not None or metrics_port is not None or vllm_metrics is not None:
+        from kvtrace.cli.recorder import Alongside
+
+        alongside = Alongside(
+            trigger=trigger, keep_s=_keep_around(keep_around, options),
+            incident_dir=os.path.abspath(incident_dir or f"{options.path}.incidents"),
+            window_s=parse_duration(live_window, "--live-window"), metrics_host=metrics_host,
+            metrics_port=metrics_port, vllm_metrics=vllm_metrics)
+    _capture_pid(pid, method, options, seconds, alongside)
+
+
+def _keep_around(text: str | None, options) -> float:
+    """How long an incident holds before and after its trigger fired: both must still be in
+    the ring when it is written, a keyframe interval included."""
+    if not options.ring_s:
+        return 0.0
+    most = (options.ring_s - options.keyframe_s) / 2
+    keep_s = parse_duration(text, "--keep-around") if text else min(300.0, most)
+    if keep_s > most:
+        raise click.BadParameter(f"an incident of {keep_s:g} s before and after does not fit "
+                                 f"in the ring: at most {most:g} s", param_hint="--keep-around")
+    return keep_s
 
 
 def _log(message: str) -> None:
@@ -167,7 +215,7 @@ def _output_path(options, target, num_targets: int) -> str:
     return f"{stem}.{target.rank_suffix or target.pid}{ext or '.kvtrace'}"
 
 
-def _capture_pid(pid: int, method: str, options, seconds: float | None) -> None:
+def _capture_pid(pid: int, method: str, options, seconds: float | None, alongside=None) -> None:
     import msgspec
 
     from kvtrace.capture import attach
@@ -185,7 +233,9 @@ def _capture_pid(pid: int, method: str, options, seconds: float | None) -> None:
             sessions.append((target, path))
             click.echo(f"kvtrace: capturing pid {target.pid} ({target.title}) via {way_in} "
                        f"-> {path}", err=True)
-        _watch(sessions, seconds, leases)
+            if alongside is not None:
+                alongside.start(target, path, ring=bool(options.ring_s))
+        _watch(sessions, seconds, leases, alongside)
     except Terminated as signal_:  # SIGTERM or SIGHUP: stop as for Ctrl-C, then say so
         terminated = signal_
     finally:
@@ -195,6 +245,8 @@ def _capture_pid(pid: int, method: str, options, seconds: float | None) -> None:
         finally:
             for lease in leases.values():
                 lease.close()
+            if alongside is not None:
+                alongside.close()
     for target, path in sessions:
         final = finals.get(target.pid)
         if final is not None and final.path is not None:
@@ -211,7 +263,7 @@ def _capture_pid(pid: int, method: str, options, seconds: float | None) -> None:
         raise terminated
 
 
-def _watch(sessions, seconds: float | None, leases: dict) -> None:
+def _watch(sessions, seconds: float | None, leases: dict, alongside=None) -> None:
     """Show a status line until Ctrl-C, the duration, the death of a target or the end of a
     capture its engine ended as our lease lapsed; SIGTERM and SIGHUP (``Terminated``) go to the
     caller, which stops the same way and then says so."""
@@ -236,6 +288,8 @@ def _watch(sessions, seconds: float | None, leases: dict) -> None:
                                    "The engine was not affected; check the disk and the -o path.")
             if not all(s.armed for s in statuses):
                 return  # `kvtrace capture --stop` from another shell
+            if alongside is not None:
+                alongside.tick()
             records = sum(s.records for s in statuses)
             now = time.monotonic()
             rate = (records - previous_records) / max(now - previous_time, 1e-9)
