@@ -296,3 +296,28 @@ def assert_doctor_names_the_dominant_cause(trace, tmp_path, evicts: bool
         if BY_ID[finding["id"]].change is not None:
             assert finding["predicted"] is not None or finding["note"], finding
     return top["id"], [f["id"] for f in diagnosis["ruled_out"]]
+
+
+def test_a_real_server_is_recorded_in_a_ring_and_dumped_while_it_serves(tmp_path):
+    """Issue #32 on a real server: a 10 s ring with a keyframe every second, armed while the
+    server serves, keeps only its last seconds and a dump taken while it records verifies in
+    lockstep on the server's release."""
+    ring_dir = tmp_path / "ring"
+    with serving(plugin=True) as server:
+        time.sleep(3)
+        answered = len(server.latencies)
+        process = kvtrace("capture", "--pid", str(server.pid), "--ring", "10s",
+                          "--keyframe-every", "1s", "--dir", str(ring_dir), "--duration", "25s")
+        time.sleep(18)
+        dumped = kvtrace("dump", str(ring_dir), "--last", "5s", "-o", str(tmp_path / "d.kvtrace"))
+        dump_out, dump_err = dumped.communicate(timeout=120)
+        out, err = process.communicate(timeout=300)
+        assert process.returncode == 0, err
+        assert server.process.poll() is None and len(server.latencies) > answered
+    assert dumped.returncode == 0, dump_err
+    keyframes = int(out.split(" keyframes after the first")[0].rsplit(" ", 1)[1])
+    assert keyframes >= 15, out
+    assert len(list(ring_dir.glob("ring-*.kvtrace"))) <= 10 + 3
+    kinds = count_kinds(tmp_path / "d.kvtrace")
+    assert kinds["snapshot_started"] == 1 and kinds["slots_allocated"] > 100, kinds
+    check_trace(tmp_path / "d.kvtrace", tmp_path)
