@@ -327,6 +327,16 @@ COMMANDS: dict[str, tuple[st.SearchStrategy, int]] = {
                                          "workload", "a directory"])], {
         "--last": choice(["10m", "1s", "1h"], ["0", "x", ""]),
         "-o": output(".kvtrace", True)}), 12),
+    # top: only --once (else it follows its source until stopped), --pid only pids no process has
+    "top": (arguments([files(["workload", "replayed", "truncated", "newer-values", "ring"],
+                             BROKEN_TRACES + ["empty ring", "open ring", "garbage ring"])], {
+        "--once": Opt(None, required=True), "--interval": floats("0.1", "0.5"),
+        "--window": choice(["30s", "5m"], ["0", "x", ""]),
+        "--metrics-port": choice([0], [-1, 65536, "x"]),
+        "--metrics-host": choice(["127.0.0.1"], ["", "no-such-host.invalid"])}), 15),
+    "top --pid": (arguments([], {
+        "--pid": Opt(st.sampled_from([2**22, 2**22 - 1]), st.sampled_from([0, -1, 10**30]), True),
+        "--once": Opt(None, required=True), "--method": choice(["auto", "ptrace"])}), 3),
     "synth": (arguments([], {
         "--preset": Opt(st.sampled_from(["shared-prompt", "documents", "chat", "agent"]),
                         st.sampled_from(["nope", ""]), required=True),

@@ -327,8 +327,8 @@ class Figures(msgspec.Struct, frozen=True):
       record; windows end there.
     * ``lookups``, ``query_tokens``, ``hit_tokens``: requests' first admitted lookups so far,
       their prompts and hits (the ``lookups`` view, ``admission = 1``: counter_reconciliation's
-      ``admitted_first_lookups``, ``query_tokens``, ``hit_tokens``). A lookup's time is its
-      scheduler step's start.
+      ``admitted_first_lookups``, ``query_tokens``, ``hit_tokens``). A lookup's time is the
+      start of the scheduler step that admitted it (vLLM's looks it up in the same step).
     * ``hit_rate``: hit tokens / query tokens of the first admissions in the last ``window_s``
       (hit_rate_timeline's rate, by trace time instead of steps); ``hit_rate_history``: the same
       per ``interval_s`` of trace time, oldest first, the current interval last.
@@ -403,8 +403,7 @@ class LiveFigures:
         self._first_ns: int | None = None
         self._newest_ns: int | None = None
         self._step_ns = 0  # start of the current step (or the snapshot), the events' time
-        # lookups: req -> (hit tokens, time) of its lookup awaiting allocate_slots
-        self._pending: dict[int, tuple[int, int]] = {}
+        self._pending: dict[int, int] = {}  # req -> hit tokens of its lookup awaiting admission
         self._admissions: dict[int, int] = {}  # req -> admitted lookups so far
         self.lookups = self.query_tokens = self.hit_tokens = 0
         self._window: collections.deque = collections.deque()  # [time, query, hit]
@@ -447,6 +446,19 @@ class LiveFigures:
             entry = rows[kind]
             if entry is not None:
                 entry[0](*next(entry[1]))
+        self._prune()
+
+    def _prune(self) -> None:
+        """Drop the window rows older than the window, the intervals older than the history."""
+        if self._newest_ns is None:
+            return
+        since = self._newest_ns - self.window_ns
+        for window in (self._window, self._pushout_window):
+            while window and window[0][0] <= since:
+                window.popleft()
+        last = self._newest_ns // self.interval_ns
+        while self._intervals and self._intervals[0][0] <= last - self.history:
+            self._intervals.popleft()
 
     # --- time -----------------------------------------------------------------------------------
 
@@ -469,22 +481,21 @@ class LiveFigures:
     # --- first admissions (the lookups view) ----------------------------------------------------
 
     def _on_lookup(self, req: int, num_hit_tokens: int, _boundary: int) -> None:
-        self._pending[req] = (num_hit_tokens, self._step_ns)
+        self._pending[req] = num_hit_tokens
 
     def _on_allocated(self, req: int, _new: int, _computed: int, _new_computed: int,
                       _lookahead: int, _external: int, num_tokens: int, success: bool,
                       *_) -> None:
-        lookup = self._pending.pop(req, None)
-        if lookup is None or not success:
+        hit = self._pending.pop(req, None)
+        if hit is None or not success:
             return
         admissions = self._admissions[req] = self._admissions.get(req, 0) + 1
         if admissions == 1:
-            hit, when = lookup
             self.lookups += 1
             self.query_tokens += num_tokens
             self.hit_tokens += hit
-            _add(self._window, when, (num_tokens, hit))
-            _add(self._intervals, when // self.interval_ns, (1, num_tokens, hit))
+            _add(self._window, self._step_ns, (num_tokens, hit))
+            _add(self._intervals, self._step_ns // self.interval_ns, (1, num_tokens, hit))
 
     def _on_request_state(self, req: int, queue: int, _status: str, _prompt_len: int,
                           _hash_ids, _max_tokens: int, _num_tokens: int, _computed: int,
@@ -593,16 +604,8 @@ class LiveFigures:
         if newest is None:
             return Figures(records=self.records, window_s=self.window_ns / 1e9,
                            interval_s=self.interval_ns / 1e9, pool_blocks=self.pool_blocks)
-        since = newest - self.window_ns
-        for window in (self._window, self._pushout_window):
-            while window and window[0][0] <= since:
-                window.popleft()
         last = newest // self.interval_ns
-        while self._intervals and self._intervals[0][0] <= last - self.history:
-            self._intervals.popleft()
-        # (a lookup admitted a step after it was made may sit behind a newer one)
-        query = sum(row[1] for row in self._window if row[0] > since)
-        hit = sum(row[2] for row in self._window if row[0] > since)
+        query, hit = sum(row[1] for row in self._window), sum(row[2] for row in self._window)
         by_index = {row[0]: row for row in self._intervals}
         history = []
         for index in range(last - self.history + 1, last + 1):
