@@ -14,6 +14,7 @@ import pytest
 from kvtrace.analysis.database import open_database
 from kvtrace.analysis.load import load_sweep, load_traces
 from kvtrace.analysis.queries import shipped_queries, run_query
+from kvtrace.analysis.vllm_counters import load_vllm_counters
 from kvtrace.traceio import read_records
 
 from test_analysis_scenario import header
@@ -25,7 +26,8 @@ EXPECTED = {"prefix_hotness", "checkpoint_pushouts", "lost_hits_by_prefix", "hit
             "eviction_causes", "checkpoint_publications", "stale_key_hazards", "cache_occupancy",
             "pushed_out_prefixes", "miss_attribution", "miss_attribution_summary",
             "recompute_gpu_seconds", "variant_verdict", "pushout_lookups", "request_causes",
-            "sweep_break_even", "diagnosis", "counter_reconciliation"}
+            "sweep_break_even", "diagnosis", "counter_reconciliation",
+            "vllm_counter_reconciliation"}
 
 
 GOLDEN = [Path(__file__).parent / "data" / f"forensics-v1-{v}.kvtrace" for v in ("unfixed", "fixed")]
@@ -46,6 +48,10 @@ def connection(tmp_path_factory):
     directory = tmp_path_factory.mktemp("q")
     load_traces(GOLDEN, directory / "q.duckdb")
     load_sweep(hand_sweep(), directory / "q.duckdb")
+    writable = open_database(directory / "q.duckdb", read_only=False)
+    for run, trace in enumerate(GOLDEN):  # as kvtrace load does: no counters beside them
+        load_vllm_counters(writable, run, str(trace))
+    writable.close()
     connection = open_database(directory / "q.duckdb")
     yield connection
     connection.close()
