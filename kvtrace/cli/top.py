@@ -101,7 +101,8 @@ def _print_frame(live, source: str) -> None:
     from kvtrace.cli.common import stdout_failures
 
     with stdout_failures():
-        Console(highlight=False).print(frame(live.figures(), source, _status(live, True)))
+        Console(highlight=False, soft_wrap=True).print(  # whole lines, for scripts
+            frame(live.figures(), source, _status(live, True)))
 
 
 def _show(live, source: str, interval: float, capture) -> None:
@@ -206,10 +207,10 @@ def frame(figures, source: str, status: str):
     f = figures
     window = span(f.window_s)
     lines = [
-        Text(f"kvtrace top  {terminal_safe(source)}", style="bold", no_wrap=True,
-             overflow="ellipsis"),
-        Text(f"{status}; trace time {duration(f.ts_s)}; records {f.records:,}; "
-             f"first admissions {f.lookups:,}", no_wrap=True, overflow="ellipsis"),
+        Text(f"kvtrace top  {terminal_safe(source)}", style="bold"),
+        Text(status),
+        Text(f"trace time {duration(f.ts_s)}; records {f.records:,}; "
+             f"first admissions {f.lookups:,}"),
         Text(""),
         Text(f"hit rate, first admissions: last {window} {percent(f.hit_rate)}; "
              f"since start {percent(f.hit_tokens / f.query_tokens if f.query_tokens else None)}"),
