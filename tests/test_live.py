@@ -4,12 +4,9 @@ over hours, the feed rate, and the Prometheus endpoint."""
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import re
 import socket
-import stat
-import threading
 import time
 import urllib.error
 import urllib.request

@@ -28,7 +28,7 @@ import numpy as np
 
 from kvtrace.analysis.attribution import CAUSES
 from kvtrace.analysis.stream import ATTRIBUTION_TABLE, new_pass
-from kvtrace.errors import KvtraceError, TraceNotFoundError, UnsafePathError
+from kvtrace.errors import TraceNotFoundError, UnsafePathError
 from kvtrace.events import (
     BlockAllocated,
     BlockFreed,
