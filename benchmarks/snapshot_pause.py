@@ -13,8 +13,15 @@ timed (median and range of ``--repeats``), and, where valgrind is installed, cou
 instructions under callgrind (``benchmarks/callgrind.py``), which the machine's load does not
 move.
 
+With ``--keyframe``, the pause measured is a flight recorder's keyframe instead
+(``kvtrace capture --ring``): the same snapshot, taken while the capture's probes record, after
+they report the requests in flight and hand over the step that ended
+(``snapshot.take_keyframe``). Issue #32's goal for it: at most half a step, on the default
+model's full pool.
+
     .venv/bin/python benchmarks/snapshot_pause.py [--models kimi-k3,qwen3-next-80b-a3b]
-                                                  [--repeats 15] [--no-count] [--json]
+                                                  [--keyframe] [--repeats 15] [--no-count]
+                                                  [--json]
 """
 
 from __future__ import annotations
@@ -23,7 +30,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -67,18 +73,37 @@ def full_engine(model: str, directory: str):
     return engine
 
 
-def take_snapshot(engine):
-    """What a capture's arming holds the scheduler for: reading the snapshot (its records are
-    made later, on the capture's writer thread)."""
-    probes = CacheProbes(lambda record: None, HashInterner(), emit_hash_bytes=True)
-    manager = engine.scheduler.kv_cache_manager
-    return snapshot.take(manager, engine.scheduler, probes)
+class Pauses:
+    """What holds the scheduler: a capture's arming, reading the start snapshot (its records
+    are made later, on the capture's writer thread); or, with ``keyframe``, a ring's keyframe,
+    taken by a probe set that records the steps in between, as a capture's does."""
+
+    def __init__(self, keyframe: bool) -> None:
+        self.keyframe = keyframe
+        self.records: list = []
+        self.probes = None
+        if keyframe:
+            self.probes = CacheProbes(self.records.append, HashInterner(),
+                                      sink_many=self.records.extend).arm()
+
+    def take(self, engine):
+        manager = engine.scheduler.kv_cache_manager
+        if not self.keyframe:
+            probes = CacheProbes(lambda record: None, HashInterner(), emit_hash_bytes=True)
+            return snapshot.take(manager, engine.scheduler, probes)
+        taken = snapshot.take_keyframe(manager, engine.scheduler, self.probes)
+        self.records.clear()
+        return taken
+
+    def close(self) -> None:
+        if self.probes is not None:
+            self.probes.disarm()
 
 
-def describe(engine) -> dict:
+def describe(engine, pauses: Pauses) -> dict:
     manager = engine.scheduler.kv_cache_manager
     pool = manager.block_pool
-    records = take_snapshot(engine).records()
+    records = pauses.take(engine).records()
     return {"blocks": pool.num_gpu_blocks, "groups": len(manager.coordinator.single_type_managers),
             "held": sum(block.ref_cnt > 0 for block in pool.blocks),
             "keys": len(pool.cached_block_hash_to_block),
@@ -86,19 +111,22 @@ def describe(engine) -> dict:
             "records": len(records)}
 
 
-def timed(model: str, repeats: int) -> dict:
+def timed(model: str, repeats: int, keyframe: bool) -> dict:
     """Wall times: snapshots and steps alternating, in the same (full) state."""
     with tempfile.TemporaryDirectory() as directory:
         engine = full_engine(model, directory)
-        shape = describe(engine)
+        taker = Pauses(keyframe)
+        engine.step()  # the probes have seen a step
+        shape = describe(engine, taker)
         pauses, steps = [], []
         for _ in range(repeats):
             started = time.perf_counter_ns()
-            take_snapshot(engine)
+            taker.take(engine)
             pauses.append(time.perf_counter_ns() - started)
             started = time.perf_counter_ns()
             engine.step()
             steps.append(time.perf_counter_ns() - started)
+        taker.close()
     return {**shape, "pause_ms": _spread(pauses), "step_ms": _spread(steps),
             "ratio": statistics.median(pauses) / statistics.median(steps)}
 
@@ -108,22 +136,26 @@ def _spread(values_ns: list[int]) -> dict:
             "max": max(values_ns) / 1e6}
 
 
-def counted_child(model: str) -> None:
+def counted_child(model: str, keyframe: bool) -> None:
     """Under callgrind: ``COUNTED_STEPS`` snapshots and steps, each region counted."""
     regions = callgrind.Regions()
     with tempfile.TemporaryDirectory() as directory:
         engine = full_engine(model, directory)
+        taker = Pauses(keyframe)
+        engine.step()
         for index in range(COUNTED_STEPS):
             with regions.count(f"snapshot-{index}"):
-                take_snapshot(engine)
+                taker.take(engine)
             with regions.count(f"step-{index}"):
                 engine.step()
+        taker.close()
 
 
-def counted(model: str) -> dict:
+def counted(model: str, keyframe: bool) -> dict:
     with tempfile.TemporaryDirectory() as directory:
         counts, _ = callgrind.count_regions(
-            [sys.executable, __file__, "--child", model], directory)
+            [sys.executable, __file__, "--child", model, *["--keyframe"] * keyframe],
+            directory)
     snapshots = [n for name, n in counts.items() if name.startswith("snapshot")]
     steps = [n for name, n in counts.items() if name.startswith("step")]
     return {"snapshot_instructions": _count_spread(snapshots),
@@ -140,18 +172,20 @@ def main() -> None:
     parser.add_argument("--models", default=",".join(DEFAULT_MODELS))
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--no-count", action="store_true", help="skip the callgrind counts")
+    parser.add_argument("--keyframe", action="store_true",
+                        help="a flight recorder's keyframe instead of the start snapshot")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        counted_child(args.child)
+        counted_child(args.child, args.keyframe)
         return
     results = {}
     for model in args.models.split(","):
-        result = timed(model, args.repeats)
+        result = timed(model, args.repeats, args.keyframe)
         if not args.no_count:
             try:
-                result["instructions"] = counted(model)
+                result["instructions"] = counted(model, args.keyframe)
             except callgrind.CallgrindUnavailable as error:
                 result["instructions"] = f"not counted: {error}"
         results[model] = result
@@ -160,7 +194,7 @@ def main() -> None:
                   f"{result['held']} held, {result['keys']} keys, {result['running']} running + "
                   f"{result['waiting']} waiting requests -> {result['records']} records")
             pause, step = result["pause_ms"], result["step_ms"]
-            print(f"  wall: snapshot {pause['median']:.2f} ms ({pause['min']:.2f}-"
+            print(f"  wall: {'keyframe' if args.keyframe else 'snapshot'} {pause['median']:.2f} ms ({pause['min']:.2f}-"
                   f"{pause['max']:.2f}), scheduler step {step['median']:.2f} ms "
                   f"({step['min']:.2f}-{step['max']:.2f}): {result['ratio']:.2f} steps")
             counts = result.get("instructions")

@@ -226,6 +226,8 @@ def _capture_pid(pid: int, method: str, options, seconds: float | None, alongsid
     leases = {}  # pid -> lease: while we hold them, the engines capture; our end ends theirs
     terminated = None
     try:
+        if alongside is not None:
+            alongside.start_counters(options.path)
         for target in targets:
             way_in = attach.ensure_hook(target, method, _log)
             path = _output_path(options, target, len(targets))

@@ -34,7 +34,6 @@ class _Beside:
     watch: Any = None  # analysis.trigger.TriggerWatch
     pending: list[int] = field(default_factory=list)  # wall ns each unwritten incident fired
     metrics: Any = None
-    counters: Any = None
 
 
 class Alongside:
@@ -49,7 +48,16 @@ class Alongside:
         self.window_s = window_s
         self.metrics_host, self.metrics_port = metrics_host, metrics_port
         self.vllm_metrics = vllm_metrics
+        self.counters = None  # capture.vllm_metrics.CounterRecorder: one for all engine cores
         self.beside: list[_Beside] = []
+
+    def start_counters(self, trace_path: str) -> None:
+        """Record vLLM's counters beside ``trace_path`` (the capture's ``-o``, before any
+        rank's suffix: the API server's /metrics counts every rank), before arming."""
+        if self.vllm_metrics is not None:
+            from kvtrace.capture.vllm_metrics import CounterRecorder
+
+            self.counters = CounterRecorder(self.vllm_metrics, trace_path).start()
 
     def start(self, target, path: str, ring: bool) -> None:
         """Start what goes beside ``target``'s capture, which writes ``path``."""
@@ -75,11 +83,6 @@ class Alongside:
             beside.metrics = MetricsServer(beside.live or path, self.metrics_host, port)
             click.echo(f"kvtrace: pid {target.pid}: live figures at {beside.metrics.url}",
                        err=True)
-        if self.vllm_metrics is not None:
-            from kvtrace.capture.vllm_metrics import CounterRecorder
-
-            beside.counters = CounterRecorder(self.vllm_metrics, path)
-            beside.counters.start()
 
     def tick(self) -> None:
         """Follow each capture's records, fire the trigger, write the incidents now due."""
@@ -135,9 +138,13 @@ class Alongside:
             for fired_ns in beside.pending:
                 self._write_incident(beside, fired_ns)
             beside.pending.clear()
-            for companion in (beside.metrics, beside.counters, beside.live):
+            for companion in (beside.metrics, beside.live):
                 if companion is not None:
                     companion.close()
+        if self.counters is not None:
+            self.counters.close()
+            click.echo(f"kvtrace: vLLM's counters: {self.counters.scrapes:,} scrapes, "
+                       f"{self.counters.failures:,} failed -> {self.counters.path}", err=True)
 
 
 def _private_dir(path: str) -> None:

@@ -100,18 +100,21 @@ def _status_queue(status_name: str) -> RequestQueue:
     return RequestQueue.RUNNING if status_name == "RUNNING" else RequestQueue.WAITING
 
 
-def take(manager: Any, scheduler: Any, probes: Any) -> Taken:
+def take(manager: Any, scheduler: Any, probes: Any, requests: list | None = None) -> Taken:
     """The state of ``manager`` (and of the requests ``scheduler`` holds), read through the
     capture's probe set ``probes``, which learns every hash and request on the way. Call it on
     the scheduler thread, between steps: it reads vLLM's objects without locks, and holds the
     engine meanwhile, so it only reads and interns; ``Taken.records()`` makes the records
     later, on another thread. The cyclic garbage collector waits meanwhile: a pass over the
     engine's heap, set off by the snapshot's new objects, would stretch the pause many times
-    over."""
+    over. ``requests``: the requests in flight (``_requests_in_flight``), when the caller
+    has them already."""
     collecting = gc.isenabled()
     gc.disable()
     try:
-        return _take(manager, scheduler, probes)
+        started = time.perf_counter_ns()
+        return _take(manager, scheduler, probes, started, requests if requests is not None
+                     else _requests_in_flight(manager, scheduler))
     finally:
         if collecting:
             gc.enable()
@@ -122,10 +125,11 @@ def take_keyframe(manager: Any, scheduler: Any, probes: Any) -> Taken:
     the probes first report each request in flight as far as the step that ended leaves it,
     and hand that step's records over, so that the keyframe comes after all of them."""
     unit = manager.block_pool.hash_block_size
-    for request, _ in _requests_in_flight(manager, scheduler):
+    requests = _requests_in_flight(manager, scheduler)
+    for request, _ in requests:
         probes.report_request(request, unit)
     probes._flush()
-    return take(manager, scheduler, probes)
+    return take(manager, scheduler, probes, requests)
 
 
 @dataclass(frozen=True)
@@ -180,15 +184,13 @@ class Taken:
             *self.requests, *self.request_blocks(), self.ended]
 
 
-def _take(manager: Any, scheduler: Any, probes: Any) -> Taken:
-    started = time.perf_counter_ns()
+def _take(manager: Any, scheduler: Any, probes: Any, started: int, requests: list) -> Taken:
     pool = manager.block_pool
     unit = pool.hash_block_size
     ids = probes._interned_ids
     emit, probes.emit_hash_bytes = probes.emit_hash_bytes, False  # Taken makes HashInterned
     first_hash_id = len(ids) if ids is not None else 0
     try:
-        requests = _requests_in_flight(manager, scheduler)
         free_queue = [block.block_id for block in pool.free_block_queue.get_all_free_blocks()]
         # Requests first: their hash units fix the prefix lengths the keys cover.
         request_records = []
