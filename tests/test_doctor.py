@@ -149,17 +149,36 @@ def long_outputs(d: Path) -> Path:
                  "--prompt-len", "1024", "--output-len", "8192", "--system-prompt-len", "64")
 
 
-# name -> how to make the run's trace in a directory (a replay output).
+def counted_capture(d: Path, name: str, hits_all: bool = False) -> Path:
+    """tests/test_vllm_counters.py's made-up capture, with vLLM's counters scraped beside it
+    as vLLM 0.30-0.33 count (at admission), or reading every query token as a hit."""
+    from test_vllm_counters import ADMISSION, T0, made_up_capture, scrape_line, window
+
+    from kvtrace.capture.vllm_metrics import sidecar_path
+
+    trace = d / f"{name}.kvtrace"
+    write_trace(trace, *made_up_capture())
+    added = (ADMISSION[0], ADMISSION[0]) if hits_all else ADMISSION
+    Path(sidecar_path(trace)).write_text("".join(
+        scrape_line(T0 + ms * 10**6, queries, hits) for ms, queries, hits in window(added)))
+    return trace
+
+
+# name -> how to make the run's trace in a directory (a replay output, or a capture).
 RUNS: dict[str, Callable[[Path], Path]] = {
     # pool-pressure 32.3% (78 blocks), then hash-unit-exceeds-prompts 26.1%, unique-prompts
-    # 20.2%, mamba-state-not-retained 18.3%; vLLM's counter equals the hit rate.
+    # 20.2%, mamba-state-not-retained 18.3%.
     "chat": lambda d: replayed(chat(d), "unfixed"),
     # a pool of 60 blocks under one long system prompt: admissions fail and are retried, and
-    # preempted requests resume, so vLLM's counter misreports more prompt tokens than were
-    # missed (metric-overcount 108%), then preemption-recompute 49%, pool-pressure 34%.
+    # preempted requests resume (no counters recorded: metric-overcount ruled out).
     "one_prompt_tight": lambda d: replayed(one_long_system_prompt(d), "unfixed",
                                            "--num-gpu-blocks", "60"),
-    # checkpoint-pushout 53.1%, then metric-overcount, unique-prompts 20.3%.
+    # vLLM's counters recorded beside a capture read 100% where its admitted lookups hit
+    # 12.5%: metric-overcount 83% of the missed prefill, ahead of every cause.
+    "counters_off": lambda d: counted_capture(d, "counters_off", hits_all=True),
+    # the same capture's counters at admission (vLLM 0.30-0.33): they read kvtrace's rate.
+    "counters_at_admission": lambda d: counted_capture(d, "counters_at_admission"),
+    # checkpoint-pushout 53.1%, then unique-prompts 20.3%.
     "agent_unfixed": lambda d: replayed(agent(d), "unfixed"),
     # #56794's gate: no transient checkpoint is cached (checkpoint-pushout 0).
     "agent_fixed": lambda d: replayed(agent(d), "fixed"),
@@ -204,7 +223,7 @@ CASES = {
     "pool-pressure": ("chat", "long_chat"),
     "eagle-dropped-unit": ("eagle", "lookahead"),
     "preemption-recompute": ("long_outputs_tight", "long_outputs_roomy"),
-    OVERCOUNT: ("one_prompt_tight", "chat"),
+    OVERCOUNT: ("counters_off", "counters_at_admission"),
 }
 
 
@@ -281,41 +300,43 @@ def test_the_eagle_runs_are_mtp_engines_with_and_without_lookahead_hashes(run_tr
     assert (lookahead.use_eagle, lookahead.num_hash_lookahead_tokens) == (False, 1)
 
 
-def counters(db: Path) -> dict:
-    """counter_reconciliation's row of run 0."""
-    connection = duckdb.connect(str(db), read_only=True)
-    try:
-        from kvtrace.analysis.queries import run_query
-
-        result = run_query(connection, "counter_reconciliation")
-    finally:
-        connection.close()
-    (row,) = [dict(zip(result.columns, r)) for r in result.rows]
-    return row
+@pytest.mark.parametrize("run", ["one_prompt_tight", "chat", "long_outputs_tight"])
+def test_without_recorded_counters_metric_overcount_is_ruled_out(diagnosed, run):
+    """vLLM 0.30-0.33 record their prefix-cache stats at admission (PR #48860), and leave out
+    a preempted request's: their counter reads kvtrace's hit rate however many lookups were
+    retried (one_prompt_tight and long_outputs_tight retry thousands). Without counters
+    recorded beside the trace, metric-overcount is ruled out at 0, and its note says why."""
+    diagnosis = diagnosed(run)
+    (overcount,) = [f for f in diagnosis["ruled_out"] if f["id"] == OVERCOUNT]
+    assert overcount["tokens"] == 0 and "record theirs at admission" in overcount["note"]
 
 
-@pytest.mark.parametrize("run, found", [("one_prompt_tight", True), ("chat", False),
-                                        ("long_outputs_tight", False)])
-def test_metric_overcount_is_vllms_counter_a_point_off_the_admitted_hit_rate(
+@pytest.mark.parametrize("run, found", [("counters_off", True),
+                                        ("counters_at_admission", False)])
+def test_metric_overcount_is_vllms_recorded_counter_a_point_off_the_admitted_hit_rate(
         run_trace, tmp_path, run, found):
-    """metric-overcount's tokens are the prompt tokens vLLM's counter misreports (its rate's
-    distance from kvtrace's, over the first admissions' prompt tokens), and it is a finding
-    only when the counter is a point or more off kvtrace's hit rate. On the tight pool of
-    long_outputs_tight admissions fail too and the retries hit, but over so many query
-    tokens that the counter stays within a point: no finding."""
+    """With vLLM's counters recorded beside the capture, metric-overcount's tokens are the
+    prompt tokens their hit rate misreports (its distance from kvtrace's, over the first
+    admissions' prompt tokens), and it is a finding only when that is a point or more."""
+    from kvtrace.analysis.queries import run_query
+
     db = tmp_path / "run.duckdb"
     diagnosis = doctor(run_trace(run), "--no-predict", "--db", db)
-    row = counters(db)
+    connection = duckdb.connect(str(db), read_only=True)
+    try:
+        result = run_query(connection, "vllm_counter_reconciliation")
+        first = connection.execute("SELECT sum(num_query_tokens) FROM lookups "
+                                   "WHERE admission = 1").fetchone()[0]
+    finally:
+        connection.close()
+    (row,) = [dict(zip(result.columns, values)) for values in result.rows]
     (overcount,) = [f for f in diagnosis["findings"] + diagnosis["ruled_out"]
                     if f["id"] == OVERCOUNT]
-    points = abs(row["counter_hit_rate"] - row["hit_rate"])
-    assert overcount["tokens"] == round(points * row["query_tokens"])
-    assert row["retried_lookups"] > 0 or not found
-    assert (points >= 0.01) is found
-    assert (OVERCOUNT in ids(diagnosis["findings"])) is found
-    if found:
-        note = [f for f in diagnosis["findings"] if f["id"] == OVERCOUNT][0]["note"]
-        assert f"{row['retried_lookups']:,} retried after a failed admission" in note
+    points = abs(row["vllm_hit_rate"] - row["hit_rate"])
+    assert overcount["tokens"] == round(points * first)
+    assert (points >= 0.01) is found and (OVERCOUNT in ids(diagnosis["findings"])) is found
+    assert ("counted at admission" in overcount["note"]) is not found
+    assert f"{row['vllm_query_tokens']:,} query tokens" in overcount["note"]
 
 
 # --- shares --------------------------------------------------------------------------------------

@@ -3,7 +3,8 @@ the prefill they cost, with what to change and what a replay of that change pred
 
 The diagnosis reads a loaded database (``kvtrace load``): the miss attribution's causes of the
 first admissions (``diagnosis.sql``), the tokens preempted requests prefilled again, and vLLM's
-counters against kvtrace's admitted lookups (``counter_reconciliation.sql``). Each
+own counters, where they were recorded beside the capture, against kvtrace's admitted lookups
+(``vllm_counter_reconciliation.sql``). Each
 ``Mechanism`` owns a set of causes (``CAUSE_MECHANISMS``: one mechanism per cause, the table
 ``kvtrace why`` and the report read too, so the three never disagree). A mechanism whose share
 of the missed prefill reaches the threshold is a finding; the others are ruled out, with
@@ -24,6 +25,9 @@ from kvtrace.errors import ConfigError
 
 DEFAULT_THRESHOLD = 0.05  # of the missed prefill: below it, a mechanism is ruled out
 COUNTER_POINTS = 0.01  # vLLM's counter off kvtrace's hit rate by this much: a finding
+COUNTERS = "vllm_counter_reconciliation"  # vLLM's recorded counters against the trace
+_COUNTING = {"admission": "at admission", "lookup": "at every lookup, retries included",
+             "either": "at admission or at every lookup (too few retries to tell)"}
 EXAMPLES = 3
 
 
@@ -128,11 +132,11 @@ MECHANISMS = (
         DOUBLE_POOL),
     Mechanism(
         "metric-overcount", (), "vLLM's hit counter is not the hit rate",
-        "vLLM records prefix-cache stats at the lookup, before the request is scheduled, so a "
-        "lookup retried after its admission failed counts again, and so does a preempted "
-        "request's lookup when it resumes; kvtrace counts each request's first admitted "
-        "lookup once. Its size is the prompt tokens the counter's rate misreports",
-        "vllm #43736, #43711, #25780",
+        "vLLM's counters, recorded beside the capture, read another hit rate than kvtrace's "
+        "admitted lookups: a release that records its prefix-cache stats at the lookup counts "
+        "a lookup retried after a failed admission again (0.30-0.33 record them at admission, "
+        "and agree). Its size is the prompt tokens the counter's rate misreports",
+        "vllm #43736, #43711, #25780, PR #48860",
         "Read the hit rate per admitted lookup (kvtrace's), not vllm:prefix_cache_hits over "
         "vllm:prefix_cache_queries."),
 )
@@ -242,8 +246,11 @@ def diagnose(connection, db: str, *, threshold: float = DEFAULT_THRESHOLD,
     ``predict(diagnosis, finding)`` gives a finding with a change its prediction, or a
     sentence saying why there is none (``kvtrace.cli.doctor.replay_predictor``)."""
     rows = run_query(connection, "diagnosis", pricing or {})
-    counters = {row["run"]: row for row in _dicts(run_query(connection,
-                                                            "counter_reconciliation"))}
+    counters = {}
+    if connection.execute("SELECT count(*) FROM information_schema.tables "
+                          "WHERE table_name = 'vllm_counters'").fetchone()[0]:
+        counters = {row["run"]: row for row in _dicts(run_query(connection, COUNTERS))
+                    if row["vllm_hit_rate"] is not None}
     runs = {row[0]: row for row in connection.execute(
         "SELECT run, variant, path FROM runs ORDER BY run").fetchall()}
     per_run: dict[int, list[dict]] = {}
@@ -293,14 +300,18 @@ def _diagnose_run(run: int, variant: str, path: str, rows: list[dict], counter: 
         finding.examples = _merged_examples(finding.examples, row["examples"])
     overcount = findings[OVERCOUNT]
     counter_points = 0.0
-    if counter is not None and counter["counter_hit_rate"] is not None:
-        counter_points = abs(counter["counter_hit_rate"] - (counter["hit_rate"] or 0.0))
+    if counter is None:
+        overcount.note = ("no vLLM counters were recorded beside this trace (kvtrace capture "
+                          "--vllm-metrics); vLLM 0.30-0.33 record theirs at admission, once "
+                          "per request until it is preempted: they read kvtrace's hit rate")
+    else:
+        counter_points = abs(counter["vllm_hit_rate"] - (counter["hit_rate"] or 0.0))
         overcount.tokens = round(counter_points * query)  # prompt tokens misreported
         overcount.note = (
-            f"vLLM's counter reads {counter['counter_hit_rate']:.2%} over "
-            f"{counter['lookups']:,} lookups ({counter['retried_lookups']:,} retried after a "
-            f"failed admission, {counter['overcounted_hit_tokens']:,} hit tokens counted "
-            f"again); kvtrace's first admitted lookups {counter['hit_rate'] or 0:.2%}")
+            f"vLLM's counters read {counter['vllm_hit_rate']:.2%} over "
+            f"{counter['vllm_query_tokens']:,} query tokens, counted "
+            f"{_COUNTING.get(counter['counting'], 'by no rule kvtrace knows')}; kvtrace's "
+            f"{counter['admitted_lookups']:,} admitted lookups {counter['hit_rate'] or 0:.2%}")
     for finding in findings.values():
         finding.share_of_missed = finding.tokens / missed if missed else 0.0
         finding.evidence = _evidence(finding, db, path)
@@ -332,7 +343,7 @@ QUERIES = {"unique-prompts": "miss_attribution_summary",
            "pool-pressure": "eviction_causes",
            "eagle-dropped-unit": "miss_attribution_summary",
            "preemption-recompute": "miss_attribution_summary",
-           "metric-overcount": "counter_reconciliation"}
+           "metric-overcount": COUNTERS}
 
 
 def _evidence(finding: Finding, db: str, path: str) -> list[str]:
