@@ -17,7 +17,8 @@ trace (cached beside its own, or at ``--trace``); `kvtrace doctor TRACE --no-pre
 CPU seconds of the child, its peak RSS: min / median / max); `--threshold 0.01 --backend
 model`, which makes a finding with a change of the trace's few-percent
 `mamba-state-not-retained` and so replays the trace twice, once; and one in-process run split
-into its phases (the load, the diagnosis SQL, the counter reconciliation, ``diagnose``).
+into its phases (the load, the diagnosis SQL, vLLM's counters against the trace (none
+recorded: vLLM's columns empty, kvtrace's over the whole trace), ``diagnose``).
 
     .venv/bin/python benchmarks/doctor.py --table [--requests 200] [--models ...]
         [--workloads ...] [--json FILE]
@@ -262,7 +263,7 @@ def timed(command: list[str]) -> dict:
 def phases(trace: str) -> dict:
     """One `kvtrace doctor --no-predict`, in this process, split into its phases."""
     from kvtrace.analysis.database import open_database
-    from kvtrace.analysis.diagnosis import diagnose
+    from kvtrace.analysis.diagnosis import COUNTERS, diagnose
     from kvtrace.analysis.load import load_traces
     from kvtrace.analysis.queries import run_query
     from kvtrace.analysis.report import pricing_for
@@ -276,14 +277,14 @@ def phases(trace: str) -> dict:
         connection = open_database(db)
         run_query(connection, "diagnosis", pricing)
         queried = time.perf_counter()
-        run_query(connection, "counter_reconciliation")
+        run_query(connection, COUNTERS)
         reconciled = time.perf_counter()
         diagnose(connection, "doctor.duckdb", pricing=pricing)
         diagnosed = time.perf_counter()
         connection.close()
     sql = (queried - loaded) + (reconciled - queried)
     return {"load": loaded - started, "diagnosis_sql": queried - loaded,
-            "counter_reconciliation_sql": reconciled - queried,
+            f"{COUNTERS}_sql": reconciled - queried,
             "diagnose() (both queries again, and the rest)": diagnosed - reconciled,
             "diagnose()'s rest (estimate)": max(0.0, diagnosed - reconciled - sql)}
 

@@ -292,3 +292,37 @@ def test_a_ring_on_a_serving_engine_stays_bounded_dumps_and_catches_a_collapse(t
     assert read_records(written[0])[0].header.params["ring_s"] == f"{RING_S:g}"
     fidelity = lockstep_verify(written[0], tmp_path / "incident-fidelity")
     assert fidelity["matched"] == fidelity["total"] > 1000, fidelity
+
+
+@pytest.mark.slow
+def test_a_restarted_controller_resumes_the_ring(tmp_path):
+    """A recorder's controller that stops and starts again (a service restarted) arms a new
+    capture into the same directory: the earlier capture's segments stay until they age out
+    of the ring, and a dump takes the newest capture's."""
+    from test_capture_live import kvtrace
+    from test_midflight import documents_workload, serving_engine
+
+    workload = documents_workload(tmp_path / "w.kvtrace", "kimi-k3", num_requests=1200)
+    ring_dir = tmp_path / "ring"
+    engine = serving_engine(workload)
+    try:
+        time.sleep(2)
+        sessions = []
+        for seconds in (4, 10):
+            capture = kvtrace("capture", "--pid", str(engine.pid), "--ring", "6s",
+                              "--keyframe-every", "1s", "--dir", str(ring_dir),
+                              "--duration", f"{seconds}s")
+            time.sleep(2.5)
+            sessions.append({segment.session for segment in list_segments(ring_dir)})
+            out, err = capture.communicate(timeout=60)
+            assert capture.returncode == 0, err
+        written = dump(ring_dir, tmp_path / "d.kvtrace")
+    finally:
+        engine.stop()
+    first, = sessions[0]
+    assert sessions[1] == {first, max(sessions[1])} and max(sessions[1]) > first
+    # By the end of the second capture the first one's segments, last written over 6 s
+    # before, have left the ring.
+    assert {segment.session for segment in list_segments(ring_dir)} == {max(sessions[1])}
+    assert written.older_sessions == 0 and count_kinds(tmp_path / "d.kvtrace")[
+        "snapshot_started"] == 1
