@@ -43,6 +43,10 @@ from kvtrace.errors import KvtraceError, TraceFormatError
 from kvtrace.events import RECORD_TYPES, CheckpointClass, RemoveReason, tag_of
 
 DB_SCHEMA_VERSION = 4
+# vLLM's own counters, recorded beside a capture (analysis/vllm_counters.py loads them); a
+# database loaded before kvtrace recorded them gets it empty, as a temporary table.
+VLLM_COUNTERS_TABLE = ("vllm_counters",
+                       "run INTEGER, ts_ns BIGINT, name VARCHAR, labels VARCHAR, value DOUBLE")
 ATTRIBUTION_SCHEMA_VERSION = 2  # the first schema with the miss_attribution table
 # v3: cache_entries carries each entry's hits and the transient checkpoints cached at its
 # removal, made while loading; miss_attribution.in_flight; the start snapshot's tables
@@ -608,6 +612,10 @@ def open_database(path: str | os.PathLike, *, read_only: bool = True, unsafe: bo
     try:
         if int(version[0]) < ENTRY_FIGURES_SCHEMA_VERSION:
             _stand_ins_for_older(connection, path, int(version[0]))
+        name, columns = VLLM_COUNTERS_TABLE
+        if not connection.execute("SELECT count(*) FROM duckdb_tables() WHERE table_name = ?",
+                                  [name]).fetchone()[0]:
+            connection.execute(f"CREATE TEMP TABLE {name} ({columns})")
         create_macros(connection)
     except duckdb.Error as error:  # views of its own that do not bind: not kvtrace's
         connection.close()

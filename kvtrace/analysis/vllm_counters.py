@@ -15,6 +15,7 @@ import os
 import re
 import stat
 
+from kvtrace.analysis.database import VLLM_COUNTERS_TABLE
 from kvtrace.analysis.queries import run_query
 from kvtrace.errors import KvtraceError, UnsafePathError
 from kvtrace.files import planted_link
@@ -22,8 +23,7 @@ from kvtrace.files import planted_link
 # kvtrace.capture.vllm_metrics.SIDECAR_SUFFIX: the sidecar is named after the trace (analysis
 # may not import capture; a test holds the two equal).
 SIDECAR_SUFFIX = ".vllm-metrics.jsonl"
-TABLE = """CREATE TABLE IF NOT EXISTS vllm_counters (
-    run INTEGER, ts_ns BIGINT, name VARCHAR, labels VARCHAR, value DOUBLE)"""
+TABLE = "CREATE TABLE IF NOT EXISTS {} ({})".format(*VLLM_COUNTERS_TABLE)
 QUERY = "vllm_counter_reconciliation"
 _RANK = re.compile(r"_DP(\d+)$")  # VLLM::EngineCore_DP3: data-parallel rank 3
 _OPEN = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
