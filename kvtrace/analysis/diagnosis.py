@@ -246,11 +246,8 @@ def diagnose(connection, db: str, *, threshold: float = DEFAULT_THRESHOLD,
     ``predict(diagnosis, finding)`` gives a finding with a change its prediction, or a
     sentence saying why there is none (``kvtrace.cli.doctor.replay_predictor``)."""
     rows = run_query(connection, "diagnosis", pricing or {})
-    counters = {}
-    if connection.execute("SELECT count(*) FROM information_schema.tables "
-                          "WHERE table_name = 'vllm_counters'").fetchone()[0]:
-        counters = {row["run"]: row for row in _dicts(run_query(connection, COUNTERS))
-                    if row["vllm_hit_rate"] is not None}
+    counters = {row["run"]: row for row in _dicts(run_query(connection, COUNTERS))
+                if row["vllm_hit_rate"] is not None}
     runs = {row[0]: row for row in connection.execute(
         "SELECT run, variant, path FROM runs ORDER BY run").fetchall()}
     per_run: dict[int, list[dict]] = {}
