@@ -233,7 +233,7 @@ def diagnoses_json(diagnoses: list[Diagnosis]) -> dict[str, Any]:
     mechanisms ruled out, each naming its run, and the runs themselves."""
     return {"findings": [f.to_json(d.run) for d in diagnoses for f in d.findings],
             "ruled_out": [{"run": d.run, "id": f.id, "tokens": f.tokens,
-                           "share_of_missed": round(f.share_of_missed, 6)}
+                           "share_of_missed": round(f.share_of_missed, 6), "note": f.note}
                           for d in diagnoses for f in d.ruled_out],
             "runs": [d.run_json() for d in diagnoses]}
 
