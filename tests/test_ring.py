@@ -239,8 +239,14 @@ def test_a_ring_on_a_serving_engine_stays_bounded_dumps_and_catches_a_collapse(t
     from kvtrace.capture import control
     from kvtrace.capture.messages import StatusRequest
 
+    import socket
+    import urllib.request
+
     workload = collapsing_workload(tmp_path / "w.kvtrace")
     speed = 146 / 84  # the workload's arrivals over 84 s of wall time
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
     ring_dir, incidents = tmp_path / "ring", tmp_path / "incidents"
     engine = serving_engine(workload, "--speed", f"{speed:.4f}")
     try:
@@ -250,7 +256,7 @@ def test_a_ring_on_a_serving_engine_stays_bounded_dumps_and_catches_a_collapse(t
                           "--keyframe-every", f"{KEYFRAME_S}s", "--dir", str(ring_dir),
                           "--duration", "80s", "--trigger", "hit_rate < 0.2 for 2s",
                           "--live-window", "4s", "--keep-around", f"{KEEP_S}s",
-                          "--incident-dir", str(incidents))
+                          "--incident-dir", str(incidents), "--metrics-port", str(port))
         samples = []  # (seconds into the capture, bytes written so far, bytes in the ring)
         dumped = None
         while capture.poll() is None:
@@ -265,6 +271,9 @@ def test_a_ring_on_a_serving_engine_stays_bounded_dumps_and_catches_a_collapse(t
             if dumped is None and samples and samples[-1][0] > 30:
                 dumped = CliRunner().invoke(cli, ["dump", str(ring_dir), "--last", "10s",
                                                   "-o", str(tmp_path / "mid.kvtrace")])
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics") as page:
+                    scraped = dict(line.rsplit(" ", 1) for line in page.read().decode()
+                                   .splitlines() if line.startswith("kvtrace_") and "{" not in line)
         out, err = capture.communicate(timeout=60)
         assert capture.returncode == 0, err
         assert time.monotonic() - started > 85  # it served throughout
@@ -280,6 +289,8 @@ def test_a_ring_on_a_serving_engine_stays_bounded_dumps_and_catches_a_collapse(t
         assert in_ring <= written - max(written_before), (elapsed, samples)
     assert full[-1][2] < full[-1][1] / 2
     assert len(list(ring_dir.glob("ring-*"))) <= RING_S // KEYFRAME_S + 3
+    # The live figures were served while it recorded.
+    assert scraped["kvtrace_up"] == "1" and float(scraped["kvtrace_first_admissions_total"]) > 50
     # A dump taken while the ring recorded replays in lockstep at 100%.
     assert dumped.exit_code == 0, dumped.output
     fidelity = lockstep_verify(tmp_path / "mid.kvtrace", tmp_path / "mid-fidelity")
