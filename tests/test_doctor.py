@@ -149,18 +149,33 @@ def long_outputs(d: Path) -> Path:
                  "--prompt-len", "1024", "--output-len", "8192", "--system-prompt-len", "64")
 
 
-def counted_capture(d: Path, name: str, hits_all: bool = False) -> Path:
-    """tests/test_vllm_counters.py's made-up capture, with vLLM's counters scraped beside it
-    as vLLM 0.30-0.33 count (at admission), or reading every query token as a hit."""
-    from test_vllm_counters import ADMISSION, T0, made_up_capture, scrape_line, window
+def counted_capture(d: Path, name: str, counted_hits: bool = True) -> Path:
+    """A capture on the wall clock (a step a second) of six requests of 48 tokens sharing 32,
+    with vLLM's counters scraped beside it (tests/test_vllm_counters.py's scrapes: at 1, 4 and
+    7 s inside the window): as vLLM 0.30-0.33 count them (at admission), or with no hit."""
+    from test_vllm_counters import CONFIG, SECOND, T0, scrape_line, window
 
     from kvtrace.capture.vllm_metrics import sidecar_path
+    from kvtrace.events import (ComputedBlocksFound, FreeQueueState, RequestArrived,
+                                SlotsAllocated, SnapshotEnded, SnapshotStarted, StepStarted,
+                                TraceHeader)
 
+    records = [SnapshotStarted(0, 7, 0, 0), FreeQueueState([1, 2, 3, 4, 5, 6]),
+               SnapshotEnded(1000)]
+    for req in range(6):  # request 0 at 0 s, before the window, misses; the others hit 32
+        hit = 32 if req else 0
+        records += [StepStarted(req, req * SECOND),
+                    RequestArrived(req, 48, [101, 102, 200 + req], 4),
+                    ComputedBlocksFound(req, hit, 0),
+                    SlotsAllocated(req, 48 - hit, 0, hit, 0, 0, 48, True)]
+    records.append(StepStarted(6, 8 * SECOND))
     trace = d / f"{name}.kvtrace"
-    write_trace(trace, *made_up_capture())
-    added = (ADMISSION[0], ADMISSION[0]) if hits_all else ADMISSION
+    write_trace(trace, TraceHeader(kvtrace_version="test", created_ns=T0, source="capture",
+                                   config=CONFIG, process_title="VLLM::EngineCore"), records)
+    added = (5 * 48, 5 * 32 if counted_hits else 0)
     Path(sidecar_path(trace)).write_text("".join(
-        scrape_line(T0 + ms * 10**6, queries, hits) for ms, queries, hits in window(added)))
+        scrape_line(T0 + ms * 10**6, queries, hits)
+        for ms, queries, hits in window(added, before=(48, 0))))
     return trace
 
 
@@ -173,9 +188,10 @@ RUNS: dict[str, Callable[[Path], Path]] = {
     # preempted requests resume (no counters recorded: metric-overcount ruled out).
     "one_prompt_tight": lambda d: replayed(one_long_system_prompt(d), "unfixed",
                                            "--num-gpu-blocks", "60"),
-    # vLLM's counters recorded beside a capture read 100% where its admitted lookups hit
-    # 12.5%: metric-overcount 83% of the missed prefill, ahead of every cause.
-    "counters_off": lambda d: counted_capture(d, "counters_off", hits_all=True),
+    # vLLM's counters recorded beside a capture read no hit (vllm-ascend #16639) where its
+    # admitted lookups hit 66.7%: metric-overcount 150% of the missed prefill, ahead of
+    # unique-prompts.
+    "counters_off": lambda d: counted_capture(d, "counters_off", counted_hits=False),
     # the same capture's counters at admission (vLLM 0.30-0.33): they read kvtrace's rate.
     "counters_at_admission": lambda d: counted_capture(d, "counters_at_admission"),
     # checkpoint-pushout 53.1%, then unique-prompts 20.3%.
