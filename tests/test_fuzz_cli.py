@@ -274,13 +274,21 @@ CAPTURE_OPTIONS = {
 DATABASE_IN = files(["db"], ["damaged db", "other db", "workload", "missing", "empty",
                              "a directory", *CRAFTED_DATABASES])
 
+# never a Ray cluster: only addresses Ray refuses at once
+LOAD_OPTIONS = {"-j": choice([1, 2], [0, -1, "x"]),
+                "--ray": Opt(st.sampled_from(["nonsense", "", "-1", "127.0.0.1:1"]))}
+
 COMMANDS: dict[str, tuple[st.SearchStrategy, int]] = {
     # command -> (its arguments, examples)
     "info": (arguments([TRACE_IN], {"--json": FLAG}), 25),
     "cat": (arguments([TRACE_IN], {
         "--kind": choice(sorted(TAG_TO_TYPE)), "--limit": ints(0, 5), "--header": FLAG}), 25),
     "load": (arguments([files(["workload", "replayed", "truncated", "newer-values", "runs-dir"],
-                              BROKEN_TRACES), TRACE_IN], {"-o": output(".duckdb", True)}), 25),
+                              BROKEN_TRACES), TRACE_IN], {
+        "-o": output(".duckdb", True), **LOAD_OPTIONS}), 25),
+    "load --parquet": (arguments([files(["workload", "replayed", "truncated", "runs-dir"],
+                                        BROKEN_TRACES), TRACE_IN], {
+        "--parquet": output(required=True), **LOAD_OPTIONS}), 10),
     "sql": (arguments([DATABASE_IN, choice(["SELECT count(*) FROM runs", "SELECT 1"], [
         "SELECT * FROM nope", "SELECT 1/0", ";", "   ", "", "x"])], {
         "--csv": FLAG, "--json": FLAG, "--unsafe": FLAG}), 25),

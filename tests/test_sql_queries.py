@@ -27,7 +27,7 @@ EXPECTED = {"prefix_hotness", "checkpoint_pushouts", "lost_hits_by_prefix", "hit
             "pushed_out_prefixes", "miss_attribution", "miss_attribution_summary",
             "recompute_gpu_seconds", "variant_verdict", "pushout_lookups", "request_causes",
             "sweep_break_even", "diagnosis", "counter_reconciliation",
-            "vllm_counter_reconciliation"}
+            "vllm_counter_reconciliation", "fleet"}
 
 
 GOLDEN = [Path(__file__).parent / "data" / f"forensics-v1-{v}.kvtrace" for v in ("unfixed", "fixed")]

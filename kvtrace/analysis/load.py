@@ -8,18 +8,35 @@ reads them, every batch already holds its records as fixed-width int columns (wh
 built). No record is ever turned into a Python object. Each table's rows gather in fixed-size
 column buffers (``CHUNK_ROWS``) handed to DuckDB as numpy arrays by a second thread while the
 next batches are read, so the memory a load holds does not grow with the trace.
+
+A fleet (many traces) loads in worker processes (``workers``) or on a ``runner`` of the
+caller's (Ray tasks): each worker reads one trace by the same pass, and writes each chunk of
+rows as a Parquet file instead of inserting it, a *part* (``<table>/run=<n>/data_<i>.parquet``);
+the parent, the one writer a DuckDB file allows, takes the parts in, in run order, a batch at a
+time. DuckDB holds the interpreter lock while it scans a chunk's numpy columns (two threads
+inserting into two tables take as long as one), so one process reads and inserts little more
+than a core's worth; processes of their own read side by side, and DuckDB reads Parquet on all
+its threads (docs/performance.md#fleet-loading). ``load_partitions`` keeps the parts instead of
+a database (a directory with ``PARTS_MANIFEST``), and a later load takes such a directory in as
+it takes its own parts.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import functools
 import hashlib
 import os
 import queue
 import resource
+import shutil
+import signal
+import tempfile
 import threading
 import time
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import msgspec
@@ -49,9 +66,17 @@ from kvtrace.analysis.database import (
     stored_column,
     stored_tables,
 )
-from kvtrace.errors import TraceFormatError
+from kvtrace.analysis.sql_access import sql_string
+from kvtrace.errors import KvtraceError, TraceFormatError, error_class
 from kvtrace.events import RECORD_TYPES, StepStarted, TraceHeader, tag_of
-from kvtrace.files import OutputError, StagedOutput, refuse_overwrite
+from kvtrace.files import (
+    OutputError,
+    StagedOutput,
+    cannot_write,
+    refuse_overwrite,
+    refuse_planted_dir,
+    write_failure,
+)
 from kvtrace.traceio import ListColumn, TraceReader, open_trace_file
 
 TRACE_SUFFIX = ".kvtrace"
@@ -63,6 +88,14 @@ INSERT_THREADS = 2  # DuckDB's appends to different tables run side by side
 INSERTS_IN_FLIGHT = 4  # chunks waiting for each inserting thread (each at most CHUNK_ROWS rows)
 # DuckDB's own buffers while it builds a database (it writes what does not fit to the file).
 LOAD_MEMORY_LIMIT = "512MB"
+# A part: one run's rows of a table, as ``<table>/run=<n>/data_<i>.parquet`` under its
+# directory (the hive layout: ``run`` is in the path, not in the files). A directory of parts written to be kept
+# (``load_partitions``) says what it holds in PARTS_MANIFEST.
+PART_FILE = "data_{}.parquet"
+# Records of the parts a database takes in at once (a few GB of Parquet on disk at most).
+MERGE_BATCH_RECORDS = 100_000_000
+PARTS_MANIFEST = "_kvtrace_partitions.json"
+RUNS_TABLE = "runs"
 
 
 @dataclass
@@ -79,11 +112,12 @@ class LoadedRun:
 
 @dataclass
 class LoadSummary:
-    db_path: str
+    db_path: str  # the database, or the directory of partitions
     runs: list[LoadedRun] = field(default_factory=list)
     seconds: float = 0.0
     # Traces not loaded because a run already holds the same content: (path, that run's path).
     duplicates: list[tuple[str, str]] = field(default_factory=list)
+    workers: str = "this process"  # where the traces were read: the runner's description
 
     @property
     def num_records(self) -> int:
@@ -91,17 +125,19 @@ class LoadSummary:
 
 
 def trace_paths(paths: list[str | os.PathLike]) -> list[str]:
-    """Expand directories (replay output dirs) to the ``*.kvtrace`` files they hold."""
+    """Expand directories (replay output dirs) to the ``*.kvtrace`` files they hold; a
+    directory of partitions (``PARTS_MANIFEST``) stays as it is."""
     found = []
     for path in map(os.fspath, paths):
-        if os.path.isdir(path):
+        if os.path.isdir(path) and not is_partitions(path):
             inside = sorted(
                 os.path.join(path, name) for name in os.listdir(path) if name.endswith(TRACE_SUFFIX)
             )
             if not inside:
                 raise DatabaseError(
                     f"{path} holds no *{TRACE_SUFFIX} traces",
-                    hint="Pass trace files, or the output directory of `kvtrace replay`.",
+                    hint="Pass trace files, the output directory of `kvtrace replay`, or one "
+                         "that `kvtrace load --parquet` wrote.",
                 )
             found.extend(inside)
         else:
@@ -111,10 +147,18 @@ def trace_paths(paths: list[str | os.PathLike]) -> list[str]:
     return found
 
 
+def is_partitions(path: str) -> bool:
+    """Whether ``path`` is a directory of parts that ``load_partitions`` wrote."""
+    return os.path.isfile(os.path.join(path, PARTS_MANIFEST))
+
+
 def load_traces(paths: list[str | os.PathLike], db_path: str | os.PathLike,
-                option: str = "-o") -> LoadSummary:
-    """Load traces (files or replay output directories) into a new DuckDB file at ``db_path``
-    (the command's ``option``).
+                option: str = "-o", *, workers: int = 1,
+                runner: PartRunner | None = None) -> LoadSummary:
+    """Load traces (files, replay output directories, or directories of partitions) into a new
+    DuckDB file at ``db_path`` (the command's ``option``): in this process, or, with
+    ``workers`` > 1 or a ``runner``, each trace in a worker, as a part the database then takes
+    in (one database for every way: the same rows, runs and duplicates).
 
     An existing file there is replaced, atomically: the DB is built beside it and renamed only
     once every trace loaded, so a bad trace leaves nothing half-written. ``db_path`` must not
@@ -124,46 +168,45 @@ def load_traces(paths: list[str | os.PathLike], db_path: str | os.PathLike,
     traces = trace_paths(paths)
     refuse_overwrite([(option, db_path)], traces)
     summary = LoadSummary(os.fspath(db_path))
-    _allow_open_files(len(traces))
-    opened: list[_OpenTrace] = []
-    try:  # every trace opened once, and its header read, before the database is made
-        files: dict[tuple[int, int], str] = {}  # (device, inode) -> the first path of that file
-        for trace in traces:
-            candidate = _OpenTrace(trace)
-            if candidate.identity in files:  # the same file again (a directory and a trace in it)
-                candidate.reader.close()
-                summary.duplicates.append((trace, files[candidate.identity]))
-            else:
-                files[candidate.identity] = trace
-                opened.append(candidate)
+    with _Sources(traces, summary) as sources:
+        runner = _runner_for(runner, workers, sources)
 
         def fill(connection, scratch: str) -> None:
-            loaded: dict[str, str] = {}  # digest -> path
-            without_pool: list[int] = []  # runs whose header gives no engine config
-            for run, trace in enumerate(opened):
-                loaded_run = _load_trace(connection, run, trace, scratch)
-                if loaded_run.digest in loaded:  # a copy: its run number stays unused
-                    _delete_run(connection, run)
-                    summary.duplicates.append((trace.path, loaded[loaded_run.digest]))
-                    continue
-                loaded[loaded_run.digest] = trace.path
-                summary.runs.append(loaded_run)
-                if trace.reader.header.config is None:
-                    without_pool.append(run)
-            # The cache entries by their SQL twin, once every run is in: of every run without the
-            # C core, else of those whose pool it was not told (it follows none of theirs).
-            if not stream.core:
-                connection.execute(cache_entries_insert_sql())
-            elif without_pool:
-                connection.execute(cache_entries_insert_sql(without_pool))
+            _load_runs(sources, summary, _IntoDatabase(connection, scratch), runner)
 
-        labels = [run_labels(trace.reader.header)[:2] for trace in opened]
-        _new_database(summary.db_path, fill, labels)
-    finally:
-        for trace in opened:
-            trace.reader.close()
+        with runner or contextlib.nullcontext():  # workers forked before DuckDB's threads start
+            _new_database(summary.db_path, fill, sources.labels)
     summary.seconds = time.perf_counter() - started
     return summary
+
+
+def load_partitions(paths: list[str | os.PathLike], outdir: str | os.PathLike,
+                    option: str = "--parquet", *, workers: int = 1,
+                    runner: PartRunner | None = None) -> LoadSummary:
+    """Load traces as ``load_traces`` does, keeping each run's tables as Parquet partitions in
+    a new directory ``outdir`` (``<table>/run=<n>/data_0.parquet``, ``run`` numbered as a
+    database would number it, and ``PARTS_MANIFEST``) instead of one database: the parts the
+    workers wrote, without the step that takes them into a database. ``outdir`` must not exist
+    yet, or be an empty directory; it is built beside itself and renamed into place once
+    complete. ``load_traces`` takes such a directory back (``kvtrace load DIR -o DB``)."""
+    started = time.perf_counter()
+    traces = trace_paths(paths)
+    refuse_overwrite([(option, outdir)], traces)
+    summary = LoadSummary(os.fspath(outdir))
+    with _Sources(traces, summary) as sources, _StagedDirectory(outdir, option) as staged:
+        with _runner_for(runner, workers, sources) or InProcess() as runner:
+            _load_runs(sources, summary, _IntoPartitions(staged), runner)
+    summary.seconds = time.perf_counter() - started
+    return summary
+
+
+def _runner_for(runner: PartRunner | None, workers: int, sources: _Sources
+                ) -> PartRunner | None:
+    """The caller's runner, else ``workers`` local processes where more than one trace is
+    read; None: every trace read in this process, in place."""
+    if runner is None and workers > 1 and sources.num_traces > 1:
+        return LocalWorkers(min(workers, sources.num_traces))
+    return runner
 
 
 def _allow_open_files(count: int) -> None:
@@ -178,14 +221,529 @@ def _allow_open_files(count: int) -> None:
 
 class _OpenTrace:
     """A trace opened once (one descriptor for its header, records and digest), its header
-    read."""
+    read. ``file``: where its bytes are, when not at ``path`` (a worker's copy on another
+    host); ``absolute``: its path as the ``runs`` table records it."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, file: str | None = None, absolute: str | None = None) -> None:
         self.path = path
-        self.file = _Digesting(open_trace_file(path))
+        self.absolute = absolute or os.path.abspath(path)
+        self.file = _Digesting(open_trace_file(file or path))
         status = os.fstat(self.file.file.fileno())
         self.identity = (status.st_dev, status.st_ino)
         self.reader = TraceReader(path, source=self.file)
+
+
+class _Sources:
+    """The runs to load, in run order: traces, each opened once and its header read, before the
+    output is made, and the runs of directories of partitions, which keep their numbers (their
+    gaps too: None), after those before them; the same file given twice is kept once
+    (``summary.duplicates``)."""
+
+    def __init__(self, paths: list[str], summary: LoadSummary) -> None:
+        self.items: list[_OpenTrace | Part | None] = []
+        self.labels: list[tuple[str, str]] = []  # per run number: its variant and backend
+        _allow_open_files(len(paths))
+        files: dict[tuple[int, int], str] = {}  # (device, inode) -> the first path of that file
+        try:
+            for path in paths:
+                if os.path.isdir(path):  # a directory of partitions (trace_paths)
+                    first = len(self.items)
+                    for part in _stored_parts(path):
+                        gap = first + part.run - len(self.items)
+                        self.items += [None] * gap
+                        self.labels += [("", "")] * gap
+                        self.items.append(part)
+                        self.labels.append((part.loaded.variant, part.loaded.backend))
+                    continue
+                trace = _OpenTrace(path)
+                if trace.identity in files:  # the same file again (a directory and a trace in it)
+                    trace.reader.close()
+                    summary.duplicates.append((path, files[trace.identity]))
+                    continue
+                files[trace.identity] = path
+                self.items.append(trace)
+                self.labels.append(run_labels(trace.reader.header)[:2])
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def num_traces(self) -> int:
+        return sum(isinstance(item, _OpenTrace) for item in self.items)
+
+    def close(self) -> None:
+        for item in self.items:
+            if isinstance(item, _OpenTrace):
+                item.reader.close()
+
+    def __enter__(self) -> _Sources:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _load_runs(sources: _Sources, summary: LoadSummary, target, runner: PartRunner | None
+               ) -> None:
+    """Every run of ``sources`` into ``target`` in run order: a trace read in place (no
+    ``runner``) or as a part by the ``runner``'s workers, a stored part as it is. A run whose
+    content (digest) an earlier one holds is dropped, its run number left unused. On a failure
+    the workers are stopped before the output is discarded."""
+    traces = [(run, item) for run, item in enumerate(sources.items)
+              if isinstance(item, _OpenTrace)]
+    parts: Iterator[Part] = iter(())
+    if runner is not None:
+        summary.workers = runner.description
+        parts = runner.map([target.task(run, trace) for run, trace in traces])
+    loaded: dict[str, str] = {}  # digest -> path
+    try:
+        for run, item in enumerate(sources.items):
+            if item is None:  # a run number a directory of partitions left unused
+                continue
+            if isinstance(item, Part):
+                part = item
+            elif runner is None:
+                part = None
+                loaded_run = target.load_in_place(run, item)
+            else:
+                part = next(parts)
+            if part is not None:
+                loaded_run = dataclasses.replace(part.loaded, run=run)
+            if loaded_run.digest in loaded:  # a copy: its run number stays unused
+                target.drop(run, part)
+                summary.duplicates.append((loaded_run.path, loaded[loaded_run.digest]))
+                continue
+            loaded[loaded_run.digest] = loaded_run.path
+            if part is not None:
+                target.add(run, part)
+            summary.runs.append(loaded_run)
+        target.finish(summary.runs)
+    except BaseException:
+        if runner is not None:
+            runner.stop()
+        raise
+
+
+class _IntoDatabase:
+    """Runs into the database being built (``connection``): a trace read in place; parts
+    inserted a batch at a time, each table's rows of the batch by one statement over their
+    Parquet files (DuckDB reads the files side by side: half the time of a statement per part),
+    as soon as the batch holds ``MERGE_BATCH_RECORDS`` (which bounds the parts kept on disk),
+    else at the end. Parts cross only this machine's disk: uncompressed, the cheapest to write
+    and to read back."""
+
+    compression = "uncompressed"
+
+    def __init__(self, connection, scratch: str) -> None:
+        self.connection, self.scratch = connection, scratch
+        self.directory = os.path.join(scratch, "parts")
+        os.mkdir(self.directory)
+        self.twins: list[int] = []  # runs read in place whose cache entries need the SQL twin
+        self.batch: list[tuple[int, Part]] = []  # parts not inserted yet, with their runs
+
+    def task(self, run: int, trace: _OpenTrace) -> PartTask:
+        return PartTask(run, trace.path, trace.absolute, self.directory, self.scratch,
+                        self.compression)
+
+    def load_in_place(self, run: int, trace: _OpenTrace) -> LoadedRun:
+        loaded = _load_trace(self.connection, run, trace, self.scratch)
+        if _needs_sql_twin(trace):
+            self.twins.append(run)
+        return loaded
+
+    def add(self, run: int, part: Part) -> None:
+        self.batch.append((run, part))
+        if sum(part.loaded.num_records for _, part in self.batch) >= MERGE_BATCH_RECORDS:
+            self._insert_batch()
+
+    def _insert_batch(self) -> None:
+        """Every table's rows of the batch's parts, in run order, each part's rows under its
+        run here (``run`` is in a part's path, not in its files)."""
+        for table in _part_tables():
+            parts = [(run, part.paths(table)) for run, part in self.batch if table in part.files]
+            if not parts:
+                continue
+            runs = " ".join(f"WHEN {sql_string(os.path.dirname(paths[0]))} THEN {int(run)}"
+                            for run, paths in parts)
+            files = ", ".join(sql_string(path) for _, paths in parts for path in paths)
+            self.connection.execute(
+                f"INSERT INTO {stored_tables().get(table, table)} BY NAME "
+                f"SELECT (CASE parse_dirpath(filename, 'forward_slash') {runs} END)::INTEGER "
+                f"AS run, * EXCLUDE (filename) FROM read_parquet([{files}], filename = true, "
+                "hive_partitioning = false)")
+        for _, part in self.batch:
+            part.discard()
+        self.batch = []
+
+    def drop(self, run: int, part: Part | None) -> None:
+        if part is None:
+            _delete_run(self.connection, run)
+            if run in self.twins:
+                self.twins.remove(run)
+        else:
+            part.discard()
+
+    def finish(self, runs: list[LoadedRun]) -> None:
+        """The parts still pending; then the cache entries by their SQL twin, once every run
+        is in: of the runs read in place without the C core, or whose pool it was not told (it
+        follows none of theirs); a part holds its own."""
+        self._insert_batch()
+        if self.twins:
+            self.connection.execute(cache_entries_insert_sql(self.twins))
+
+
+class _IntoPartitions:
+    """Runs into a directory of partitions (``load_partitions``): a worker's part is written
+    there already, a stored part is copied in under its new run number; the manifest last.
+    Compressed: such a directory is kept, and copied between hosts."""
+
+    compression = "snappy"
+
+    def __init__(self, staged: _StagedDirectory) -> None:
+        self.directory, self.scratch = staged.path, staged.scratch
+        self.tables: dict[int, dict[str, int]] = {}  # per run kept: its files per table
+
+    def task(self, run: int, trace: _OpenTrace) -> PartTask:
+        return PartTask(run, trace.path, trace.absolute, self.directory, self.scratch,
+                        self.compression)
+
+    def add(self, run: int, part: Part) -> None:
+        if (part.directory, part.run) != (self.directory, run):
+            for table in part.files:
+                for index, path in enumerate(part.paths(table)):
+                    target = part_file(self.directory, table, run, index)
+                    os.makedirs(os.path.dirname(target), exist_ok=True)
+                    shutil.copyfile(path, target)
+        self.tables[run] = part.files
+
+    def drop(self, run: int, part: Part | None) -> None:
+        if part is not None and part.directory == self.directory:
+            part.discard()
+
+    def finish(self, runs: list[LoadedRun]) -> None:
+        manifest = {"db_schema_version": DB_SCHEMA_VERSION, "kvtrace_version": __version__,
+                    "runs": [{"run": run.run, "path": run.path, "variant": run.variant,
+                              "backend": run.backend, "num_records": run.num_records,
+                              "truncated": run.truncated, "digest": run.digest,
+                              "tables": self.tables[run.run]}
+                             for run in runs]}
+        with open(os.path.join(self.directory, PARTS_MANIFEST), "wb") as file:
+            file.write(msgspec.json.format(msgspec.json.encode(manifest), indent=2) + b"\n")
+
+
+class _StagedDirectory:
+    """A directory output built beside its final name (``path``, with ``scratch`` its private
+    parent, where the load's spill files go too) and renamed into place once complete; the
+    final name must be new or an empty directory."""
+
+    def __init__(self, final: str | os.PathLike, option: str) -> None:
+        self.final = os.path.abspath(final)
+        label = f"{option} {os.fspath(final)}"
+        refuse_planted_dir(self.final, label)
+        if os.path.islink(self.final) or (os.path.lexists(self.final) and not (
+                os.path.isdir(self.final) and not os.listdir(self.final))):
+            raise OutputError(f"{label} exists and is not an empty directory",
+                              f"Give {option} a new directory.")
+        try:
+            self.scratch = tempfile.mkdtemp(prefix=f".{os.path.basename(self.final)}.",
+                                            suffix=".partial", dir=os.path.dirname(self.final))
+        except OSError as error:
+            raise cannot_write(final, error) from None
+        self.path = os.path.join(self.scratch, os.path.basename(self.final))
+        os.mkdir(self.path)
+
+    def __enter__(self) -> _StagedDirectory:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        try:
+            if exc_type is None:
+                try:
+                    os.replace(self.path, self.final)  # onto nothing, or an empty directory
+                except OSError as error:
+                    raise cannot_write(self.final, error) from None
+        finally:
+            shutil.rmtree(self.scratch, ignore_errors=True)
+
+
+def _needs_sql_twin(trace: _OpenTrace) -> bool:
+    """Whether a run's cache entries come from their SQL twin: without the C core, or for a
+    trace whose header names no pool (the core follows none)."""
+    return not stream.core or trace.reader.header.config is None
+
+
+# --- parts: one trace loaded by a worker -----------------------------------------------------
+
+
+def part_file(directory: str, table: str, run: int, index: int = 0) -> str:
+    """Where a part keeps a table's rows of a run (``table`` by its name in the main schema),
+    its ``index``-th file."""
+    return os.path.join(directory, table, f"run={int(run)}", PART_FILE.format(index))
+
+
+def _make_part_directory(path: str) -> None:
+    """The directories of a part's file; never the part's own directory: gone, the load was
+    stopped and cleaned up behind the worker."""
+    try:
+        os.mkdir(os.path.dirname(os.path.dirname(path)))
+    except FileExistsError:
+        pass
+    os.mkdir(os.path.dirname(path))
+
+
+@dataclass(frozen=True)
+class PartTask:
+    """What a worker loads: the trace of run ``run`` into ``directory``, its spill files in
+    ``scratch``; ``file``: where its bytes are, when not at ``path`` (a copy shipped to another
+    host)."""
+
+    run: int
+    path: str
+    absolute: str
+    directory: str
+    scratch: str
+    compression: str
+    file: str | None = None
+
+
+@dataclass
+class Part:
+    """One run's tables as Parquet files (``part_file``): what a worker made, or what a
+    directory of partitions holds (``owned`` False: never removed)."""
+
+    loaded: LoadedRun
+    files: dict[str, int]  # per table with rows: its number of files
+    directory: str
+    run: int  # its run number there
+    owned: bool = True
+
+    def paths(self, table: str) -> list[str]:
+        return [part_file(self.directory, table, self.run, index)
+                for index in range(self.files.get(table, 0))]
+
+    def discard(self) -> None:
+        if self.owned:
+            for table in self.files:
+                shutil.rmtree(os.path.dirname(part_file(self.directory, table, self.run)),
+                              ignore_errors=True)
+
+
+def load_part(task: PartTask) -> Part:
+    """A worker's task: the trace loaded by the same pass as in place, each chunk of rows
+    written as the next file of its table's part. A run whose cache entries come from their
+    SQL twin (SQL over the run's tables) is loaded into a database in memory first (DuckDB
+    spills what does not fit to ``scratch``), and its tables written from there."""
+    import duckdb
+
+    trace = _OpenTrace(task.path, task.file, task.absolute)
+    written: Counter = Counter()
+    try:
+        connection = duckdb.connect(":memory:", config={
+            "memory_limit": LOAD_MEMORY_LIMIT, "temp_directory": os.path.join(
+                task.scratch, f"duckdb-{task.run}")})
+        try:
+            for statement in schema_statements():
+                connection.execute(statement)
+            if _needs_sql_twin(trace):
+                loaded = _load_trace(connection, task.run, trace, task.scratch)
+                connection.execute(cache_entries_insert_sql([task.run]))
+                tables = _part_tables()
+            else:
+                loaded = _load_trace(connection, task.run, trace, task.scratch, task, written)
+                tables = (RUNS_TABLE,)
+            for table in tables:
+                stored = stored_tables().get(table, table)
+                if connection.execute(f"SELECT count(*) FROM {stored}").fetchone()[0]:
+                    path = part_file(task.directory, table, task.run)
+                    _make_part_directory(path)
+                    connection.execute(
+                        f"COPY (SELECT * EXCLUDE (run) FROM {stored}) TO {sql_string(path)} "
+                        f"(FORMAT PARQUET, COMPRESSION {task.compression})")
+                    written[table] = 1
+        except duckdb.Error as error:
+            raise write_failure(error) or OutputError(
+                f"cannot write the part of {task.path}: {str(error).splitlines()[0]}") from None
+        finally:
+            connection.close()
+    finally:
+        trace.reader.close()
+    return Part(loaded, dict(written), task.directory, task.run)
+
+
+def _part_tables() -> tuple[str, ...]:
+    """The tables a part holds, by their names in the main schema: every table of runs' rows,
+    and ``runs``."""
+    return (*stored_tables(), RUNS_TABLE)
+
+
+def _stored_parts(directory: str) -> list[Part]:
+    """The runs of a directory of partitions, from its manifest, in run order."""
+    path = os.path.join(directory, PARTS_MANIFEST)
+    try:
+        with open(path, "rb") as file:
+            manifest = msgspec.json.decode(file.read())
+        if manifest["db_schema_version"] != DB_SCHEMA_VERSION:
+            raise DatabaseError(
+                f"{directory} holds partitions of database schema "
+                f"v{manifest['db_schema_version']} (kvtrace {manifest.get('kvtrace_version')}); "
+                f"this kvtrace reads v{DB_SCHEMA_VERSION}",
+                "Load its traces again with this kvtrace.")
+        return [Part(LoadedRun(int(row["run"]), row["path"], row["variant"], row["backend"],
+                               int(row["num_records"]), bool(row["truncated"]), Counter(),
+                               row["digest"]),
+                     {table: int(count) for table, count in row["tables"].items()
+                      if table in _part_tables()},
+                     directory, int(row["run"]), owned=False)
+                for row in sorted(manifest["runs"], key=lambda row: row["run"])]
+    except (OSError, msgspec.DecodeError, KeyError, TypeError, ValueError) as error:
+        raise DatabaseError(f"{path} is not a partitions manifest kvtrace can read: {error}",
+                            "Write the directory again with `kvtrace load TRACE ... --parquet "
+                            "DIR`.") from None
+
+
+# --- where the parts are made ------------------------------------------------------------------
+
+
+class PartRunner:
+    """Runs ``load_part`` for each task: ``map`` yields the parts in the order of the tasks,
+    raising a failed task's own error where its part would be; ``stop`` stops what is still
+    running. A context manager that holds its workers."""
+
+    description = "this process"
+
+    def map(self, tasks: list[PartTask]) -> Iterator[Part]:
+        raise NotImplementedError
+
+    def stop(self) -> None:
+        """Stop every task still running (the load failed)."""
+
+    def __enter__(self) -> PartRunner:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+class InProcess(PartRunner):
+    """The parts made here, one after the other."""
+
+    def map(self, tasks: list[PartTask]) -> Iterator[Part]:
+        return map(load_part, tasks)
+
+
+class LocalWorkers(PartRunner):
+    """``count`` worker processes, forked (where the system forks) when entered: before this
+    process opens the database, so that no DuckDB thread of its is forked into them. A worker
+    that dies (killed, out of memory) fails the load with an error, not a wait."""
+
+    def __init__(self, count: int) -> None:
+        self.count, self.executor = count, None
+        self.description = f"{count} local processes"
+
+    def __enter__(self) -> LocalWorkers:
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
+
+        method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
+        self.executor = ProcessPoolExecutor(
+            self.count, mp_context=multiprocessing.get_context(method),
+            initializer=_become_worker, initargs=(os.getpid(),))
+        self.executor.submit(int).result()  # every worker started now (forked: all at once)
+        return self
+
+    def map(self, tasks: list[PartTask]) -> Iterator[Part]:
+        from concurrent.futures.process import BrokenProcessPool
+
+        futures = [self.executor.submit(run_part, task) for task in tasks]
+        for task, future in zip(tasks, futures):
+            try:
+                outcome = future.result()
+            except BrokenProcessPool:
+                raise KvtraceError(
+                    f"a worker process died while the traces loaded ({task.path} and those "
+                    "after it are not loaded)",
+                    "Look for the kernel's out-of-memory killer (dmesg); load with fewer "
+                    "--workers, or in this process (--workers 1).") from None
+            yield outcome.part()
+
+    def stop(self) -> None:
+        """The workers killed, their tasks dropped: a failed load must not wait for them, and
+        they must not write into its scratch directory once it is removed."""
+        if self.executor is not None:
+            processes = list((self.executor._processes or {}).values())  # no public handle
+            self.executor.shutdown(wait=False, cancel_futures=True)
+            for process in processes:
+                process.kill()
+                process.join()
+            self.executor = None
+
+
+def _become_worker(parent: int) -> None:
+    """A worker dies with its parent (even a SIGKILLed one) and leaves Ctrl-C to it."""
+    from kvtrace.children import die_with_parent
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if not die_with_parent(parent):
+        os._exit(1)
+
+
+@dataclass
+class PartOutcome:
+    """A worker's answer, as it crosses to the parent: the part, or its ``KvtraceError``'s class
+    name, message and hint (an exception's pickle would lose the hint); ``files``: the part's
+    Parquet files' bytes, by table, from a worker that shares no file system with the parent."""
+
+    made: Part | None = None
+    error: tuple[str, str, str] | None = None
+    files: dict[str, list[bytes]] | None = None
+
+    def part(self) -> Part:
+        if self.error is not None:
+            name, message, hint = self.error
+            raise error_class(name)(message, hint=hint)
+        return self.made
+
+
+def run_part(task: PartTask) -> PartOutcome:
+    """``load_part`` in a worker: its ``KvtraceError`` as an answer."""
+    try:
+        return PartOutcome(load_part(task))
+    except KvtraceError as error:
+        return PartOutcome(error=(type(error).__name__, str(error), error.hint))
+
+
+def run_shipped_part(task: PartTask, data: bytes) -> PartOutcome:
+    """``load_part`` on a host of its own (a Ray task): the trace's bytes come with the task,
+    and the part's files go back with the answer."""
+    with tempfile.TemporaryDirectory(prefix="kvtrace-part-") as scratch:
+        copy = os.path.join(scratch, "trace" + TRACE_SUFFIX)
+        with open(copy, "wb") as file:
+            file.write(data)
+        here = dataclasses.replace(task, directory=os.path.join(scratch, "parts"),
+                                   scratch=scratch, file=copy)
+        os.mkdir(here.directory)
+        outcome = run_part(here)
+        if outcome.made is not None:
+            outcome.files = {table: [_read(path) for path in outcome.made.paths(table)]
+                             for table in outcome.made.files}
+        return outcome
+
+
+def _read(path: str) -> bytes:
+    with open(path, "rb") as file:
+        return file.read()
+
+
+def land_part(task: PartTask, outcome: PartOutcome) -> Part:
+    """A shipped part's files written where ``task`` wanted them; its error raised."""
+    part = dataclasses.replace(outcome.part(), directory=task.directory)
+    for table, files in outcome.files.items():
+        for path, data in zip(part.paths(table), files):
+            if path == part_file(task.directory, table, part.run):
+                _make_part_directory(path)
+            with open(path, "wb") as file:
+                file.write(data)
+    return part
 
 
 def _new_database(db_path: str, fill, labels: list[tuple[str, str]] = ()) -> None:
@@ -255,13 +813,16 @@ def run_labels(header: TraceHeader) -> tuple[str, str, str]:
     return header.source, "live" if header.source == "capture" else "none", ""
 
 
-def _load_trace(connection, run: int, trace: _OpenTrace, scratch: str) -> LoadedRun:
+def _load_trace(connection, run: int, trace: _OpenTrace, scratch: str,
+                part: PartTask | None = None, written: Counter | None = None) -> LoadedRun:
     """One trace as run ``run``: its records, its miss attribution and its cache entries, in
     one pass over its one descriptor (which also makes its digest); the pass's state that grows
-    with the trace spills to a file in ``scratch``."""
+    with the trace spills to a file in ``scratch``. The rows go into ``connection``'s tables,
+    or, with a ``part``, into its files (``written``: how many per table); the ``runs`` row
+    into ``connection`` either way."""
     path, reader = trace.path, trace.reader
     variant, backend, mode = run_labels(reader.header)
-    inserts = _Inserts(connection, run, path)
+    inserts = _Inserts(connection, run, path, part, written)
     try:
         analysis = stream.new_pass(reader.header, path, spill_dir=scratch)
         sink = _RunSink(inserts, analysis.shaped_types if analysis else frozenset())
@@ -279,7 +840,7 @@ def _load_trace(connection, run: int, trace: _OpenTrace, scratch: str) -> Loaded
     finally:
         inserts.close()
     digest = trace.file.hexdigest()
-    _insert_run_row(connection, run, path, reader, variant, backend, mode, digest)
+    _insert_run_row(connection, run, trace.absolute, reader, variant, backend, mode, digest)
     return LoadedRun(run, path, variant, backend, reader.num_records, reader.truncated,
                      reader.unknown_values, digest)
 
@@ -316,15 +877,15 @@ def _delete_run(connection, run: int) -> None:
         connection.execute(f"DELETE FROM {table} WHERE run = ?", [run])
 
 
-def _insert_run_row(connection, run, path, reader, variant, backend, mode, digest) -> None:
+def _insert_run_row(connection, run, absolute, reader, variant, backend, mode, digest) -> None:
     header = reader.header
     config = header.config
     replay = header.replay
     source_key = (replay.source_digest or replay.source_path) if replay else ""
     connection.execute(
         f"INSERT INTO runs VALUES ({', '.join('?' * 20)})",
-        [run, os.path.abspath(path), header.source, variant, backend, mode,
-         source_key or os.path.abspath(path), header.kvtrace_version, header.vllm_version,
+        [run, absolute, header.source, variant, backend, mode,
+         source_key or absolute, header.kvtrace_version, header.vllm_version,
          header.created_ns,
          config.hash_block_size if config else None,
          config.num_gpu_blocks if config else None,
@@ -339,12 +900,15 @@ def _insert_run_row(connection, run, path, reader, variant, backend, mode, diges
 class _Inserts:
     """Chunks of one run's rows, inserted by ``INSERT_THREADS`` threads (each on its own cursor,
     each table on one of them, so its rows go in in order) while the next batches are read:
-    DuckDB works without the interpreter lock, so reading and inserting overlap. At most
+    DuckDB stores what it scanned without the interpreter lock, so reading and inserting
+    overlap in part. At most
     ``INSERTS_IN_FLIGHT`` chunks wait for each thread; an insert's error comes back on the next
-    ``put`` or on ``finish``."""
+    ``put`` or on ``finish``. With a ``part``, each chunk is written as the next Parquet file of
+    its table's part instead (``written`` counts them per table): a worker keeps no database."""
 
-    def __init__(self, connection, run: int, path: str) -> None:
-        self.run, self.path = run, path
+    def __init__(self, connection, run: int, path: str, part: PartTask | None = None,
+                 written: Counter | None = None) -> None:
+        self.run, self.path, self.part, self.written = run, path, part, written
         self.error: BaseException | None = None
         self.workers = [_InsertThread(self, connection) for _ in range(INSERT_THREADS)]
         self.worker_of: dict[str, _InsertThread] = {}
@@ -364,7 +928,16 @@ class _Inserts:
         # DuckDB reads the chunk by its replacement scan of this frame's variables: registering
         # and unregistering it instead cost about 2 ms of CPU a chunk.
         kvtrace_chunk = columns  # noqa: F841 (read by the SQL)
-        cursor.execute(_insert_sql(table, tuple(columns)), {"run": self.run})
+        if self.part is None:
+            cursor.execute(_insert_sql(table, tuple(columns)), {"run": self.run})
+            return
+        index = self.written[table]  # each table on one thread: its files in order
+        path = part_file(self.part.directory, table, self.part.run, index)
+        if index == 0:
+            _make_part_directory(path)
+        cursor.execute(f"COPY ({_chunk_select(table, tuple(columns), False)}) TO "
+                       f"{sql_string(path)} (FORMAT PARQUET, COMPRESSION {self.part.compression})")
+        self.written[table] = index + 1
 
     def finish(self) -> None:
         """Wait for every chunk put so far; raise an insert's error."""
@@ -544,9 +1117,16 @@ _FLAGS = {"in_flight"}
 
 @functools.cache
 def _insert_sql(table: str, columns: tuple[str, ...]) -> str:
-    """INSERT of a chunk of ``table`` for the run ``$run`` (its labels are computed from it).
-    Enum fields go in as codes (``<name>_code``)."""
-    targets, expressions = ["run"], ["$run"]
+    """INSERT of a chunk of ``table`` for the run ``$run`` (its labels are computed from it)."""
+    return f"INSERT INTO {stored_tables()[table]} BY NAME {_chunk_select(table, columns, True)}"
+
+
+@functools.cache
+def _chunk_select(table: str, columns: tuple[str, ...], with_run: bool) -> str:
+    """The rows of a chunk of ``table`` as they are stored, each column under its name, with
+    the run ``$run`` (``with_run``) or without (a part's file: its run is in its path). Enum
+    fields go in as codes (``<name>_code``)."""
+    targets, expressions = (["run"], ["$run"]) if with_run else ([], [])
     if table == ATTRIBUTION_TABLE:
         causes = ", ".join(f"'{cause}'" for cause in CAUSES)
         targets += ["resumed", "in_shortfall"]
@@ -559,5 +1139,6 @@ def _insert_sql(table: str, columns: tuple[str, ...]) -> str:
             value = f"{name}::BOOLEAN"  # from the C core, 0 or 1
         targets.append(name)
         expressions.append(value)
-    return (f"INSERT INTO {stored_tables()[table]} ({', '.join(targets)}) "
-            f"SELECT {', '.join(expressions)} FROM kvtrace_chunk")
+    return ("SELECT " + ", ".join(f"{expression} AS {target}"
+                                  for expression, target in zip(expressions, targets))
+            + " FROM kvtrace_chunk")

@@ -25,6 +25,7 @@ from kvtrace.analysis.report import (
     Table,
     prefix_phrase,
     diagnosis_lines,
+    fleet_lines,
     verdict_lines,
     verdict_title,
 )
@@ -102,6 +103,8 @@ def render_html(data: ReportData) -> str:
     body = [f"<h1>{_e(title)}</h1>"]
     body += [f'<p class="warning">WARNING: {_e(warning)}</p>' for warning in data.warnings]
     body.append(_verdict_html(data))
+    if data.fleet is not None:
+        body.append(_fleet_html(data))
     body.append('<nav><a href="#plots">plots</a><a href="#tables">tables</a>'
                 + ('<a href="#sweep">sweep</a>' if data.sweep.rows else "")
                 + ('<a href="#drill-down">drill-down</a>' if data.explanations else "") + "</nav>")
@@ -198,6 +201,15 @@ def _verdict_html(data: ReportData) -> str:
                        f'<code>{_e(f"kvtrace doctor {data.db}")}</code></p>')
     parts.append("</section>")
     return "".join(parts)
+
+
+def _fleet_html(data: ReportData) -> str:
+    """The fleet verdict and one row per engine, right under the verdict."""
+    table = data.fleet.table
+    return (f'<section id="fleet"><h2>{_e(table.title)}</h2><ul>'
+            + "".join(f"<li>{_e(line)}</li>" for line in fleet_lines(data))
+            + f'</ul><p class="note">{_e(table.note)} <code>{_e(table.command)}</code></p>'
+            + html_table(table.result) + "</section>")
 
 
 # --- tables ---------------------------------------------------------------------------------------
