@@ -14,7 +14,6 @@ import pytest
 from kvtrace.analysis.database import open_database
 from kvtrace.analysis.load import load_sweep, load_traces
 from kvtrace.analysis.queries import shipped_queries, run_query
-from kvtrace.analysis.vllm_counters import load_vllm_counters
 from kvtrace.traceio import read_records
 
 from test_analysis_scenario import header
@@ -48,10 +47,6 @@ def connection(tmp_path_factory):
     directory = tmp_path_factory.mktemp("q")
     load_traces(GOLDEN, directory / "q.duckdb")
     load_sweep(hand_sweep(), directory / "q.duckdb")
-    writable = open_database(directory / "q.duckdb", read_only=False)
-    for run, trace in enumerate(GOLDEN):  # as kvtrace load does: no counters beside them
-        load_vllm_counters(writable, run, str(trace))
-    writable.close()
     connection = open_database(directory / "q.duckdb")
     yield connection
     connection.close()

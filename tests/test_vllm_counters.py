@@ -39,7 +39,7 @@ from kvtrace.capture.vllm_metrics import (
     kept,
     parse_metrics,
 )
-from kvtrace.errors import KvtraceError, UnsafePathError
+from kvtrace.errors import UnsafePathError
 from kvtrace.events import (
     ComputedBlocksFound,
     EngineConfig,
@@ -370,13 +370,10 @@ ADMISSION, LOOKUP = (96, 16), (160, 48)
 
 
 def load_with_counters(traces: list[Path], db: Path):
-    """What ``kvtrace load`` does with vLLM's counters: each trace loaded, then its sidecar.
-    A writable connection to the database."""
+    """``kvtrace load`` of ``traces``, each with its sidecar; a writable connection to the
+    database."""
     load_traces(traces, db)
-    connection = open_database(db, read_only=False)
-    for run, trace in enumerate(traces):
-        load_vllm_counters(connection, run, str(trace))
-    return connection
+    return open_database(db, read_only=False)
 
 
 def reconciled(tmp_path, scrapes: list[tuple[int, int, int]], lag_ms: str = "500",

@@ -67,6 +67,7 @@ from kvtrace.analysis.database import (
     stored_tables,
 )
 from kvtrace.analysis.sql_access import sql_string
+from kvtrace.analysis.vllm_counters import load_vllm_counters
 from kvtrace.errors import KvtraceError, TraceFormatError, error_class
 from kvtrace.events import RECORD_TYPES, StepStarted, TraceHeader, tag_of
 from kvtrace.files import (
@@ -386,10 +387,12 @@ class _IntoDatabase:
     def finish(self, runs: list[LoadedRun]) -> None:
         """The parts still pending; then the cache entries by their SQL twin, once every run
         is in: of the runs read in place without the C core, or whose pool it was not told (it
-        follows none of theirs); a part holds its own."""
+        follows none of theirs); a part holds its own. Then each run's vLLM counters."""
         self._insert_batch()
         if self.twins:
             self.connection.execute(cache_entries_insert_sql(self.twins))
+        for run in runs:  # vLLM's counters, where a capture recorded them beside its trace
+            load_vllm_counters(self.connection, run.run, run.path)
 
 
 class _IntoPartitions:
