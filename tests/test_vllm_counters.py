@@ -537,6 +537,29 @@ def test_the_reports_lines_say_which_rule_the_counters_followed(tmp_path):
     assert "by +104 query tokens and +0 hits" in line and "neither counting rule" in line
 
 
+@pytest.mark.parametrize("flag", [[], ["--markdown"], ["--html"]])
+def test_kvtrace_report_shows_the_counters_beside_the_verdict(tmp_path, flag):
+    """`kvtrace load` takes the sidecar in with its trace, and the report's verdict section
+    carries the reconciliation, in the terminal, in Markdown and in HTML."""
+    from click.testing import CliRunner
+
+    from kvtrace.cli import cli
+
+    trace = tmp_path / "c.kvtrace"
+    write_trace(trace, *made_up_capture())
+    Path(vllm_metrics.sidecar_path(trace)).write_text("".join(
+        scrape_line(T0 + ms * 10**6, queries, hits) for ms, queries, hits in window(LOOKUP)))
+    runner = CliRunner()
+    assert runner.invoke(cli, ["load", str(trace), "-o", str(tmp_path / "c.duckdb")]).exit_code == 0
+    out = tmp_path / "r.html"
+    result = runner.invoke(cli, ["report", str(tmp_path / "c.duckdb"), *flag,
+                                 *([str(out)] if flag == ["--html"] else [])])
+    assert result.exit_code == 0, result.output
+    shown = out.read_text() if flag == ["--html"] else result.output
+    assert "vLLM counted at every lookup" in shown and "the 2 retried lookups" in shown
+    assert "--query vllm_counter_reconciliation" in shown or flag == ["--html"]
+
+
 # --- a real vllm serve -----------------------------------------------------------------------
 
 # A pool of 24 blocks (of 256 tokens: each request holds 5 or 6 attention blocks and one state

@@ -21,11 +21,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvtrace.analysis.queries import Result, run_query
+from kvtrace.analysis.vllm_counters import QUERY as COUNTERS  # vLLM's counters, the trace
 from kvtrace.errors import ConfigError
 
 DEFAULT_THRESHOLD = 0.05  # of the missed prefill: below it, a mechanism is ruled out
 COUNTER_POINTS = 0.01  # vLLM's counter off kvtrace's hit rate by this much: a finding
-COUNTERS = "vllm_counter_reconciliation"  # vLLM's recorded counters against the trace
 _COUNTING = {"admission": "at admission", "lookup": "at every lookup, retries included",
              "either": "at admission or at every lookup (too few retries to tell)"}
 EXAMPLES = 3

@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 from kvtrace.analysis.attribution import CAUSES, CauseTotals, silent_zero_warning
 from kvtrace.analysis.queries import Result, execute, run_query
 from kvtrace.analysis.render import cell, format_markdown, format_table
+from kvtrace.analysis.vllm_counters import QUERY as COUNTERS_QUERY
+from kvtrace.analysis.vllm_counters import reconciliation_lines
 from kvtrace.geometry.cost import DEFAULT_GPU, CostModel, GpuThroughput, gpu_throughput
 
 TOP_ROWS = 10
@@ -166,6 +168,7 @@ class ReportData:
     explanations: dict[tuple[int, int], str] = field(default_factory=dict)
     diagnoses: list = field(default_factory=list)  # kvtrace doctor's, without predictions
     fleet: Fleet | None = None  # with runs of two engines or more
+    counters: list[str] = field(default_factory=list)  # vLLM's recorded counters, reconciled
 
     def table(self, key: str) -> Table:
         return next(table for table in self.tables if table.key == key)
@@ -234,6 +237,7 @@ def collect(connection, db: str, *, bucket_steps: int = 10, min_hits: int = 2,
                 data.explanations[(run, req)] = describe(
                     paths[run], headers[run], lookups_from_causes(causes))
     data.fleet = fleet(connection, db, pricing, data.verdicts, data.diagnoses)
+    data.counters = reconciliation_lines(connection)
     return data
 
 
@@ -787,6 +791,10 @@ def _verdict_text(data: ReportData, bullet: str, escape, code,
     if data.diagnoses:
         lines.append(f"{bullet}Each finding's evidence, and what a replay of its change "
                      f"predicts: {code(f'kvtrace doctor {data.db}')}\n")
+    lines += [f"{bullet}{escape(line)}\n" for line in data.counters]
+    if data.counters:
+        lines.append(f"{bullet}vLLM's counters against the trace: "
+                     f"{code(sql_command(data.db, COUNTERS_QUERY))}\n")
     return lines
 
 

@@ -193,6 +193,9 @@ def _verdict_html(data: ReportData) -> str:
         parts.append(f'<p class="note">{_e(data.priced_as)}</p>')
         parts.append(f'<p class="note">Reproduce: <code>{_e(data.verdict_command)}</code>; the '
                      f'prefixes: <code>{_e(data.table("pushouts").command)}</code></p>')
+    if data.counters:
+        parts.append("<h3>vLLM's counters against the trace</h3><ul>"
+                     + "".join(f"<li>{_e(line)}</li>" for line in data.counters) + "</ul>")
     diagnosis = diagnosis_lines(data)
     if diagnosis:
         parts.append("<h3>Why it misses (kvtrace doctor)</h3><ul>"

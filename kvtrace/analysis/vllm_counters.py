@@ -129,18 +129,10 @@ def load_vllm_counters(connection, run: int, trace_path: str) -> int:
     return len(set(ts))
 
 
-def has_counters(connection) -> bool:
-    """Whether the database has the ``vllm_counters`` table (loaded by this kvtrace)."""
-    return bool(connection.execute(
-        "SELECT count(*) FROM duckdb_tables() WHERE table_name = 'vllm_counters'").fetchone()[0])
-
-
 def reconciliation_lines(connection) -> list[str]:
     """The report's section: per run with vLLM's counters recorded, what they read over the
     capture, kvtrace's admitted lookups over the same window, and which counting rule the
     counters followed (the query's ``counting``). Empty when no run has counters."""
-    if not has_counters(connection):
-        return []
     result = run_query(connection, QUERY)
     lines = []
     for row in (dict(zip(result.columns, values)) for values in result.rows):
