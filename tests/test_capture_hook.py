@@ -282,3 +282,33 @@ def test_a_start_that_fails_part_way_is_undone(vllm_backend_class, capture, monk
     final = hook.disarm()
     assert final.error is None and final.written > 100
     assert patched_functions() == before
+
+
+@pytest.mark.parametrize("failure, said", [
+    (RuntimeError("vLLM moved its requests"), "a keyframe failed"),
+    (SystemExit(15), "the engine was stopped during a keyframe")])
+def test_a_failing_keyframe_stops_the_ring_not_the_engine(vllm_backend_class, tmp_path,
+                                                          monkeypatch, failure, said):
+    """A ring's keyframe raises on the scheduler thread: the capture stops with the error and
+    nothing stays patched; an engine's own stop goes on to it."""
+    from kvtrace.probes import snapshot
+
+    before = patched_functions()
+    with vllm_backend_class(seed_config(0, 40), "fixed", None) as backend:
+        hook.arm(hook.CaptureOptions(path=str(tmp_path / "ring"), hash_bytes=False,
+                                     gpu_interval_ms=0, ring_s=60, keyframe_s=30))
+        run_mixed_workload(RecordingCalls(backend))  # armed: the probes record
+
+        def broken(*args):
+            raise failure
+
+        monkeypatch.setattr(snapshot, "take_keyframe", broken)
+        session = hook.active_session()
+        session._take_keyframe = snapshot.take_keyframe
+        if isinstance(failure, Exception):
+            session._keyframe(backend.manager, None)
+        else:
+            with pytest.raises(SystemExit):
+                session._keyframe(backend.manager, None)
+    status = hook.disarm()
+    assert said in status.error and patched_functions() == before

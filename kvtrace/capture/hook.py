@@ -28,13 +28,14 @@ inside functions.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import socket
 import sys
 import threading
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import msgspec
 
@@ -457,11 +458,8 @@ class CaptureSession:
 
     def _begin(self, manager: Any, scheduler: Any) -> None:
         """At the first step after arming, on the scheduler thread: the start snapshot goes
-        first (whatever the buffer's room: it is what the rest means), then the probes arm.
-        A failure stops the capture with its error, never the engine. A stop the engine's own
-        signal handler raised meanwhile (SystemExit, KeyboardInterrupt) stops the capture too,
-        and then goes on to vLLM: swallowed, the engine would not stop when told."""
-        try:
+        first (whatever the buffer's room: it is what the rest means), then the probes arm."""
+        with self._stopping_on_failure("the start snapshot"):
             if self._stopped:
                 return
             taken = self._take_snapshot(manager, scheduler, self._probes)
@@ -470,11 +468,32 @@ class CaptureSession:
             self._scheduler_thread = threading.get_ident()
             self._keyframe_due_ns = time.monotonic_ns() + int(self.options.keyframe_s * 1e9)
             self._probes.arm()
+
+    def _keyframe(self, manager: Any, scheduler: Any) -> None:
+        """A ring's keyframe, at the start of a step on the scheduler thread (``NextStep``):
+        a snapshot that opens the next segment."""
+        with self._stopping_on_failure("a keyframe"):
+            if self._stopped or not self._probes._armed:
+                return
+            started = time.perf_counter_ns()
+            self._hand_over(self._take_keyframe(manager, scheduler, self._probes))
+            pause_ns = time.perf_counter_ns() - started
+            self.num_keyframes += 1
+            self.max_keyframe_pause_ns = max(self.max_keyframe_pause_ns, pause_ns)
+
+    @contextlib.contextmanager
+    def _stopping_on_failure(self, what: str) -> Iterator[None]:
+        """Around a snapshot on the scheduler thread: a failure stops the capture with its
+        error, never the engine. A stop the engine's own signal handler raised meanwhile
+        (SystemExit, KeyboardInterrupt) stops the capture too, and then goes on to vLLM:
+        swallowed, the engine would not stop when told."""
+        try:
+            yield
         except BaseException as error:  # noqa: BLE001 - the engine must never see ours
             self._probes.disarm()
             ours = isinstance(error, Exception)
-            self.error = (f"the start snapshot failed: {error!r}" if ours else
-                          f"the engine was stopped during the start snapshot ({error!r})")
+            self.error = (f"{what} failed: {error!r}" if ours else
+                          f"the engine was stopped during {what} ({error!r})")
             self._stop.set()
             if not ours:
                 raise
@@ -487,27 +506,6 @@ class CaptureSession:
         steps.chunks.append((len(taken), taken))
         steps.num_buffered += len(taken)
         steps.num_enqueued += len(taken)
-
-    def _keyframe(self, manager: Any, scheduler: Any) -> None:
-        """A ring's keyframe, at the start of a step on the scheduler thread (``NextStep``):
-        a snapshot that opens the next segment. A failure ends the capture, never the
-        engine; a stop raised meanwhile goes on to vLLM (see ``_begin``)."""
-        try:
-            if self._stopped or not self._probes._armed:
-                return
-            started = time.perf_counter_ns()
-            self._hand_over(self._take_keyframe(manager, scheduler, self._probes))
-            pause_ns = time.perf_counter_ns() - started
-            self.num_keyframes += 1
-            self.max_keyframe_pause_ns = max(self.max_keyframe_pause_ns, pause_ns)
-        except BaseException as error:  # noqa: BLE001 - the engine must never see ours
-            self._probes.disarm()
-            ours = isinstance(error, Exception)
-            self.error = (f"a keyframe failed: {error!r}" if ours else
-                          f"the engine was stopped during a keyframe ({error!r})")
-            self._stop.set()
-            if not ours:
-                raise
 
     def _ask_for_keyframe(self) -> None:
         """On the writer thread: have the scheduler take the next keyframe at its next step,
