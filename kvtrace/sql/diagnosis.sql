@@ -46,11 +46,7 @@ per_cause AS (
     FROM per_request p
     JOIN run_costs($flops_per_token, $flops_per_position) c ON c.run = p.run
     GROUP BY p.run, p.resumed, p.cause),
-spans AS (
-    SELECT a.run, (max(s.ts_ns) - min(a.first_arrival)) / 3.6e12 AS hours
-    FROM (SELECT run, min(arrival_ns) AS first_arrival FROM request_arrived GROUP BY run) a
-    JOIN step_started s ON s.run = a.run
-    GROUP BY a.run)
+spans AS (SELECT * FROM run_hours())
 SELECT t.run, r.variant, CASE WHEN t.resumed THEN 'resumed' ELSE 'first' END AS lookups,
        t.num_lookups, t.query_tokens, t.hit_tokens, c.cause, c.tokens, c.gpu_seconds,
        c.cost_model, nullif(s.hours, 0) AS traffic_hours, c.examples

@@ -55,25 +55,10 @@ engines AS (
                                      WHERE o.digest = r.source_key AND o.source <> 'replay')
     WHERE r.source = 'replay'),
 per_run AS (
-    SELECT l.run,
-           count(*) FILTER (WHERE l.admission = 1) AS lookups,
-           sum(l.num_query_tokens) FILTER (WHERE l.admission = 1) AS query_tokens,
-           sum(l.num_hit_tokens) FILTER (WHERE l.admission = 1) AS hit_tokens,
-           sum(l.num_query_tokens - l.num_hit_tokens) AS missed_tokens,
-           sum(c.per_token * (l.num_query_tokens - l.num_hit_tokens)
-               + c.per_position * (l.num_query_tokens * (l.num_query_tokens + 1)
-                                   - l.num_hit_tokens * (l.num_hit_tokens + 1)) / 2)
-               / $gpu_flops_per_s AS gpu_seconds,
-           any_value(c.cost_model) AS cost_model
-    FROM lookups l
-    JOIN run_costs($flops_per_token, $flops_per_position) c ON c.run = l.run
-    WHERE l.admitted
-    GROUP BY l.run),
-spans AS (
-    SELECT a.run, (max(s.ts_ns) - min(a.first_arrival)) / 3.6e12 AS hours
-    FROM (SELECT run, min(arrival_ns) AS first_arrival FROM request_arrived GROUP BY run) a
-    JOIN step_started s ON s.run = a.run
-    GROUP BY a.run),
+    SELECT * EXCLUDE (prefill_tokens, prefill_flops), prefill_tokens AS missed_tokens,
+           prefill_flops / $gpu_flops_per_s AS gpu_seconds
+    FROM run_prefill($flops_per_token, $flops_per_position)),
+spans AS (SELECT * FROM run_hours()),
 figures AS (
     SELECT e.*, p.lookups, p.query_tokens, p.hit_tokens, p.missed_tokens, p.gpu_seconds,
            p.cost_model, s.hours,

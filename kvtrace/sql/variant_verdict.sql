@@ -48,25 +48,9 @@ pairs AS (
            AND (a.release_order < b.release_order
                 OR (a.release_order = b.release_order AND a.variant < b.variant))),
 per_run AS (
-    SELECT l.run,
-           count(*) FILTER (WHERE l.admission = 1) AS lookups,
-           sum(l.num_query_tokens) FILTER (WHERE l.admission = 1) AS query_tokens,
-           sum(l.num_hit_tokens) FILTER (WHERE l.admission = 1) AS hit_tokens,
-           sum(l.num_query_tokens - l.num_hit_tokens) AS prefill_tokens,
-           sum(c.per_token * (l.num_query_tokens - l.num_hit_tokens)
-               + c.per_position * (l.num_query_tokens * (l.num_query_tokens + 1)
-                                   - l.num_hit_tokens * (l.num_hit_tokens + 1)) / 2)
-               / $gpu_flops_per_s AS gpu_seconds,
-           any_value(c.cost_model) AS cost_model
-    FROM lookups l
-    JOIN run_costs($flops_per_token, $flops_per_position) c ON c.run = l.run
-    WHERE l.admitted
-    GROUP BY l.run),
-spans AS (
-    SELECT a.run, (max(s.ts_ns) - min(a.first_arrival)) / 3.6e12 AS hours
-    FROM (SELECT run, min(arrival_ns) AS first_arrival FROM request_arrived GROUP BY run) a
-    JOIN step_started s ON s.run = a.run
-    GROUP BY a.run),
+    SELECT * EXCLUDE (prefill_flops), prefill_flops / $gpu_flops_per_s AS gpu_seconds
+    FROM run_prefill($flops_per_token, $flops_per_position)),
+spans AS (SELECT * FROM run_hours()),
 joined AS (
     SELECT p.*, f.lookups, f.hit_tokens / nullif(f.query_tokens, 0) AS from_hit_rate,
            t.hit_tokens / nullif(t.query_tokens, 0) AS to_hit_rate,
