@@ -325,7 +325,20 @@ def _load_runs(sources: _Sources, summary: LoadSummary, target, runner: PartRunn
         raise
 
 
-class _IntoDatabase:
+class _Target:
+    """Where runs go: a worker writes a trace's part into ``directory``, compressed so, its
+    spill files in ``scratch``."""
+
+    compression: str
+    directory: str
+    scratch: str
+
+    def task(self, run: int, trace: _OpenTrace) -> PartTask:
+        return PartTask(run, trace.path, trace.absolute, self.directory, self.scratch,
+                        self.compression)
+
+
+class _IntoDatabase(_Target):
     """Runs into the database being built (``connection``): a trace read in place; parts
     inserted a batch at a time, each table's rows of the batch by one statement over their
     Parquet files (DuckDB reads the files side by side: half the time of a statement per part),
@@ -341,10 +354,6 @@ class _IntoDatabase:
         os.mkdir(self.directory)
         self.twins: list[int] = []  # runs read in place whose cache entries need the SQL twin
         self.batch: list[tuple[int, Part]] = []  # parts not inserted yet, with their runs
-
-    def task(self, run: int, trace: _OpenTrace) -> PartTask:
-        return PartTask(run, trace.path, trace.absolute, self.directory, self.scratch,
-                        self.compression)
 
     def load_in_place(self, run: int, trace: _OpenTrace) -> LoadedRun:
         loaded = _load_trace(self.connection, run, trace, self.scratch)
@@ -395,7 +404,7 @@ class _IntoDatabase:
             load_vllm_counters(self.connection, run.run, run.path)
 
 
-class _IntoPartitions:
+class _IntoPartitions(_Target):
     """Runs into a directory of partitions (``load_partitions``): a worker's part is written
     there already, a stored part is copied in under its new run number; the manifest last.
     Compressed: such a directory is kept, and copied between hosts."""
@@ -405,10 +414,6 @@ class _IntoPartitions:
     def __init__(self, staged: _StagedDirectory) -> None:
         self.directory, self.scratch = staged.path, staged.scratch
         self.tables: dict[int, dict[str, int]] = {}  # per run kept: its files per table
-
-    def task(self, run: int, trace: _OpenTrace) -> PartTask:
-        return PartTask(run, trace.path, trace.absolute, self.directory, self.scratch,
-                        self.compression)
 
     def add(self, run: int, part: Part) -> None:
         if (part.directory, part.run) != (self.directory, run):
