@@ -68,7 +68,7 @@ from kvtrace.analysis.database import (
 )
 from kvtrace.analysis.sql_access import sql_string
 from kvtrace.analysis.vllm_counters import load_vllm_counters
-from kvtrace.errors import KvtraceError, TraceFormatError, error_class
+from kvtrace.errors import KvtraceError, error_class
 from kvtrace.events import RECORD_TYPES, StepStarted, TraceHeader, tag_of
 from kvtrace.files import (
     OutputError,
