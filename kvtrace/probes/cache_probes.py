@@ -92,6 +92,9 @@ class CacheProbes(object if native.built is None else native.built.ProbeState):
         self._held = sink_many is not None
         self._req_number = req_number
         self._reqs: dict[str, tuple[int, int]] = {}  # request id -> (req, hash units reported)
+        # request id -> the ids of the hash units reported, for a ring's keyframe to read back
+        # instead of interning every request's hashes again while the scheduler waits
+        self._hash_ids_of: dict[str, list[int]] = {}
         self._num_requests = 0
         self._salt_ids: dict[str, int] = {}
         self._depth: dict[int, int] = {}  # hash id -> prefix length in tokens it covers
@@ -218,18 +221,19 @@ class CacheProbes(object if native.built is None else native.built.ProbeState):
             req = (self._req_number(request_id) if self._req_number else self._num_requests)
             self._num_requests += 1
             num_prompt_units = min(request.num_prompt_tokens // hash_block_size, len(hashes))
+            hash_ids = self._hash_ids(hashes, 0, num_prompt_units, hash_block_size)
             self._records.append(RequestArrived(
-                req, request.num_prompt_tokens,
-                self._hash_ids(hashes, 0, num_prompt_units, hash_block_size),
-                request.max_tokens,
+                req, request.num_prompt_tokens, hash_ids, request.max_tokens,
                 max(0, int(request.arrival_time * 1e9) - self.created_ns),
                 self._salt_id(request), request_id))
             known = self._reqs[request_id] = (req, num_prompt_units)
+            self._hash_ids_of[request_id] = list(hash_ids)  # the record keeps its own
         req, reported = known
         if len(hashes) > reported:
-            self._records.append(HashesExtended(
-                req, self._hash_ids(hashes, reported, len(hashes), hash_block_size)))
+            hash_ids = self._hash_ids(hashes, reported, len(hashes), hash_block_size)
+            self._records.append(HashesExtended(req, hash_ids))
             self._reqs[request_id] = (req, len(hashes))
+            self._hash_ids_of.setdefault(request_id, []).extend(hash_ids)
         self._req = req
         self._request = request
         return req
@@ -243,11 +247,15 @@ class CacheProbes(object if native.built is None else native.built.ProbeState):
         hashes = request.block_hashes
         known = self._reqs.get(request_id)
         if known is not None:
+            reported = self._hash_ids_of.get(request_id)
+            if reported is not None and len(reported) == len(hashes):
+                return known[0], list(reported)
             return known[0], self._hash_ids(hashes, 0, len(hashes), hash_block_size)
         req = self._req_number(request_id) if self._req_number else self._num_requests
         self._num_requests += 1
         hash_ids = self._hash_ids(hashes, 0, len(hashes), hash_block_size)
         self._reqs[request_id] = (req, len(hashes))
+        self._hash_ids_of[request_id] = list(hash_ids)
         return req, hash_ids
 
     def report_request(self, request: Any, hash_block_size: int) -> None:
@@ -313,6 +321,7 @@ class CacheProbes(object if native.built is None else native.built.ProbeState):
         try:
             if request.is_finished():
                 self._reqs.pop(request.request_id, None)
+                self._hash_ids_of.pop(request.request_id, None)
         except Exception:
             self.num_failures += 1
 
