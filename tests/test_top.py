@@ -166,7 +166,7 @@ def test_the_screen_follows_a_growing_trace(agent_records, tmp_path):  # noqa: F
     writer.flush()
     port = free_port()
     terminal = Terminal(tmp_path, [sys.executable, "-m", "kvtrace", "top", str(path),
-                                   "--interval", "0.2", "--metrics-port", str(port)])
+                                   "--interval", "1", "--metrics-port", str(port)])
 
     def grow() -> None:
         for start in range(0, len(records), 8000):
