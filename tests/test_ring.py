@@ -337,3 +337,34 @@ def test_a_restarted_controller_resumes_the_ring(tmp_path):
     assert {segment.session for segment in list_segments(ring_dir)} == {max(sessions[1])}
     assert written.older_sessions == 0 and count_kinds(tmp_path / "d.kvtrace")[
         "snapshot_started"] == 1
+
+
+def test_metrics_without_a_trigger_follow_the_capture(tmp_path):
+    """`capture -o T --metrics-port N` with no trigger: the endpoint follows the trace itself
+    (nothing else updates figures that only a trigger would read)."""
+    import types
+    import urllib.request
+
+    from kvtrace.cli.recorder import Alongside
+
+    path = trace(tmp_path / "t.kvtrace", [StepStarted(step, step * 10**6) for step in range(7)],
+                 header(source="capture"))
+    alongside = Alongside(trigger=None, keep_s=0, incident_dir=str(tmp_path / "i"),
+                          window_s=60, metrics_host="127.0.0.1", metrics_port=0,
+                          vllm_metrics=None)
+    target = types.SimpleNamespace(pid=os.getpid(), uid=os.getuid(), rank_suffix="")
+    alongside.start(target, str(path), ring=False)
+    try:
+        url = alongside.beside[0].metrics.url
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            alongside.tick()
+            with urllib.request.urlopen(url) as page:
+                text = page.read().decode()
+            if "kvtrace_records_total 7" in text:
+                break
+            time.sleep(0.2)
+        assert "kvtrace_records_total 7" in text, text
+    finally:
+        alongside.close()
+    assert not (tmp_path / "i").exists()  # no trigger: no incidents directory

@@ -68,17 +68,12 @@ class Alongside:
         if self.trigger is not None:
             beside.watch = TriggerWatch(self.trigger)
             _private_dir(self.incident_dir)
-        if self.metrics_port is not None or beside.watch is not None:
-            from kvtrace.analysis.live import LiveSource, NothingToTailError
-
-            try:
-                beside.live = LiveSource(path, owners=(0, os.geteuid(), target.uid),
-                                         window_s=self.window_s)
-            except NothingToTailError:
-                pass  # the engine's next step writes it: followed from the next tick
+            self._follow(beside)
         if self.metrics_port is not None:
             from kvtrace.analysis.metrics_http import MetricsServer
 
+            # The trigger's live figures when there are (``tick`` updates them), else the
+            # server follows the capture itself.
             port = self.metrics_port + len(self.beside) - 1 if self.metrics_port else 0
             beside.metrics = MetricsServer(beside.live or path, self.metrics_host, port)
             click.echo(f"kvtrace: pid {target.pid}: live figures at {beside.metrics.url}",
@@ -99,20 +94,32 @@ class Alongside:
             while beside.pending and time.time_ns() >= beside.pending[0] + self.keep_ns:
                 self._write_incident(beside, beside.pending.pop(0))
 
-    def _update(self, beside: _Beside):
+    def _follow(self, beside: _Beside):
+        """``beside``'s live figures, made at the first call its capture's file is there."""
         from kvtrace.analysis.live import LiveSource, NothingToTailError
 
-        try:
-            if beside.live is None:
+        if beside.live is None:
+            try:
                 beside.live = LiveSource(beside.path, owners=(0, os.geteuid(),
                                                               beside.target.uid),
                                          window_s=self.window_s)
+            except NothingToTailError:
+                pass  # the engine's next step writes it
+        return beside.live
+
+    def _update(self, beside: _Beside):
+        from kvtrace.analysis.live import NothingToTailError
+
+        live = self._follow(beside)
+        if live is None:
+            return None
+        try:
             deadline = time.monotonic() + UPDATE_BUDGET_S
-            while beside.live.update(max_batches=64) and time.monotonic() < deadline:
+            while live.update(max_batches=64) and time.monotonic() < deadline:
                 pass
         except NothingToTailError:
             return None
-        return beside.live.figures()
+        return live.figures()
 
     def _write_incident(self, beside: _Beside, fired_ns: int) -> None:
         from kvtrace.capture.dump import dump
