@@ -40,7 +40,7 @@ from collections.abc import Sequence
 from kvtrace.analysis.attribution import ROW_COLUMNS
 from kvtrace.analysis.sql_access import connect
 from kvtrace.errors import KvtraceError, TraceFormatError
-from kvtrace.events import RECORD_TYPES, CheckpointClass, RemoveReason, tag_of
+from kvtrace.events import RECORD_TYPES, CheckpointClass, RemoveReason, TraceHeader, tag_of
 
 DB_SCHEMA_VERSION = 4
 # vLLM's own counters, recorded beside a capture (analysis/vllm_counters.py loads them); a
@@ -689,3 +689,10 @@ def _stand_ins_for_older(connection, path: str, version: int) -> None:
 
 def _first_line(error: Exception) -> str:
     return str(error).strip().splitlines()[0]
+
+
+def run_labels(header: TraceHeader) -> tuple[str, str, str]:
+    """(variant, backend, mode) of a trace: its replay info, or its source for other traces."""
+    if header.replay is not None:
+        return header.replay.variant, header.replay.backend, header.replay.mode
+    return header.source, "live" if header.source == "capture" else "none", ""

@@ -345,7 +345,7 @@ QUERIES = {"unique-prompts": "miss_attribution_summary",
 
 def _evidence(finding: Finding, db: str, path: str) -> list[str]:
     """The commands that show a finding: its query, and ``kvtrace why`` of its examples."""
-    from kvtrace.analysis.report import sql_command
+    from kvtrace.analysis.queries import sql_command
 
     commands = [sql_command(db, QUERIES[finding.id])]
     commands += [f"kvtrace why {path} --request {req}" for req in finding.examples]

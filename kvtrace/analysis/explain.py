@@ -13,7 +13,7 @@ from kvtrace.analysis.attribution import (
     Segment,
 )
 from kvtrace.analysis.diagnosis import mechanism_of
-from kvtrace.analysis.load import run_labels
+from kvtrace.analysis.database import run_labels
 from kvtrace.analysis.queries import Result
 from kvtrace.events import RemoveReason, TraceHeader, enum_label
 

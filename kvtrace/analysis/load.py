@@ -54,6 +54,7 @@ from kvtrace.analysis.database import (
     DatabaseError,
     child_table,
     column_name,
+    run_labels,
     create_views,
     element_column,
     is_list_field,
@@ -69,7 +70,7 @@ from kvtrace.analysis.database import (
 from kvtrace.analysis.sql_access import sql_string
 from kvtrace.analysis.vllm_counters import load_vllm_counters
 from kvtrace.errors import KvtraceError, error_class
-from kvtrace.events import RECORD_TYPES, StepStarted, TraceHeader, tag_of
+from kvtrace.events import RECORD_TYPES, StepStarted, tag_of
 from kvtrace.files import (
     OutputError,
     StagedOutput,
@@ -812,13 +813,6 @@ def _insert_sweep(connection, sweep_id: int, sweep: dict) -> None:
     connection.executemany(
         f"INSERT INTO sweep ({', '.join(names)}) VALUES ({', '.join('?' * len(names))})",
         [own + [row[name] for name in names[len(own):]] for row in sweep["rows"]])
-
-
-def run_labels(header: TraceHeader) -> tuple[str, str, str]:
-    """(variant, backend, mode) of a trace: its replay info, or its source for other traces."""
-    if header.replay is not None:
-        return header.replay.variant, header.replay.backend, header.replay.mode
-    return header.source, "live" if header.source == "capture" else "none", ""
 
 
 def _load_trace(connection, run: int, trace: _OpenTrace, scratch: str,

@@ -16,6 +16,7 @@ header declares, with the header's defaults unless given.
 from __future__ import annotations
 
 import re
+import shlex
 from dataclasses import dataclass, field
 from importlib import resources
 
@@ -160,3 +161,9 @@ def execute(connection, sql: str, params: dict[str, object] | None = None) -> Re
 def run_query(connection, name: str, values: dict[str, str] | None = None) -> Result:
     query = get_query(name)
     return execute(connection, query.sql, query.bind(values or {}))
+
+
+def sql_command(db: str, query: str, values: dict[str, str] | None = None) -> str:
+    """The ``kvtrace sql`` command that reproduces a figure."""
+    params = "".join(f" --param {k}={v}" for k, v in (values or {}).items())
+    return f"kvtrace sql {shlex.quote(db)} --query {query}{params}"

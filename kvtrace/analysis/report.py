@@ -20,12 +20,11 @@ from __future__ import annotations
 
 import os
 import re
-import shlex
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from kvtrace.analysis.attribution import CAUSES, CauseTotals, silent_zero_warning
-from kvtrace.analysis.queries import Result, execute, run_query
+from kvtrace.analysis.queries import Result, execute, run_query, sql_command
 from kvtrace.analysis.render import cell, format_markdown, format_table
 from kvtrace.analysis.vllm_counters import QUERY as COUNTERS_QUERY
 from kvtrace.analysis.vllm_counters import reconciliation_lines
@@ -172,12 +171,6 @@ class ReportData:
 
     def table(self, key: str) -> Table:
         return next(table for table in self.tables if table.key == key)
-
-
-def sql_command(db: str, query: str, values: dict[str, str] | None = None) -> str:
-    """The ``kvtrace sql`` command that reproduces a figure."""
-    params = "".join(f" --param {k}={v}" for k, v in (values or {}).items())
-    return f"kvtrace sql {shlex.quote(db)} --query {query}{params}"
 
 
 def collect(connection, db: str, *, bucket_steps: int = 10, min_hits: int = 2,
