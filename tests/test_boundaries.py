@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -215,3 +216,111 @@ def test_the_walker_sees_imports():
     assert not in_engine_rule("kvtrace.capture.hook", Import(fake.module, False, 1))
     assert replay_rule("kvtrace.replay.scheduler", fake)
     assert core_rule("kvtrace.events", Import("numpy", True, 1))
+
+
+# --- The house's size and shape (issue #33): no circles, no oversized rooms. ---
+
+MAX_PYTHON_LINES, MAX_C_LINES = 600, 1200
+CSRC = PACKAGE.parent / "csrc"
+
+
+def import_graph() -> dict[str, set[str]]:
+    """kvtrace module -> the kvtrace modules it imports, at import time or inside a function
+    (a nested import that runs back up is a circle all the same, only deferred)."""
+    return {name: {imp.module for imp in imports if imp.module in KVTRACE_MODULES} - {name}
+            for name, imports in MODULES.items()}
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected groups of more than one node (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def connect(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for target in sorted(graph.get(node, ())):
+            if target not in index:
+                connect(target)
+                low[node] = min(low[node], low[target])
+            elif target in on_stack:
+                low[node] = min(low[node], index[target])
+        if low[node] == index[node]:
+            group = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                group.append(member)
+                if member == node:
+                    break
+            if len(group) > 1:
+                found.append(sorted(group))
+
+    for node in sorted(graph):
+        if node not in index:
+            connect(node)
+    return found
+
+
+def test_no_import_circles():
+    assert circles(import_graph()) == []
+
+
+def test_the_circle_finder_finds_circles():
+    """Guards the checker: a loop through three modules is one circle, a chain none."""
+    assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert circles({"a": {"b"}, "b": {"c"}, "c": set()}) == []
+
+
+# A definition's name starts a line (the type on the line above, vLLM's C style and ours) or
+# follows its type on the same line; either way it opens a body, not a prototype's `;`.
+_C_DEFINITION = re.compile(r"^(?:(?P<type>[A-Za-z_][\w \t*]*?)[ \t*]+)?(?P<name>\w+)\s*\([^;{]*?\)\s*\{",
+                           re.M | re.S)
+_C_COMMENT = re.compile(r"/\*.*?\*/|//[^\n]*", re.S)
+_C_KEYWORDS = {"if", "for", "while", "switch", "return", "sizeof"}
+
+
+def exported_functions(text: str) -> set[str]:
+    """The functions a C file defines for other files: not static, not a keyword."""
+    names = set()
+    for match in _C_DEFINITION.finditer(text):
+        line_start = text.rfind("\n", 0, match.start()) + 1
+        above = text[text.rfind("\n", 0, max(line_start - 1, 0)) + 1:line_start]
+        declared = (match.group("type") or "") + " " + (above if not match.group("type") else "")
+        if match.group("name") not in _C_KEYWORDS and "static" not in declared.split():
+            names.add(match.group("name"))
+    return names
+
+
+def c_calls() -> dict[str, set[str]]:
+    """csrc file -> the csrc files whose exported functions it calls (by name)."""
+    texts = {path.name: _C_COMMENT.sub("", path.read_text()) for path in sorted(CSRC.glob("*.c"))}
+    defined = {name: exported_functions(text) for name, text in texts.items()}
+    return {caller: {owner for owner, functions in defined.items() if owner != caller
+                     and any(re.search(rf"\b{f}\s*\(", text) for f in functions)}
+            for caller, text in texts.items()}
+
+
+def test_c_files_call_each_other_one_way():
+    assert circles(c_calls()) == []
+
+
+@pytest.mark.parametrize("paths,limit", [
+    (sorted(PACKAGE.rglob("*.py")), MAX_PYTHON_LINES),
+    (sorted(CSRC.glob("*.[ch]")), MAX_C_LINES),
+], ids=["python", "c"])
+def test_no_file_is_oversized(paths, limit):
+    over = {str(p.relative_to(PACKAGE.parent)): n for p in paths
+            if (n := len(p.read_text().splitlines())) > limit}
+    assert over == {}
+
+
+def test_the_c_reader_sees_exported_functions_only():
+    """Guards the C checker: both definition styles count, static ones and prototypes do not."""
+    text = ("static int\nhidden(int a)\n{\n}\nvoid\nshown(PyObject *self)\n{\n}\n"
+            "int also_shown(void) {\n}\nint prototype(void);\n")
+    assert exported_functions(text) == {"shown", "also_shown"}
