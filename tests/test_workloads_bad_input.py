@@ -1,6 +1,6 @@
 """What the workload writers refuse (kvtrace/workloads/): synth's numbers it cannot draw from,
-group counts beyond any engine, and an imported log's timestamps beyond the clock or lines
-without end (read in bounded memory, refused by their number)."""
+group counts beyond any engine, and an imported log's lengths and timestamps a trace cannot
+hold or lines without end (read in bounded memory, refused by their number)."""
 
 from __future__ import annotations
 
@@ -40,13 +40,18 @@ def test_mamba_groups_beyond_any_engine_are_refused(tmp_path, command, groups):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["log.jsonl"]
 
 
-# Hardening finding C6.
-def test_an_imported_timestamp_beyond_the_clock_leaves_nothing(tmp_path):
+# Hardening findings H3 (a request's length) and C6 (a timestamp).
+@pytest.mark.parametrize("line, message", [
+    ('{"timestamp": 0, "input_length": 20, "output_length": 9223372036854775807, '
+     '"hash_ids": [1]}', "request line-1 has 9,223,372,036,854,775,827 tokens, more than the"),
+    ('{"timestamp": 9223372036854775807, "input_length": 20, "output_length": 2, '
+     '"hash_ids": [1]}', "outside a trace's 64-bit clock"),
+], ids=["an impossibly long request", "a timestamp beyond the clock"])
+def test_an_imported_line_a_trace_cannot_hold_is_refused_and_leaves_nothing(tmp_path, line,
+                                                                             message):
     log = tmp_path / "log.jsonl"
-    log.write_text('{"timestamp": 9223372036854775807, "input_length": 20, "output_length": 2, '
-                   '"hash_ids": [1]}\n')
-    assert_error(run("import", "mooncake", log, "-o", tmp_path / "m.kvtrace"),
-                 "outside a trace's 64-bit clock")
+    log.write_text(line + "\n")
+    assert_error(run("import", "mooncake", log, "-o", tmp_path / "m.kvtrace"), message)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["log.jsonl"]
 
 
