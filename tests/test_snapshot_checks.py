@@ -11,7 +11,7 @@ from pathlib import Path
 
 import msgspec
 import pytest
-from test_hardening import assert_error, run
+from cli_runs import assert_error, run
 from test_snapshot import crafted, mid_flight_trace, workload  # noqa: F401 (fixtures)
 
 from kvtrace.events import (
