@@ -1,16 +1,17 @@
 """vLLM releases installed beside the project's vLLM, and the environment of a process that runs
 one.
 
-kvtrace supports the releases with #56794's checkpoint path (``probes.signatures``). The
-project's environment has one of them; the others are installed on demand, each into its own
-directory under ``$KVTRACE_VLLM_RELEASES`` (default ``~/.cache/kvtrace/vllm``) with
-``pip install --no-deps --target``: the wheel is 315-327 MB and installs to about 800 MB. A
+kvtrace supports the releases with #56794's checkpoint path, one row each in
+``vllm_release_table``. The project's environment has the newest; the others are installed on
+demand, each into its own directory under ``$KVTRACE_VLLM_RELEASES`` (default
+``~/.cache/kvtrace/vllm``) with ``pip install --no-deps --target``: the wheel is 315-336 MB
+and installs to about 800 MB (``Release.wheel_mb``, ``INSTALLED_MB``). A
 process runs a release with that directory first on ``PYTHONPATH`` (which kvtrace's own child
 Pythons, isolated, take explicitly: ``kvtrace.children``), so the release's ``vllm`` shadows
 the project's and everything else (torch, transformers, kvtrace) comes from the project's
 environment, which every supported release imports and runs with. Where a release
 declares a transformers range the project's is outside and a version inside it works with the
-project's other packages, that version is installed beside it (``PINS``).
+project's other packages, that version is installed beside it (``Release.pins``).
 
 A release directory is code the operator runs: it is used only below directories no other
 user can write (``safe_paths.open_trusted_dir``), and only once its install completed (a
@@ -31,15 +32,11 @@ from typing import Callable
 
 from kvtrace.children import python_child
 from kvtrace.errors import KvtraceError
-from kvtrace.probes.signatures import SUPPORTED_VLLM_VERSIONS, check_supported
+from kvtrace.probes.signatures import check_supported
+from kvtrace.vllm_release_table import BY_VERSION, INSTALLED_MB, SUPPORTED_VLLM_VERSIONS
 
 RELEASES_ENV = "KVTRACE_VLLM_RELEASES"
-WHEEL_MB = {"0.30.0": 315, "0.31.0": 321, "0.32.0": 327, "0.33.0": 336}
-INSTALLED_MB = 800
-# 0.32.0 declares transformers < 5.20; 0.31.0 declares < 5.18, whose versions need
-# huggingface-hub < 2 (and more) where the project has 2.x, so it runs with the project's.
-PINS = {"0.32.0": ("transformers==5.19.0",)}
-PIN_MB = {"transformers==5.19.0": 13}
+WHEEL_MB = {v: row.wheel_mb for v, row in BY_VERSION.items()}  # moved: vllm_release_table
 MARKER = ".kvtrace-release"
 
 
@@ -133,7 +130,7 @@ def require(version: str) -> Path | None:
         raise ReleaseError(f"vLLM {version} is not installed beside the project's vLLM "
                            f"{running_vllm_version() or '(none)'}",
                            f"Install it: kvtrace vllm install {version} (downloads about "
-                           f"{WHEEL_MB[version]} MB).")
+                           f"{BY_VERSION[version].wheel_mb} MB).")
     os.close(open_trusted_dir(release_dir(version), os.geteuid()))
     return release_dir(version)
 
@@ -154,11 +151,16 @@ def installed_releases() -> list[str]:
 
 def plan(version: str) -> str:
     """What installing ``version`` downloads and where it goes."""
-    pins = PINS.get(version, ())
-    download_mb = WHEEL_MB[version] + sum(PIN_MB[pin] for pin in pins)
+    row = BY_VERSION[version]
     return (f"vLLM {version}: pip install --no-deps --target {release_dir(version)} "
-            f"{' '.join([f'vllm=={version}', *pins])} (downloads about {download_mb} MB, about "
+            f"{' '.join(_requirements(version))} (downloads about {row.download_mb} MB, about "
             f"{INSTALLED_MB} MB installed)")
+
+
+def _requirements(version: str) -> list[str]:
+    """What pip installs for release ``version``: its wheel and its pins."""
+    row = BY_VERSION[version]
+    return [row.requirement, *(pin.requirement for pin in row.pins)]
 
 
 def install(version: str, say: Callable[[str], None]) -> None:
@@ -181,8 +183,7 @@ def install(version: str, say: Callable[[str], None]) -> None:
     staging = tempfile.mkdtemp(prefix=f".{version}.", suffix=".partial", dir=home)
     try:
         command, env = python_child("pip", "install", "--no-deps", "--disable-pip-version-check",
-                                    "--target", staging, f"vllm=={version}",
-                                    *PINS.get(version, ()))
+                                    "--target", staging, *_requirements(version))
         if subprocess.run(command, env=env, stdin=subprocess.DEVNULL, check=False).returncode:
             raise ReleaseError(f"pip could not install vLLM {version} (its output is above)",
                                "Check that PyPI (or your pip index) is reachable, and retry.")

@@ -33,8 +33,10 @@ from kvtrace.probes import CacheProbes, ProbeSignatureError, probe_targets, sign
 from kvtrace.replay.release_worker import on_release
 from kvtrace.replay.variants import get_variant
 from kvtrace.traceio import TraceReader, TraceWriter
+from kvtrace.vllm_release_table import BY_VERSION, PROJECT_RELEASE
 
-PROJECT_VLLM = "0.33.0"
+PROJECT_VLLM = PROJECT_RELEASE.version
+SUPPORTED = ", ".join(signatures.SUPPORTED_VLLM_VERSIONS)
 OLDER_RELEASES = ["0.30.0", "0.31.0", "0.32.0"]
 # What each release lacks of 0.33.0's wrapped methods, read off the 0.28-0.33 wheels
 # (reference/vllm-releases.md), by hand.
@@ -54,7 +56,7 @@ def needs_release(version: str):
         not vllm_releases.is_installed(version),
         reason=f"vLLM {version} is not installed beside the project's vLLM (scripts/bootstrap "
                f"installs it; or kvtrace vllm install {version}, about "
-               f"{vllm_releases.WHEEL_MB[version]} MB)")
+               f"{BY_VERSION[version].wheel_mb} MB)")
 
 
 def records(path) -> list:
@@ -85,9 +87,10 @@ def test_release_has_answers_from_the_one_table():
     assert not signatures.release_has("KVCacheConfig.hash_block_size", "0.31.0")
     assert signatures.release_has("KVCacheConfig.hash_block_size", "0.32.0")
     assert signatures.release_has("BlockPool.num_hash_lookahead_tokens", "0.33.0")
-    with pytest.raises(ProbeSignatureError, match=r"vLLM 0\.29\.0 is not a release kvtrace "
-                       r"supports \(supported: 0\.30\.0, 0\.31\.0, 0\.32\.0, 0\.33\.0\)"):
+    with pytest.raises(ProbeSignatureError) as error:
         signatures.release_has("BlockPool.num_hash_lookahead_tokens", "0.29.0")
+    assert str(error.value) == (f"vLLM 0.29.0 is not a release kvtrace supports (supported: "
+                                f"{SUPPORTED})")
 
 
 def class_functions():
@@ -100,8 +103,8 @@ def test_an_unsupported_release_is_refused_before_anything_is_patched(vllm_backe
     monkeypatch.setattr(signatures, "installed_vllm_version", lambda: "0.34.0")
     with pytest.raises(ProbeSignatureError) as error:
         CacheProbes(print, HashInterner()).arm()
-    assert str(error.value) == ("vLLM 0.34.0 is not a release kvtrace supports (supported: "
-                                "0.30.0, 0.31.0, 0.32.0, 0.33.0)")
+    assert str(error.value) == (f"vLLM 0.34.0 is not a release kvtrace supports (supported: "
+                                f"{SUPPORTED})")
     assert all(owner.__dict__[name] is function for (owner, name), function in originals.items())
 
 

@@ -18,7 +18,8 @@ from kvtrace.events import (
     StaleKeyLeft,
     StoreKind,
 )
-from kvtrace.replay.variants import VARIANTS, get_variant
+from kvtrace.replay.variants import MODELLED_VARIANTS, VARIANTS, get_variant
+from kvtrace.vllm_release_table import PROJECT_RELEASE
 from vllm_support import (  # noqa: F401 (vllm_backend_class is a fixture)
     SEED_HASH_IDS, prefill_chunks, seed_config, seed_hash_id, vllm_backend_class)
 
@@ -147,3 +148,36 @@ def test_pool_too_small_for_one_request(vllm_backend_class):
     backend.add_request(0, 240, SEED_HASH_IDS, 4)
     prefill_chunks(backend, 0, [128, 112])  # and vLLM agrees it fits
     backend.close()
+
+
+# --- what each variant stands for in a report's verdict -----------------------------------------
+
+
+def verdict_row(old: str, new: str, saved_per_hour: float) -> dict:
+    """A ``variant_verdict`` row moving from ``old`` to ``new``, unpriced."""
+    return {"from_variant": old, "to_variant": new, "prefill_tokens_saved_per_hour": saved_per_hour,
+            "gpu_seconds_saved_per_hour": None, "cost_model": "", "from_prefill_tokens": 1000,
+            "to_prefill_tokens": 1000 - saved_per_hour}
+
+
+@pytest.mark.parametrize("name", [name for name in VARIANTS if name != "naive"])
+def test_the_report_says_what_each_variant_stands_for(name):
+    """``Variant.role`` is the verdict's wording for a variant (none: "a variant"), and
+    ``Variant.gated`` makes moving to it from unfixed the upgrade to the #56794 gate."""
+    from kvtrace.analysis.report import advice, pricing_for
+
+    variant, pricing = get_variant(name), pricing_for()
+    upgrade = advice(verdict_row("unfixed", name, 500), pricing)
+    if variant.gated:
+        assert upgrade.startswith(f"Upgrade to a release with the #56794 gate ({name}: "
+                                  f"{variant.role}): ")
+    else:
+        assert upgrade.startswith(f"Prefer {name} ({variant.role or 'a variant'}) over unfixed")
+    preferred = advice(verdict_row("other", name, 500), pricing)
+    assert preferred.startswith(f"Prefer {name} ({variant.role or 'a variant'}) over other: ")
+
+
+def test_the_modelled_policies_have_roles_and_the_releases_none():
+    assert [name for name, v in VARIANTS.items() if v.role] == list(MODELLED_VARIANTS)
+    assert [name for name, v in VARIANTS.items() if v.gated] == ["fixed", "upstream"]
+    assert get_variant("upstream").role == f"vLLM {PROJECT_RELEASE.version}'s own checkpoint logic"

@@ -1,12 +1,15 @@
-"""The project venv carries the real vLLM 0.33.0 the replay backend and capture are built on."""
+"""The project venv carries the real vLLM the replay backend and capture are built on: the
+releases table's last row."""
 
 import importlib.metadata
+
+from kvtrace.vllm_release_table import PROJECT_RELEASE
 
 
 def test_vllm_kv_cache_manager_imports():
     import vllm.v1.core.kv_cache_manager as kv_cache_manager
 
-    assert importlib.metadata.version("vllm") == "0.33.0"
+    assert importlib.metadata.version("vllm") == PROJECT_RELEASE.version
     assert hasattr(kv_cache_manager, "KVCacheManager")
 
 

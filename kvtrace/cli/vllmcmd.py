@@ -4,23 +4,26 @@ from __future__ import annotations
 
 import click
 
+from kvtrace.vllm_release_table import RELEASES, SUPPORTED_VLLM_VERSIONS
 
-@click.group("vllm")
-def command() -> None:
-    """vLLM releases beside the project's: for replay variants and kvtrace engine --vllm.
 
-    kvtrace supports vLLM 0.30.0 to 0.33.0. A release other than the one in kvtrace's own
-    environment is installed into its own directory (~/.cache/kvtrace/vllm/VERSION, or
-    $KVTRACE_VLLM_RELEASES/VERSION) and runs in a process of its own with that directory
-    first on sys.path: `kvtrace replay W --variant vllm-0.30.0`, `kvtrace engine W --vllm
-    0.30.0`, and lockstep of a capture recorded on it.
+@click.group("vllm", help=f"""vLLM releases beside the project's: for replay variants and
+    kvtrace engine --vllm.
+
+    kvtrace supports vLLM {RELEASES[0].version} to {RELEASES[-1].version}. A release other
+    than the one in kvtrace's own environment is installed into its own directory
+    (~/.cache/kvtrace/vllm/VERSION, or $KVTRACE_VLLM_RELEASES/VERSION) and runs in a process
+    of its own with that directory first on sys.path: `kvtrace replay W --variant
+    vllm-0.30.0`, `kvtrace engine W --vllm 0.30.0`, and lockstep of a capture recorded on it.
 
     \b
     Examples:
         kvtrace vllm list
         kvtrace vllm install 0.30.0 0.31.0 --dry-run
         kvtrace vllm install 0.30.0 0.31.0 0.32.0
-    """
+    """)
+def command() -> None:
+    """The group; its help (above) names the first and the last release of the table."""
 
 
 @command.command("install")
@@ -37,7 +40,7 @@ def install(versions: tuple[str, ...], every: bool, dry_run: bool) -> None:
         kvtrace vllm install 0.30.0 0.31.0 0.32.0
         kvtrace vllm install --all
     """
-    from kvtrace.probes.signatures import SUPPORTED_VLLM_VERSIONS, check_supported
+    from kvtrace.probes.signatures import check_supported
     from kvtrace.vllm_releases import install as install_release
     from kvtrace.vllm_releases import is_installed, plan
 
@@ -61,15 +64,15 @@ def list_releases() -> None:
     Example:
         kvtrace vllm list
     """
-    from kvtrace.probes.signatures import SUPPORTED_VLLM_VERSIONS
-    from kvtrace.vllm_releases import WHEEL_MB, is_installed, release_dir, running_vllm_version
+    from kvtrace.vllm_releases import is_installed, release_dir, running_vllm_version
 
-    for version in SUPPORTED_VLLM_VERSIONS:
+    for row in RELEASES:
+        version = row.version
         if version == running_vllm_version():
             state = "the project's own vLLM"
         elif is_installed(version):
             state = f"installed in {release_dir(version)}"
         else:
             state = (f"not installed (kvtrace vllm install {version}: about "
-                     f"{WHEEL_MB[version]} MB)")
+                     f"{row.wheel_mb} MB)")
         click.echo(f"{version}  {state}")

@@ -1,10 +1,12 @@
 """The vLLM signature contract of the probes: which releases, which methods, which parameters.
 
-kvtrace supports the releases with #56794's checkpoint path, 0.30.0 to 0.33.0
-(``SUPPORTED_VLLM_VERSIONS``, keyed by ``vllm.__version__``). ``EXPECTED_SIGNATURES`` are the
-newest's; ``SINCE`` is the one place that knows what an older release lacks, each entry naming
-the first release that has it: a trailing parameter of a wrapped method
-(``"Class.method(parameter)"``), or an attribute kvtrace's code reads. ``release_has`` asks it.
+kvtrace supports the releases with #56794's checkpoint path, the rows of
+``kvtrace.vllm_release_table`` (``SUPPORTED_VLLM_VERSIONS``, keyed by ``vllm.__version__``).
+``EXPECTED_SIGNATURES`` are the newest's (the table's last row); ``SINCE`` is the one place that
+knows what an older release lacks, each entry naming the first release that has it: a trailing
+parameter of a wrapped method (``"Class.method(parameter)"``), or an attribute kvtrace's code
+reads. ``release_has`` asks it. A new release with a parameter or attribute the others lack
+adds it to both; one without adds nothing here.
 
 ``probe_targets()`` refuses a release outside the table, then resolves every wrapped method
 on the real classes (by qualified name) and checks its parameters against that release's
@@ -22,15 +24,13 @@ import types
 from typing import Any, Callable
 
 from kvtrace.errors import KvtraceError
-
-SUPPORTED_VLLM_VERSIONS = ("0.30.0", "0.31.0", "0.32.0", "0.33.0")  # oldest first
-NEWEST_VLLM_VERSION = SUPPORTED_VLLM_VERSIONS[-1]
+from kvtrace.vllm_release_table import SUPPORTED_VLLM_VERSIONS
 
 _BLOCK_POOL = "vllm.v1.core.block_pool.BlockPool"
 _MANAGER = "vllm.v1.core.kv_cache_manager.KVCacheManager"
 _MAMBA = "vllm.v1.core.single_type_kv_cache_manager.MambaManager"
 
-# Qualified name -> parameter names in vLLM 0.33.0 ("*x" marks a keyword-only parameter).
+# Qualified name -> parameter names in the newest supported release ("*x": keyword-only).
 # Older supported releases lack only the trailing parameters ``SINCE`` names.
 EXPECTED_SIGNATURES: dict[str, tuple[str, ...]] = {
     f"{_BLOCK_POOL}.get_new_blocks": ("self", "num_blocks"),
@@ -69,7 +69,7 @@ EXPECTED_SIGNATURES: dict[str, tuple[str, ...]] = {
 }
 
 
-# What a supported release may lack -> the first release that has it (from the 0.28-0.33 wheels).
+# What a supported release may lack -> the first release that has it (read off the wheels).
 SINCE: dict[str, str] = {
     "MambaManager.get_num_blocks_to_allocate(prefill_end)": "0.31.0",
     "KVCacheManager.allocate_slots(skip_zeroing_group_ids)": "0.32.0",

@@ -1,11 +1,12 @@
 """Checkpoint policies ("variants"): two decisions, stated once, carried out by every backend.
 
-Variants differ from the installed vLLM 0.33.0 in exactly two decisions; everything else is
-vLLM's own code (``vllm`` backend) or kvtrace's model of it (``model`` backend):
+Variants differ from the project's vLLM (the newest supported release) in exactly two
+decisions; everything else is vLLM's own code (``vllm`` backend) or kvtrace's model of it
+(``model`` backend):
 
 1. *Which prefill chunks reserve an internal checkpoint* (``Variant.reserve_every_chunk``).
-   #56794-era code reserves one for every chunk where the backend can export it. 0.33 passes
-   ``prefill_end`` down from the coordinator under retention 0, and
+   #56794-era code reserves one for every chunk where the backend can export it. From 0.31 on
+   vLLM passes ``prefill_end`` down from the coordinator under retention 0, and
    ``MambaManager._needs_internal_checkpoint`` then reserves one only on the chunk that reaches
    the prompt end. A variant that reserves on every chunk sizes the chunk with
    ``prefill_end=0`` (what the coordinator passes under dense retention).
@@ -26,10 +27,10 @@ fixed         #56794's: R == 0, chunk ends before  PUBLISH
 naive         #56794's -> KEEP_LOCAL: publish      PUBLISH
               nothing, leave any key on the slot
               (wrong-state hazard)
-upstream      vLLM 0.33.0's generalised gate: not  PUBLISH
-              the prompt's checkpoint, not kept by
-              the retention mask, not the junction
-              -> STRIP
+upstream      the generalised gate (0.32.0 on):    PUBLISH
+              not the prompt's checkpoint, not
+              kept by the retention mask, not the
+              junction -> STRIP
 ============  ===================================  =========================================
 
 The ``vllm`` backend installs a policy on the real ``MambaManager`` (``Variant.install``):
@@ -48,7 +49,8 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from kvtrace.errors import ConfigError
-from kvtrace.probes.signatures import SUPPORTED_VLLM_VERSIONS, release_has
+from kvtrace.probes.signatures import release_has
+from kvtrace.vllm_release_table import PROJECT_RELEASE, RELEASES
 
 
 class CheckpointAction(enum.Enum):
@@ -68,8 +70,8 @@ class CheckpointFacts:
     num_prompt_tokens: int
     position: int  # the checkpoint position cp
     shared_prefix_boundary: int  # the request's junction (0: none)
-    # vLLM 0.33's own terms: cp is the prompt's checkpoint position; cp is block-aligned and
-    # kept by the retention mask.
+    # The generalised gate's own terms (vLLM 0.32.0 on): cp is the prompt's checkpoint
+    # position; cp is block-aligned and kept by the retention mask.
     is_prompt_checkpoint: bool
     is_retained: bool
 
@@ -81,14 +83,15 @@ def transient_56794(facts: CheckpointFacts) -> bool:
 
 
 def transient_033(facts: CheckpointFacts) -> bool:
-    """vLLM 0.33.0's generalised gate."""
+    """The generalised gate of vLLM 0.32.0 on (the project's vLLM's)."""
     return (not facts.is_prompt_checkpoint and not facts.is_retained
             and facts.position != facts.shared_prefix_boundary)
 
 
 @dataclass(frozen=True)
 class Variant:
-    """A checkpoint policy: its two decisions, and where they come from (``source``)."""
+    """A checkpoint policy: its two decisions, where they come from (``source``), and what it
+    stands for in a report's verdict (``role``, ``gated``)."""
 
     name: str
     summary: str
@@ -98,6 +101,10 @@ class Variant:
     transient_action: CheckpointAction
     vllm_decides: bool = False  # the installed vLLM's code is this policy (nothing installed)
     release: str | None = None  # runs this vLLM release's own code (``vllm-X``); None: any
+    role: str = ""  # in a verdict's sentence, what the variant stands for ("": no words)
+    # A modelled policy that carries the #56794 gate: moving to it from unfixed is the upgrade
+    # the verdict recommends (a ``vllm-X`` variant is a release's code, not a policy: False).
+    gated: bool = False
 
     def checkpoint_action(self, facts: CheckpointFacts) -> CheckpointAction:
         """Decision 2 for one checkpoint."""
@@ -191,26 +198,30 @@ VARIANTS: dict[str, Variant] = {
                 "vLLM main between 0.29.0 and 0.30.0, before #56794: the _checkpoints branch "
                 "of _cache_partial_tail_block re-keys every checkpoint (cache_partial_block, "
                 "replace_existing_hashes=True), no retention gate; no released vLLM ships it "
-                "(0.29.0 has no _checkpoints, 0.30.0 has the gate)", True, None, _STRIP),
+                "(0.29.0 has no _checkpoints, 0.30.0 has the gate)", True, None, _STRIP,
+                role="before #56794"),
         Variant("fixed", "#56794 as merged: transient checkpoints are stripped, not published",
                 "vLLM #56794 (merged 2026-09-14; Sy0307/vllm@918d6099), as in vLLM 0.30.0",
-                True, transient_56794, _STRIP),
+                True, transient_56794, _STRIP, role="#56794 as merged", gated=True),
         Variant("naive", "the #56794 gate without stripping stale keys (wrong-state hazard)",
                 "vLLM #56794 with the _maybe_evict_cached_block call removed (reference §6.2)",
-                True, transient_56794, _KEEP_LOCAL),
-        Variant("upstream", "the vLLM it runs on, untouched (the project's: 0.33.0)",
-                "that vLLM's MambaManager (0.33.0: prefill_end reservation, generalised gate)",
-                False, transient_033, _STRIP, vllm_decides=True),
+                True, transient_56794, _KEEP_LOCAL,
+                role="#56794's gate without stripping stale keys"),
+        Variant("upstream", "the vLLM it runs on, untouched (the project's: "
+                f"{PROJECT_RELEASE.version})", f"that vLLM's MambaManager "
+                f"({PROJECT_RELEASE.version}: {PROJECT_RELEASE.checkpoints})",
+                False, transient_033, _STRIP, vllm_decides=True,
+                role=f"vLLM {PROJECT_RELEASE.version}'s own checkpoint logic", gated=True),
     )
 }
 # Each supported release as it is, run in a process of its own (``release_worker``): its
 # decisions are its own code's, which only the vllm backend has (``is_transient`` None).
 VARIANTS.update({
-    f"vllm-{version}": Variant(
-        f"vllm-{version}", f"vLLM {version}'s own code, untouched",
-        f"vllm {version}, installed beside the project's vLLM (kvtrace vllm install)",
-        False, None, _STRIP, vllm_decides=True, release=version)
-    for version in SUPPORTED_VLLM_VERSIONS})
+    f"vllm-{row.version}": Variant(
+        f"vllm-{row.version}", f"vLLM {row.version}'s own code, untouched",
+        f"vllm {row.version}, installed beside the project's vLLM (kvtrace vllm install): "
+        f"{row.checkpoints}", False, None, _STRIP, vllm_decides=True, release=row.version)
+    for row in RELEASES})
 # The variants both backends have: the modelled policies (a release's code is the vllm backend's).
 MODELLED_VARIANTS = tuple(name for name, variant in VARIANTS.items() if variant.release is None)
 
