@@ -325,17 +325,25 @@ def _cache_entries_view() -> str:
                        snapshot_figures=figures("k"))
 
 
-# Views the shipped queries build on, in the order they are made (kvtrace/sql/schema/views/).
-# Definitions of what is counted live there, once.
+def _schema_folder(folder: str) -> dict[str, str]:
+    """The SQL of each file of ``kvtrace/sql/schema/<folder>/``, by its name, in name order."""
+    names = sorted(entry.name[:-len(".sql")] for entry in
+                   resources.files("kvtrace.sql").joinpath("schema", folder).iterdir()
+                   if entry.name.endswith(".sql"))
+    return {name: _schema_sql(f"{folder}/{name}") for name in names}
+
+
+# Views the shipped queries build on, in the order they are made: a view of each file of
+# kvtrace/sql/schema/views/ (definitions of what is counted live there, once) between the two
+# made from templates.
 VIEWS = {
     "cache_entries": _cache_entries_view(),
-    **{name: _schema_sql(f"views/{name}") for name in ("lookups", "request_hashes", "entry_hits")},
+    **_schema_folder("views"),
     "block_states": block_states_sql("cache_entries"),
 }
 # Table macros shared by several shipped queries, which take the queries' parameters: each file
 # of kvtrace/sql/schema/macros/ makes one (temporary: every connection makes them anew).
-MACROS = tuple(_schema_sql(f"macros/{name}") for name in (
-    "checkpoint_pushout_lookups", "run_costs", "run_prefill", "run_hours"))
+MACROS = tuple(_schema_folder("macros").values())
 
 
 def create_macros(connection) -> None:

@@ -80,7 +80,6 @@ class LoadSummary:
         return sum(run.num_records for run in self.runs)
 
 
-
 def load_traces(paths: list[str | os.PathLike], db_path: str | os.PathLike,
                 option: str = "-o", *, workers: int = 1,
                 runner: PartRunner | None = None) -> LoadSummary:
@@ -146,7 +145,6 @@ def _allow_open_files(count: int) -> None:
     if soft != resource.RLIM_INFINITY and soft < wanted:
         resource.setrlimit(resource.RLIMIT_NOFILE,
                            (wanted if hard == resource.RLIM_INFINITY else min(wanted, hard), hard))
-
 
 
 class _Sources:
@@ -380,7 +378,6 @@ class _StagedDirectory:
                     raise cannot_write(self.final, error) from None
         finally:
             shutil.rmtree(self.scratch, ignore_errors=True)
-
 
 
 def _new_database(db_path: str, fill, labels: list[tuple[str, str]] = ()) -> None:
