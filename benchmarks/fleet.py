@@ -11,7 +11,7 @@ in that process, as ``kvtrace load`` does by default) and with ``--workers`` wor
 the order alternates from round to round (serial first in odd rounds), since the machine's speed
 drifts. A round's ratio is its serial time over its parallel time. Each load reports its wall
 seconds, the CPU seconds of the process and of its workers, and, with workers, the seconds the
-database spent taking the parts in (the merge, ``_IntoDatabase``'s batches). ``--parquet``
+database spent taking the parts in (the merge, ``load._IntoDatabase``'s batches). ``--parquet``
 measures ``kvtrace load --parquet`` instead: partitions, no database, no merge.
 
 From the rounds it prints the median and range of each figure, the records per second of the

@@ -6,6 +6,7 @@ figures computed by hand on small hand-built traces."""
 from __future__ import annotations
 
 import importlib.util
+import multiprocessing
 import os
 import resource
 import shutil
@@ -19,14 +20,11 @@ from click.testing import CliRunner
 from test_analysis_scenario import CONFIG, scenario
 
 import kvtrace.analysis.load as load
+import kvtrace.analysis.load_parts as load_parts
 from kvtrace.analysis.database import open_database
-from kvtrace.analysis.load import (
-    PARTS_MANIFEST,
-    LocalWorkers,
-    load_partitions,
-    load_traces,
-    run_part,
-)
+from kvtrace.analysis.load import load_partitions, load_traces
+from kvtrace.analysis.load_parts import LocalWorkers, run_part
+from kvtrace.analysis.part_files import PARTS_MANIFEST
 from kvtrace.analysis.queries import run_query
 from kvtrace.analysis.report import collect, fleet_lines, pricing_for, render_markdown, render_text
 from kvtrace.cli import cli
@@ -196,7 +194,7 @@ def _dies_on_e2(task):
 
 
 def test_a_worker_that_dies_fails_the_load_naming_the_trace(fleet_dir, tmp_path, monkeypatch):
-    monkeypatch.setattr(load, "run_part", _dies_on_e2)  # the workers fork with it
+    monkeypatch.setattr(load_parts, "run_part", _dies_on_e2)  # the workers fork with it
     paths = [fleet_dir / name for name in ("e0.kvtrace", "e2.kvtrace", "e3.kvtrace")]
     with pytest.raises(KvtraceError, match="a worker process died") as error:
         load_traces(paths, tmp_path / "x.duckdb", workers=2)
@@ -248,9 +246,9 @@ def test_local_workers_are_forked_before_the_database_opens(fleet_dir, tmp_path,
     real = load._new_database
 
     def spy(*args, **kwargs):
-        seen.append(sorted(workers.executor._processes))
+        seen.append(sorted(child.pid for child in multiprocessing.active_children()))
         real(*args, **kwargs)
-        seen.append(sorted(workers.executor._processes))
+        seen.append(sorted(child.pid for child in multiprocessing.active_children()))
 
     monkeypatch.setattr(load, "_new_database", spy)
     summary = load_traces([fleet_dir / "e0.kvtrace", fleet_dir / "e3.kvtrace"],

@@ -27,6 +27,10 @@ Layout (schema version ``DB_SCHEMA_VERSION``):
 * ``miss_attribution`` (schema v2): one row per admitted lookup and cause of its missed tokens
   (``kvtrace.analysis.attribution``), computed while each trace loads. A v1 database lacks it;
   ``open_database`` then puts a view in its place that fails with a message to reload.
+
+The SQL written by hand (the ``runs`` and ``kvtrace_meta`` tables, the cache entries' SQL twin,
+the views, the macros) is in ``kvtrace/sql/schema/``, package data read once at import: not
+shipped queries. What follows from the record kinds (their tables, enum names) is made here.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ import functools
 import os
 import typing
 from collections.abc import Sequence
+from importlib import resources
 
 from kvtrace.analysis.attribution import ROW_COLUMNS
 from kvtrace.analysis.sql_access import connect
@@ -76,6 +81,24 @@ class DatabaseError(KvtraceError):
     """A forensics database that cannot be opened or was written by a newer kvtrace."""
 
     default_hint = "Create it with `kvtrace load TRACE|OUTDIR ... -o DB.duckdb`."
+
+
+def _schema_sql(name: str, **placeholders: str) -> str:
+    """The SQL of ``kvtrace/sql/schema/<name>.sql`` (package data; not a shipped query), without
+    its header of comments, each ``{placeholder}`` filled."""
+    file = resources.files("kvtrace.sql").joinpath("schema", *f"{name}.sql".split("/"))
+    text = file.read_text(encoding="utf-8")
+    lines = text.splitlines()
+    while lines and lines[0].startswith("--"):
+        lines.pop(0)
+    text = "\n".join(lines)
+    for placeholder, value in placeholders.items():
+        text = text.replace("{" + placeholder + "}", value)
+    return text
+
+
+# The tables of the database itself, beside the runs' rows.
+_OWN_TABLES = (_schema_sql("runs"), _schema_sql("kvtrace_meta"))
 
 
 def column_name(field_name: str) -> str:
@@ -219,14 +242,7 @@ def schema_statements(labels: list[tuple[str, str]] | None = None) -> list[str]:
                                  for column, _, sql in columns)
             statements.append(f"CREATE VIEW {name} AS SELECT {selected} "
                               f"FROM {stored_tables()[name]}")
-    return [*statements, """CREATE TABLE runs (
-            run INTEGER PRIMARY KEY, path VARCHAR, source VARCHAR, variant VARCHAR,
-            backend VARCHAR, mode VARCHAR, source_key VARCHAR, kvtrace_version VARCHAR,
-            vllm_version VARCHAR, created_ns BIGINT, hash_block_size BIGINT,
-            num_gpu_blocks BIGINT, retention_interval BIGINT, block_sizes BIGINT[],
-            group_kinds VARCHAR[], num_records BIGINT, truncated BOOLEAN, num_dropped BIGINT,
-            header_json VARCHAR, digest VARCHAR)""",
-            "CREATE TABLE kvtrace_meta (key VARCHAR PRIMARY KEY, value VARCHAR)", SWEEP_TABLE]
+    return [*statements, *_OWN_TABLES, SWEEP_TABLE]
 
 
 def stand_in_tables() -> list[tuple[str, str]]:
@@ -267,105 +283,22 @@ def _column_list(columns) -> str:
 
 def block_states_sql(entries: str) -> str:
     """The state of a block after each event that changes it, given the relation of its cache
-    entries: ``in_use`` (ref_cnt > 0: allocated or touched, until freed to 0; a start snapshot
-    says so too), ``num_keys`` (hashes on it), ``transient`` (its newest key is a TRANSIENT
-    checkpoint); ``key_epoch`` counts the keys stored on it so far and ``is_touch`` marks hits,
-    so that hits since the newest key are a sum over (block_id, key_epoch)."""
-    return f"""
-        WITH events AS (
-            SELECT run, seq, step, block_id, true AS in_use, 0 AS key_delta,
-                   NULL::BOOLEAN AS transient, 0 AS is_store, 0 AS is_touch
-            FROM block_allocated
-            UNION ALL SELECT run, seq, step, block_id, true, 0, NULL, 0, 1 FROM block_touched
-            UNION ALL SELECT run, seq, step, block_id, ref_cnt > 0, 0, NULL, 0, 0 FROM block_freed
-            UNION ALL SELECT run, seq, step, block_id, ref_cnt > 0, 0, NULL, 0, 0 FROM block_state
-            UNION ALL SELECT run, stored_seq, stored_step, block_id, NULL, 1, transient, 1, 0
-                      FROM {entries}
-            UNION ALL SELECT run, seq, step, block_id, NULL, -1, NULL, 0, 0 FROM block_removed),
-        running AS (
-            SELECT run, seq, step, block_id, is_touch,
-                   coalesce(last_value(in_use IGNORE NULLS) OVER w, false) AS in_use,
-                   sum(key_delta) OVER w AS num_keys,
-                   coalesce(last_value(transient IGNORE NULLS) OVER w, false) AS transient,
-                   sum(is_store) OVER w AS key_epoch
-            FROM events
-            WINDOW w AS (PARTITION BY run, block_id ORDER BY seq ROWS UNBOUNDED PRECEDING))
-        SELECT run, seq, step, block_id, in_use, num_keys, transient AND num_keys > 0 AS transient,
-               key_epoch, is_touch
-        FROM running"""
+    entries (``kvtrace/sql/schema/block_states.sql``)."""
+    return _schema_sql("block_states", entries=entries)
 
 
-# The cache entries: one row per key put on a block (a BlockStored, or a key a start snapshot
-# found cached on it), until it was removed (NULL: still cached when the trace ended). What an
-# entry adds to its store is kept in ``cache_entry_figures`` (ENTRY_FIGURE_COLUMNS), filled while
-# each trace loads by the C core of the streaming pass (kvtrace/analysis/stream.py), or, without
-# it, once every trace is in, by CACHE_ENTRIES_SQL below: its twin, and the definition. The
-# ``cache_entries`` view joins the figures to their stores.
+# What an entry adds to its store, kept in ``cache_entry_figures``: filled while each trace
+# loads by the C core of the streaming pass (kvtrace/analysis/stream.py), or, without it, once
+# every trace is in, by CACHE_ENTRIES_SQL, its twin and the definition
+# (kvtrace/sql/schema/cache_entries_derived.sql).
 ENTRY_FIGURE_COLUMNS = (
     ("run", "INTEGER"), ("stored_seq", "BIGINT"), ("block_id", "BIGINT"),
     ("removed_seq", "BIGINT"), ("removed_step", "BIGINT"), ("removed_reason_code", "BIGINT"),
     ("position_class_code", "BIGINT"), ("hits", "BIGINT"), ("last_hit_seq", "BIGINT"),
     ("last_hit_step", "BIGINT"), ("transient_cached", "BIGINT"),
 )
-# ``position_class`` of a CHECKPOINT entry: the storing request's latest CheckpointRecorded at
-# that position and group (``transient``: it says TRANSIENT). ``hits``: BlockTouched on its block
-# while it was the block's newest entry and still there (a block rarely holds two keys; then the
-# newer is credited). ``transient_cached``, for a removed entry: the transient checkpoint entries
-# cached in the free queue just before the removal - blocks whose newest key is a TRANSIENT
-# checkpoint, that hold a key and that no request holds (ref_cnt 0), the removed one included.
-# ``from_snapshot``: cached when the capture began (no kind or request: the snapshot says none).
-CACHE_ENTRIES_SQL = f"""
-    WITH stored AS (
-        SELECT run, variant, backend, seq AS stored_seq, step AS stored_step, block_id, hash_id,
-               group_id, num_tokens, kind, req, false AS from_snapshot
-        FROM block_stored
-        UNION ALL
-        SELECT k.run, k.variant, k.backend, k.seq, k.step, b.block_id, k.hash_id, k.group_id,
-               k.num_tokens, NULL, NULL, true
-        FROM key_cached k JOIN key_cached_block_ids b ON b.run = k.run AND b.seq = k.seq),
-    entries AS (
-        SELECT s.*, r.seq AS removed_seq, r.step AS removed_step, r.reason AS removed_reason,
-               CASE WHEN s.kind = 'CHECKPOINT' THEN c.position_class END AS position_class,
-               coalesce(s.kind = 'CHECKPOINT' AND c.position_class = 'TRANSIENT', false)
-                   AS transient
-        FROM stored s
-        ASOF LEFT JOIN block_removed r
-            ON s.run = r.run AND s.block_id = r.block_id AND s.hash_id = r.hash_id
-               AND s.group_id = r.group_id AND r.seq > s.stored_seq
-        ASOF LEFT JOIN checkpoint_recorded c
-            ON s.run = c.run AND s.req = c.req AND s.group_id = c.group_id
-               AND s.num_tokens = c.position AND c.seq < s.stored_seq),
-    hits AS (
-        SELECT e.run, e.stored_seq, e.block_id, count(*) AS hits, max(t.seq) AS last_hit_seq,
-               max(t.step) AS last_hit_step
-        FROM block_touched t
-        ASOF JOIN entries e
-            ON t.run = e.run AND t.block_id = e.block_id AND e.stored_seq < t.seq
-        WHERE e.removed_seq IS NULL OR e.removed_seq > t.seq
-        GROUP BY e.run, e.stored_seq, e.block_id),
-    states AS ({block_states_sql("entries")}),
-    changes AS (
-        SELECT run, seq, sum(delta) AS delta
-        FROM (SELECT run, seq, flag - coalesce(lag(flag) OVER (
-                  PARTITION BY run, block_id ORDER BY seq), 0) AS delta
-              FROM (SELECT run, seq, block_id, (NOT in_use AND transient)::INTEGER AS flag
-                    FROM states))
-        WHERE delta <> 0
-        GROUP BY run, seq),
-    series AS (
-        SELECT run, seq, sum(delta) OVER (PARTITION BY run ORDER BY seq
-                                          ROWS UNBOUNDED PRECEDING) AS cached
-        FROM changes)
-    SELECT e.run, e.variant, e.backend, e.stored_seq, e.stored_step, e.block_id, e.hash_id,
-           e.group_id, e.num_tokens, e.kind, e.req, e.removed_seq, e.removed_step,
-           e.removed_reason, e.position_class, e.transient, coalesce(h.hits, 0) AS hits,
-           h.last_hit_seq, h.last_hit_step,
-           CASE WHEN e.removed_seq IS NOT NULL THEN coalesce(s.cached, 0) END AS transient_cached,
-           e.from_snapshot
-    FROM entries e
-    LEFT JOIN hits h
-        ON h.run = e.run AND h.stored_seq = e.stored_seq AND h.block_id = e.block_id
-    ASOF LEFT JOIN series s ON s.run = e.run AND s.seq < e.removed_seq"""
+CACHE_ENTRIES_SQL = _schema_sql("cache_entries_derived", block_states=block_states_sql("entries"))
+
 
 def cache_entries_insert_sql(runs: Sequence[int] | None = None) -> str:
     """The cache entries' figures by their SQL twin, into their table (enums as codes): of every
@@ -380,198 +313,42 @@ def cache_entries_insert_sql(runs: Sequence[int] | None = None) -> str:
 
 
 def _cache_entries_view() -> str:
-    """The cache entries: their figures with their stores' fields (CACHE_ENTRIES_SQL's columns)."""
+    """The cache entries: their figures with their stores' fields, their enums named by
+    ``kvtrace.events``' own."""
     def figures(store: str) -> str:
-        return f"""f.removed_seq, f.removed_step,
-               {enum_name_sql("f.removed_reason_code", RemoveReason)} AS removed_reason,
-               {enum_name_sql("f.position_class_code", CheckpointClass)} AS position_class,
-               coalesce({store}.kind = 'CHECKPOINT'
-                        AND f.position_class_code = {CheckpointClass.TRANSIENT.value}, false)
-                   AS transient,
-               f.hits, f.last_hit_seq, f.last_hit_step, f.transient_cached"""
-    return f"""
-        SELECT s.run, s.variant, s.backend, f.stored_seq, s.step AS stored_step, f.block_id,
-               s.hash_id, s.group_id, s.num_tokens, s.kind, s.req, {figures("s")},
-               false AS from_snapshot
-        FROM cache_entry_figures f
-        JOIN block_stored s ON s.run = f.run AND s.seq = f.stored_seq
-        UNION ALL
-        SELECT k.run, k.variant, k.backend, f.stored_seq, k.step, f.block_id, k.hash_id,
-               k.group_id, k.num_tokens, NULL, NULL, {figures("k")}, true
-        FROM cache_entry_figures f
-        JOIN (SELECT *, NULL::VARCHAR AS kind FROM key_cached) k
-            ON k.run = f.run AND k.seq = f.stored_seq"""
+        return _schema_sql(
+            "cache_entry_figures", store=store,
+            removed_reason=enum_name_sql("f.removed_reason_code", RemoveReason),
+            position_class=enum_name_sql("f.position_class_code", CheckpointClass),
+            transient_code=str(CheckpointClass.TRANSIENT.value))
+    return _schema_sql("cache_entries", stored_figures=figures("s"),
+                       snapshot_figures=figures("k"))
 
 
-# Views the shipped queries build on. Definitions of what is counted live here, once.
+def _schema_folder(folder: str) -> dict[str, str]:
+    """The SQL of each file of ``kvtrace/sql/schema/<folder>/``, by its name, in name order."""
+    names = sorted(entry.name[:-len(".sql")] for entry in
+                   resources.files("kvtrace.sql").joinpath("schema", folder).iterdir()
+                   if entry.name.endswith(".sql"))
+    return {name: _schema_sql(f"{folder}/{name}") for name in names}
+
+
+# Views the shipped queries build on, in the order they are made: a view of each file of
+# kvtrace/sql/schema/views/ (definitions of what is counted live there, once) between the two
+# made from templates.
 VIEWS = {
     "cache_entries": _cache_entries_view(),
-    # Every prefix lookup (get_computed_blocks). ``admitted``: the next allocate_slots of the
-    # request, before its next lookup, succeeded (a failed admission is looked up again later,
-    # and only the admitted lookup decides what gets prefilled). ``admission`` numbers a
-    # request's admitted lookups (a preempted request is admitted again) for pairing variants;
-    # a request in flight when the capture began (``in_flight``: in its start snapshot) counts
-    # on from the admissions it had had (its first, one per preemption, none while waiting).
-    "lookups": """
-        WITH found AS (
-            SELECT c.*, lead(c.seq) OVER (PARTITION BY c.run, c.req ORDER BY c.seq) AS next_lookup_seq
-            FROM computed_blocks_found c),
-        judged AS (
-            SELECT f.run, f.variant, f.backend, f.seq, f.step, f.req, f.num_hit_tokens,
-                   f.shared_prefix_boundary, s.num_tokens AS num_query_tokens,
-                   coalesce(s.success AND s.seq < coalesce(f.next_lookup_seq, 9223372036854775807),
-                            false) AS admitted
-            FROM found f ASOF LEFT JOIN slots_allocated s
-                ON f.run = s.run AND f.req = s.req AND s.seq > f.seq),
-        prior AS (
-            SELECT run, req, max(num_preemptions + (queue = 'RUNNING')::INTEGER) AS admissions
-            FROM request_state
-            GROUP BY run, req)
-        SELECT j.*, CASE WHEN admitted THEN row_number() OVER (
-                        PARTITION BY j.run, j.req, admitted ORDER BY j.seq)
-                        + coalesce(p.admissions, 0) END AS admission,
-               p.req IS NOT NULL AS in_flight
-        FROM judged j
-        LEFT JOIN prior p ON p.run = j.run AND p.req = j.req""",
-    # Every hash unit a request is known to have: its prompt units (or, in flight when the
-    # capture began, its units then), then those decode added. ``unit`` i covers tokens
-    # [0, (i + 1) * hash_block_size).
-    "request_hashes": """
-        WITH known AS (
-            SELECT run, req, pos, hash_id FROM request_arrived_hash_ids
-            UNION ALL
-            SELECT run, req, pos, hash_id FROM request_state_hash_ids),
-        counts AS (
-            SELECT run, req, num_hash_ids FROM request_arrived
-            UNION ALL
-            SELECT run, req, num_hash_ids FROM request_state)
-        SELECT run, req, pos AS unit, hash_id FROM known
-        UNION ALL
-        SELECT e.run, e.req,
-               coalesce(a.num_hash_ids, 0)
-                 + row_number() OVER (PARTITION BY e.run, e.req ORDER BY e.seq, e.pos) - 1,
-               e.hash_id
-        FROM hashes_extended_hash_ids e
-        LEFT JOIN counts a ON a.run = e.run AND a.req = e.req""",
-    # Entries that were hit (the figures are cache_entries' own; kept for older queries).
-    "entry_hits": """
-        SELECT run, stored_seq, block_id, hits, last_hit_seq, last_hit_step
-        FROM cache_entries WHERE hits > 0""",
-    # The state of a block after each event that changes it (block_states_sql).
+    **_schema_folder("views"),
     "block_states": block_states_sql("cache_entries"),
 }
+# Table macros shared by several shipped queries, which take the queries' parameters: each file
+# of kvtrace/sql/schema/macros/ makes one (temporary: every connection makes them anew).
+MACROS = tuple(_schema_folder("macros").values())
 
-
-# Table macros shared by several shipped queries: definitions that take the queries' parameters.
-MACROS = {
-    # Every hot prefix entry evicted by LRU reuse while at least ``min_transient`` transient
-    # checkpoints sat cached in the free queue (had they not been cached, they would have been
-    # reused first), once with each later lookup that needed it and hit less, or once with NULL
-    # lookup columns when none did. Definitions: kvtrace/sql/checkpoint_pushouts.sql. The
-    # eviction-time figures (hits, transient_cached) are cache_entries' own, made while loading.
-    "checkpoint_pushout_lookups(min_hits, min_transient)": """
-        WITH hot_evictions AS (
-            SELECT *, transient_cached AS cached_transient
-            FROM cache_entries
-            WHERE removed_reason = 'LRU_REUSE' AND hits > 0 AND hits >= min_hits
-                  AND transient_cached >= min_transient),
-        pushouts AS (
-            SELECT v.*, coalesce(n.seq, 9223372036854775807) AS restored_seq
-            FROM hot_evictions v
-            ASOF LEFT JOIN (SELECT run, hash_id, group_id, seq FROM block_stored
-                            SEMI JOIN hot_evictions USING (run, hash_id, group_id)) n
-                ON v.run = n.run AND v.hash_id = n.hash_id AND v.group_id = n.group_id
-                   AND n.seq > v.removed_seq),
-        windows AS MATERIALIZED (
-            SELECT p.run, p.removed_seq, p.restored_seq, p.num_tokens, owner.unit,
-                   owner.hash_id AS unit_hash
-            FROM pushouts p
-            JOIN runs r ON r.run = p.run
-            JOIN request_hashes owner
-                ON owner.run = p.run AND owner.req = p.req
-                   AND owner.unit = p.num_tokens // r.hash_block_size - 1),
-        -- each admitted lookup's units its hit did not reach (a prefix of depth d needs unit
-        -- d // unit - 1, and a hit below d leaves it missed): joined by key, not by time
-        missed_units AS MATERIALIZED (
-            SELECT l.run, l.seq, l.req, l.num_hit_tokens, h.unit, h.hash_id
-            FROM lookups l
-            JOIN runs r ON r.run = l.run
-            JOIN request_hashes h
-                ON h.run = l.run AND h.req = l.req
-                   AND (h.unit + 2) * r.hash_block_size > l.num_hit_tokens
-            WHERE l.admitted),
-        missed AS (
-            SELECT w.run, w.removed_seq, m.seq AS lookup_seq, m.req AS lookup_req,
-                   m.num_hit_tokens
-            FROM windows w
-            JOIN missed_units m
-                ON m.run = w.run AND m.unit = w.unit AND m.hash_id = w.unit_hash
-                   AND m.seq > w.removed_seq AND m.seq < w.restored_seq
-                   AND m.num_hit_tokens < w.num_tokens)
-        SELECT p.*, m.lookup_seq, m.lookup_req, m.num_hit_tokens
-        FROM pushouts p
-        LEFT JOIN missed m ON m.run = p.run AND m.removed_seq = p.removed_seq""",
-}
-
-
-# What prices each run's recomputed tokens (recompute_gpu_seconds, variant_verdict): the
-# model's figures in the run's header (cost.*, written by kvtrace replay; execute.* by older
-# versions), else the query's flops parameters when positive, else nothing (NULL).
-MACROS["run_costs(flops_per_token, flops_per_position)"] = """
-    WITH figures AS (
-        SELECT run,
-               coalesce(json_extract_string(header_json, '$.params."cost.model"'),
-                        json_extract_string(header_json, '$.params."execute.model"')) AS model,
-               TRY_CAST(coalesce(
-                   json_extract_string(header_json, '$.params."cost.flops_per_token"'),
-                   json_extract_string(header_json, '$.params."execute.flops_per_token"'))
-                   AS DOUBLE) AS per_token,
-               TRY_CAST(coalesce(
-                   json_extract_string(header_json,
-                                       '$.params."cost.flops_per_token_per_position"'),
-                   json_extract_string(header_json,
-                                       '$.params."execute.flops_per_token_per_position"'))
-                   AS DOUBLE) AS per_position
-        FROM runs)
-    SELECT run,
-           CASE WHEN per_token IS NOT NULL AND per_position IS NOT NULL THEN model
-                WHEN flops_per_token > 0 THEN '(parameters)' END AS cost_model,
-           CASE WHEN per_token IS NOT NULL AND per_position IS NOT NULL THEN per_token
-                WHEN flops_per_token > 0 THEN flops_per_token END AS per_token,
-           CASE WHEN per_token IS NOT NULL AND per_position IS NOT NULL THEN per_position
-                WHEN flops_per_token > 0 THEN flops_per_position END AS per_position
-    FROM figures"""
-
-
-# Each run's admitted lookups and the prefill they recomputed, in FLOPs where the run is
-# priced (variant_verdict, fleet: over a GPU's FLOP/s, GPU-seconds).
-MACROS["run_prefill(flops_per_token, flops_per_position)"] = """
-    SELECT l.run,
-           count(*) FILTER (WHERE l.admission = 1) AS lookups,
-           sum(l.num_query_tokens) FILTER (WHERE l.admission = 1) AS query_tokens,
-           sum(l.num_hit_tokens) FILTER (WHERE l.admission = 1) AS hit_tokens,
-           sum(l.num_query_tokens - l.num_hit_tokens) AS prefill_tokens,
-           sum(c.per_token * (l.num_query_tokens - l.num_hit_tokens)
-               + c.per_position * (l.num_query_tokens * (l.num_query_tokens + 1)
-                                   - l.num_hit_tokens * (l.num_hit_tokens + 1)) / 2)
-               AS prefill_flops,
-           any_value(c.cost_model) AS cost_model
-    FROM lookups l
-    JOIN run_costs(flops_per_token, flops_per_position) c ON c.run = l.run
-    WHERE l.admitted
-    GROUP BY l.run"""
-
-# Each run's span of traffic in hours: its first arrival to its last step (what figures per
-# hour divide by: diagnosis, variant_verdict, fleet).
-MACROS["run_hours()"] = """
-    SELECT a.run, (max(s.ts_ns) - min(a.first_arrival)) / 3.6e12 AS hours
-    FROM (SELECT run, min(arrival_ns) AS first_arrival FROM request_arrived GROUP BY run) a
-    JOIN step_started s ON s.run = a.run
-    GROUP BY a.run"""
 
 def create_macros(connection) -> None:
-    for signature, body in MACROS.items():
-        connection.execute(f"CREATE OR REPLACE TEMP MACRO {signature} AS TABLE {body}")
+    for statement in MACROS:
+        connection.execute(statement)
 
 
 def create_views(connection) -> None:

@@ -76,8 +76,8 @@ def _ray_runner(address: str, jobs: int) -> RayWorkers:
 
 
 class RayWorkers:
-    """A part runner (``kvtrace.analysis.load.PartRunner``) whose workers are Ray tasks, with
-    ``kvtrace sweep --ray``'s connection (its handling of a stop while Ray starts) and
+    """A part runner (``kvtrace.analysis.load_parts.PartRunner``) whose workers are Ray tasks,
+    with ``kvtrace sweep --ray``'s connection (its handling of a stop while Ray starts) and
     shutdown: each trace's bytes travel through Ray's object store and its part comes back
     with the answer, so workers on other hosts share no files with this one. At most as many
     tasks are in flight as the cluster has CPUs, each trace read only as its task goes."""
@@ -112,7 +112,7 @@ class RayWorkers:
         return self
 
     def map(self, tasks: list) -> Iterator:
-        from kvtrace.analysis.load import land_part, run_shipped_part
+        from kvtrace.analysis.load_parts import land_part, run_shipped_part
 
         remote = self.ray.remote(num_cpus=1)(run_shipped_part)
         slots = max(1, int(self.ray.available_resources().get("CPU", self.jobs)))
