@@ -97,7 +97,8 @@ class Alongside:
 
     def _follow(self, beside: _Beside):
         """``beside``'s live figures, made at the first call its capture's file is there."""
-        from kvtrace.analysis.live import LiveSource, NothingToTailError
+        from kvtrace.analysis.live import LiveSource
+        from kvtrace.analysis.trace_tail import NothingToTailError
 
         if beside.live is None:
             try:
@@ -109,7 +110,7 @@ class Alongside:
         return beside.live
 
     def _update(self, beside: _Beside):
-        from kvtrace.analysis.live import NothingToTailError
+        from kvtrace.analysis.trace_tail import NothingToTailError
 
         live = self._follow(beside)
         if live is None:
