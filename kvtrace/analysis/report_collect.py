@@ -25,6 +25,8 @@ DRILL_DOWN_LOOKUPS = 5  # lookups per prefix whose `kvtrace why` is rendered
 
 def collect(connection, db: str, *, bucket_steps: int = 10, min_hits: int = 2,
             pricing: Pricing | None = None) -> ReportData:
+    """The report of the database open on ``connection`` (``db``: its path, which the
+    reproducing commands name)."""
     import msgspec
 
     from kvtrace.analysis.database import has_attribution
