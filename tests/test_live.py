@@ -18,18 +18,11 @@ from click.testing import CliRunner
 
 from kvtrace.analysis import stream
 from kvtrace.analysis.database import open_database
-from kvtrace.analysis.live import (
-    Figures,
-    HotPrefix,
-    LiveFigures,
-    LiveSource,
-    NothingToTailError,
-    TraceTail,
-    records_from,
-)
+from kvtrace.analysis.live import Figures, HotPrefix, LiveFigures, LiveSource
 from kvtrace.analysis.load import load_traces
 from kvtrace.analysis.metrics_http import CONTENT_TYPE, MetricsServer, exposition
 from kvtrace.analysis.queries import run_query
+from kvtrace.analysis.trace_tail import NothingToTailError, TraceTail
 from kvtrace.cli import cli
 from kvtrace.errors import KvtraceError, TraceFormatError, UnsafePathError
 from kvtrace.events import (
@@ -52,6 +45,7 @@ from kvtrace.events import (
     StoreKind,
 )
 from kvtrace.ring import segment_name
+from kvtrace.ring_join import records_from
 from kvtrace.traceio import HeaderCutError, TraceReader, TraceWriter, read_records
 
 SESSION = 10**18

@@ -12,14 +12,10 @@ from click.testing import CliRunner
 
 from kvtrace.analysis.database import open_database
 from kvtrace.analysis.queries import run_query
-from kvtrace.analysis.report import (
-    Pricing,
-    advice,
-    collect,
-    compact_groups,
-    pricing_for,
-    report_database,
-)
+from kvtrace.analysis.pricing import Pricing, pricing_for
+from kvtrace.analysis.report import report_database
+from kvtrace.analysis.report_collect import collect, compact_groups
+from kvtrace.analysis.verdict import advice
 from kvtrace.cli import cli
 from kvtrace.geometry.cost import cost_model, gpu_throughput
 

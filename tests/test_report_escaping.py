@@ -12,7 +12,7 @@ import pytest
 from bad_traces import MARKUP_INJECTION, crafted_databases
 from click.testing import CliRunner
 
-from kvtrace.analysis.report import MARKDOWN_TABLES, markdown_value, text_value
+from kvtrace.analysis.report_text import MARKDOWN_TABLES, markdown_value, text_value
 from kvtrace.cli import cli
 from test_analysis_cli import db as scenario_db  # noqa: F401 (a fixture: the scenario, loaded)
 

@@ -9,7 +9,15 @@ import time
 from pathlib import Path
 
 import pytest
-from bad_traces import header, ring, trace
+from bad_traces import (
+    batch_frame,
+    closing_frame,
+    header,
+    header_frame,
+    ring,
+    trace,
+    write_frames,
+)
 from click.testing import CliRunner
 
 from kvtrace.analysis.trigger import TriggerError, TriggerWatch, parse_trigger
@@ -17,7 +25,7 @@ from kvtrace.capture.dump import Keyframe, Ring, RingError, choose, dump
 from kvtrace.capture.recorder import RingFiles
 from kvtrace.cli import cli
 from kvtrace.errors import UnsafePathError
-from kvtrace.events import SnapshotEnded, SnapshotStarted, StepStarted
+from kvtrace.events import BlockState, SnapshotEnded, SnapshotStarted, StepStarted
 from kvtrace.ring import list_segments, parse_segment_name, segment_name
 from kvtrace.traceio import count_kinds, read_records
 
@@ -88,6 +96,24 @@ def test_a_dump_is_the_first_segment_whole_then_the_others_past_their_keyframes(
     assert written.num_records == 11 and written.older_sessions == 0
     assert [k.segment.seq for k in written.keyframes] == [1, 2, 3]
     assert written.first_ns == SESSION and written.last_ns == SESSION + 2 * 10**9 + 2 * 10**8
+
+
+def test_a_keyframe_over_several_batches_is_left_out_whole(tmp_path):
+    """A large pool's keyframe spans batches (the writer cuts one every batch_size records):
+    the dump leaves out all of a later segment's, as kvtrace top does (ring_join)."""
+    directory = tmp_path / "ring"
+    directory.mkdir(mode=0o700)
+    for seq in (1, 2):
+        keyframe = [SnapshotStarted(0, 0, 0, 0), BlockState(1, 0, -1, 0, 0),
+                    BlockState(2, 0, -1, 0, 0), SnapshotEnded(1000)]
+        write_frames(directory / segment_name(SESSION, seq),
+                     header_frame(header(created_ns=SESSION, source="capture")),
+                     batch_frame(keyframe[:2]), batch_frame(keyframe[2:]),
+                     batch_frame([StepStarted(seq, seq * 10**9)]), closing_frame(5))
+    dump(directory, tmp_path / "d.kvtrace")
+    _, records = read_records(tmp_path / "d.kvtrace")
+    assert [type(r) for r in records] == [SnapshotStarted, BlockState, BlockState,
+                                          SnapshotEnded, StepStarted, StepStarted]
 
 
 def test_the_last_keyframe_at_or_before_the_start_begins_the_dump():

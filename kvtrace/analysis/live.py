@@ -1,13 +1,11 @@
 """Live figures of a trace still being written: what ``kvtrace top`` shows and the metrics
 endpoint serves.
 
-* ``TraceTail`` follows a growing trace file, or a flight recorder's ring directory
-  (``kvtrace.ring``): each ``poll`` hands over the record batches written since the last one,
-  whole frames only, and resumes at the frame it stopped at (``TraceReader.new_batches``).
-* ``LiveFigures`` is fed those batches and keeps the figures in memory bounded over hours:
-  windows of the last minutes, a capped table of hot prefixes, per-cause totals. Each figure
-  mirrors an offline definition, named in ``Figures``' docstring, so that a whole trace fed to
-  it gives what ``kvtrace load`` and the shipped queries give (tests/test_live.py).
+* ``LiveFigures`` is fed the record batches a ``trace_tail.TraceTail`` hands over, and keeps
+  the figures in memory bounded over hours: windows of the last minutes, a capped table of hot
+  prefixes, per-cause totals. Each figure mirrors an offline definition, named in ``Figures``'
+  docstring, so that a whole trace fed to it gives what ``kvtrace load`` and the shipped
+  queries give (tests/test_live.py).
 * ``LiveSource`` joins the two behind a lock, for a reader in another thread (the metrics
   server).
 """
@@ -15,11 +13,7 @@ endpoint serves.
 from __future__ import annotations
 
 import collections
-import dataclasses
-import errno
-import itertools
 import os
-import stat
 import tempfile
 import threading
 
@@ -28,7 +22,7 @@ import numpy as np
 
 from kvtrace.analysis.attribution import CAUSES
 from kvtrace.analysis.stream import ATTRIBUTION_TABLE, new_pass
-from kvtrace.errors import TraceNotFoundError, UnsafePathError
+from kvtrace.analysis.trace_tail import TraceTail
 from kvtrace.events import (
     BlockAllocated,
     BlockFreed,
@@ -48,15 +42,12 @@ from kvtrace.events import (
     RequestQueue,
     RequestState,
     SlotsAllocated,
-    SnapshotEnded,
     SnapshotStarted,
     StepStarted,
     StoreKind,
     TraceHeader,
 )
-from kvtrace.files import planted_link
-from kvtrace.ring import list_segments, segment_name
-from kvtrace.traceio import HeaderCutError, ListColumn, RecordBatch, TraceReader
+from kvtrace.traceio import ListColumn, RecordBatch
 
 WINDOW_S = 60.0  # "now": the last minute
 HISTORY_INTERVAL_S = 60.0
@@ -69,237 +60,9 @@ MAX_TRACKED_PREFIXES = 2048
 MIN_HITS = 2
 MIN_TRANSIENT = 1
 
-_OPEN_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 _CHECKPOINT, _TRANSIENT = int(StoreKind.CHECKPOINT), int(CheckpointClass.TRANSIENT)
 _LRU_REUSE, _RUNNING = int(RemoveReason.LRU_REUSE), int(RequestQueue.RUNNING)
 _FIRST_LOOKUP = 1  # miss_attribution.lookup of a request's first admission
-
-
-class NothingToTailError(TraceNotFoundError):
-    """A path to follow that is not there yet: no such file, or a ring without a segment."""
-
-
-# --- following a trace as it grows ------------------------------------------------------------
-
-
-class TraceTail:
-    """Follows ``source``: a trace being written, or a ring directory (its newest session, from
-    its oldest segment on). Segments after the first open with a keyframe, a start snapshot of
-    the state the stream already holds, which is skipped. Batches come numbered as one stream
-    (``first_seq``), as ``kvtrace dump`` joins a session.
-
-    Files are opened without following a link (nor a link another user planted above them:
-    ``files.planted_link``), and must be regular files of ``owners`` (default: root and this
-    user) whose directory, for a ring, is theirs too. ``header`` is None until the header is
-    whole; ``waiting`` then says why (``HeaderCutError``). A segment pruned before it was
-    reached is skipped and counted in ``gaps``: the figures after one are approximate."""
-
-    def __init__(self, source: str | os.PathLike, owners: tuple[int, ...] | None = None) -> None:
-        self.source = os.fspath(source)
-        self.owners = owners if owners is not None else (0, os.geteuid())
-        self.header: TraceHeader | None = None
-        self.waiting: HeaderCutError | None = None
-        self.num_records = 0  # records handed over
-        self.gaps = 0
-        self._reader: TraceReader | None = None
-        self._fd: int | None = None  # the plain file, until its header is read
-        self._dir_fd: int | None = None
-        self._session = self._seq = 0
-        self._keyframe: str | None = None  # "start", "inside": skipping a segment's keyframe
-        fd = self._open(self.source, None, regular_only=False)
-        if stat.S_ISDIR(os.fstat(fd).st_mode):
-            self._dir_fd = fd
-            try:
-                self._start_ring()
-            except BaseException:
-                self.close()
-                raise
-        else:
-            self._fd = fd
-            self._read_header()
-
-    @property
-    def path(self) -> str:
-        """The file being read now."""
-        if self._dir_fd is None:
-            return self.source
-        return os.path.join(self.source, segment_name(self._session, self._seq))
-
-    @property
-    def complete(self) -> bool:
-        """A plain trace whose writer closed it: nothing more will come."""
-        return self._dir_fd is None and self._reader is not None and \
-            self._reader.closing is not None
-
-    def _open(self, name: str, dir_fd: int | None, regular_only: bool) -> int:
-        label = name if dir_fd is None else os.path.join(self.source, name)
-        if dir_fd is None:
-            problem = planted_link(os.path.dirname(os.path.abspath(name)))
-            if problem:
-                raise UnsafePathError(f"{problem}; kvtrace will not follow it to {name}")
-        try:
-            fd = os.open(name, _OPEN_FLAGS, dir_fd=dir_fd)
-        except FileNotFoundError:
-            raise NothingToTailError(f"no such trace or ring directory: {label}") from None
-        except OSError as error:
-            if error.errno == errno.ELOOP:
-                raise UnsafePathError(f"{label} is a symbolic link; kvtrace follows none to a "
-                                      "trace it tails",
-                                      "Give the path of the trace (or ring directory) itself."
-                                      ) from None
-            raise TraceNotFoundError(f"cannot open {label}: {error.strerror}") from None
-        info = os.fstat(fd)
-        mode = stat.S_IMODE(info.st_mode)
-        directory = not regular_only and stat.S_ISDIR(info.st_mode)
-        problem = ("is not a regular file (a FIFO, socket or device)"
-                   if not (stat.S_ISREG(info.st_mode) or directory)
-                   else f"is owned by uid {info.st_uid}, not by uid "
-                        f"{' or '.join(map(str, sorted(set(self.owners))))}"
-                   if info.st_uid not in self.owners
-                   else f"can be written by other users (mode {mode:04o})"
-                   if directory and mode & 0o022 and not mode & stat.S_ISVTX else None)
-        if problem:
-            os.close(fd)
-            raise UnsafePathError(f"{label} {problem}; kvtrace tails only what no other user "
-                                  "can have written",
-                                  "Run kvtrace top as the user that writes the trace (the "
-                                  "engine's), or as root for root's; a ring's directory is "
-                                  "private (0700).")
-        if not directory:
-            os.set_blocking(fd, True)
-        return fd
-
-    def _start_ring(self) -> None:
-        while True:
-            segments = list_segments(self._dir_fd)
-            if not segments:
-                raise NothingToTailError(
-                    f"{self.source} holds no ring segment yet",
-                    "Give the --dir of a `kvtrace capture --ring` that has started (it writes "
-                    "its first segment once it is armed).")
-            newest = segments[-1].session
-            first = next(s for s in segments if s.session == newest)
-            self._session, self._seq = first.session, first.seq
-            try:
-                self._fd = self._open(first.name, self._dir_fd, regular_only=True)
-            except NothingToTailError:
-                continue  # pruned between the listing and the open
-            self._read_header()
-            return
-
-    def _read_header(self) -> None:
-        """Read the current file's header, once it is whole (a writer may have just begun)."""
-        os.lseek(self._fd, 0, os.SEEK_SET)
-        try:
-            self._reader = TraceReader(self.path, source=os.fdopen(os.dup(self._fd), "rb"))
-        except HeaderCutError as error:
-            self.waiting = error
-            return
-        os.close(self._fd)
-        self._fd, self.waiting = None, None
-        if self.header is None:
-            self.header = self._reader.header
-
-    def poll(self, max_batches: int | None = None) -> list[RecordBatch]:
-        """The batches written since the last poll (at most ``max_batches``)."""
-        batches: list[RecordBatch] = []
-        while max_batches is None or len(batches) < max_batches:
-            if self._reader is None:
-                self._read_header()
-                if self._reader is None:
-                    break
-            room = None if max_batches is None else max_batches - len(batches)
-            new = 0
-            for batch in itertools.islice(self._reader.new_batches(), room):
-                new += 1
-                batch = self._past_keyframe(batch)
-                if batch is not None:
-                    batch = dataclasses.replace(batch, first_seq=self.num_records)
-                    self.num_records += len(batch)
-                    batches.append(batch)
-            if room is not None and new == room or not self._next_segment(new):
-                break
-        return batches
-
-    def _next_segment(self, new: int) -> bool:
-        """Move on to the ring's next segment once this one is done: closed, or left behind by
-        a writer that began the next (a writer that died without closing it)."""
-        if self._dir_fd is None:
-            return False
-        later = [s for s in list_segments(self._dir_fd)
-                 if s.session == self._session and s.seq > self._seq]
-        if not later or (self._reader.closing is None and new):
-            return False
-        for segment in later:
-            try:
-                fd = self._open(segment.name, self._dir_fd, regular_only=True)
-            except NothingToTailError:
-                continue
-            self.gaps += segment.seq != self._seq + 1
-            self._reader.close()
-            self._reader, self._fd = None, fd
-            self._seq = segment.seq
-            self._keyframe = "start"
-            self._read_header()
-            return True
-        return False
-
-    def _past_keyframe(self, batch: RecordBatch) -> RecordBatch | None:
-        """``batch`` less the records of a segment's opening keyframe (SnapshotStarted to
-        SnapshotEnded); None when it is all keyframe."""
-        if self._keyframe is None:
-            return batch
-        if not batch.kinds:
-            return None
-        if self._keyframe == "start":
-            if batch.types[batch.kinds[0]] is not SnapshotStarted:
-                self._keyframe = None  # a segment that opens without one
-                return batch
-            self._keyframe = "inside"
-        ends = [index for index, kind in enumerate(batch.types) if kind is SnapshotEnded]
-        if not ends:
-            return None
-        self._keyframe = None
-        return records_from(batch, batch.kinds.index(ends[0]) + 1)
-
-    def close(self) -> None:
-        if self._reader is not None:
-            self._reader.close()
-        for fd in (self._fd, self._dir_fd):
-            if fd is not None:
-                os.close(fd)
-        self._reader = self._fd = self._dir_fd = None
-
-    def __enter__(self) -> TraceTail:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
-def records_from(batch: RecordBatch, start: int) -> RecordBatch | None:
-    """``batch`` from its record ``start`` on (None: nothing left), its kinds renumbered."""
-    head, tail = batch.kinds[:start], batch.kinds[start:]
-    if not tail:
-        return None
-    kept = [index for index in range(len(batch.types)) if tail.count(index)]
-    columns = []
-    for index in kept:
-        skip = head.count(index)
-        columns.append([_column_from(column, skip) for column in batch.columns[index]])
-    renumber = bytes.maketrans(bytes(kept), bytes(range(len(kept))))
-    return dataclasses.replace(
-        batch, types=[batch.types[i] for i in kept], tags=[batch.tags[i] for i in kept],
-        kinds=tail.translate(renumber), columns=columns, first_seq=batch.first_seq + start)
-
-
-def _column_from(column, skip: int):
-    if isinstance(column, ListColumn):
-        return ListColumn(column.lengths[skip:], column.values[sum(column.lengths[:skip]):])
-    return column[skip:]
-
-
-# --- the figures --------------------------------------------------------------------------------
 
 
 class IntervalRate(msgspec.Struct, frozen=True):

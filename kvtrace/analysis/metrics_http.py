@@ -16,7 +16,8 @@ import socket
 import threading
 from collections.abc import Callable
 
-from kvtrace.analysis.live import Figures, LiveSource, NothingToTailError
+from kvtrace.analysis.live import Figures, LiveSource
+from kvtrace.analysis.trace_tail import NothingToTailError
 from kvtrace.errors import KvtraceError
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"

@@ -19,9 +19,9 @@ from typing import Any
 import msgspec
 
 from kvtrace.analysis.database import SWEEP_COLUMNS, open_database
+from kvtrace.analysis.html_style import CSS
 from kvtrace.analysis.load import load_sweep
 from kvtrace.analysis.render import cell
-from kvtrace.analysis.report_html import CSS
 from kvtrace.errors import KvtraceError
 from kvtrace.files import (
     StagedOutput,

@@ -24,9 +24,10 @@ from typing import BinaryIO
 import msgspec
 
 from kvtrace.errors import KvtraceError, TraceFormatError, UnsafePathError
-from kvtrace.events import SnapshotEnded, SnapshotStarted, StepStarted
+from kvtrace.events import SnapshotStarted, StepStarted
 from kvtrace.files import refuse_planted_link
 from kvtrace.ring import Segment, list_segments
+from kvtrace.ring_join import KeyframeSkip
 from kvtrace.traceio import TraceReader, TraceWriter
 
 _DIRECTORY = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -186,6 +187,7 @@ def dump(directory: str | os.PathLike, output: str | os.PathLike, *,
         keyframes, older_sessions = ring.keyframes()
         chosen = choose(keyframes, since_ns, until_ns)
         writer = None
+        keyframes_skipped = KeyframeSkip()
         num_dropped = last_ts_ns = 0
         try:
             for index, keyframe in enumerate(chosen):
@@ -196,20 +198,21 @@ def dump(directory: str | os.PathLike, output: str | os.PathLike, *,
                         continue
                     raise RingError(f"{keyframe.segment.name} left the ring while it was "
                                     "dumped", "Dump a shorter --last, or again.") from None
-                in_keyframe = writer is not None  # the first segment's stays
-                if writer is None:
+                if writer is not None:  # the first segment's keyframe stays
+                    keyframes_skipped.start_segment()
+                else:
                     header = msgspec.structs.replace(reader.header, params={
                         **reader.header.params, "dumped_from": ring.directory,
                         "segment": str(keyframe.segment.seq)})
                     writer = TraceWriter(output, header, atomic=True)
                 for batch in reader.batches():
-                    records = batch.records()
-                    if in_keyframe:
-                        records = _after_keyframe(records, reader.path)
-                        in_keyframe = False
-                    writer.write_many(records)
                     if len(batch):
                         last_ts_ns = max(last_ts_ns, _last_ts(batch))
+                    batch = keyframes_skipped.past(batch)
+                    if batch is not None:
+                        writer.write_many(batch.records())
+                if keyframes_skipped.inside:
+                    raise TraceFormatError(f"{reader.path}: its keyframe does not end")
                 num_dropped += reader.closing.num_dropped if reader.closing else 0
             if writer is None:
                 raise RingError(f"every segment of {ring.directory} chosen left the ring "
@@ -221,16 +224,6 @@ def dump(directory: str | os.PathLike, output: str | os.PathLike, *,
             raise
         return Dump(os.fspath(output), chosen, writer.num_records, num_dropped,
                     chosen[0].wall_ns, writer.header.created_ns + last_ts_ns, older_sessions)
-
-
-def _after_keyframe(records, path: str):
-    """``records`` past the keyframe that opens them."""
-    for record in records:
-        if type(record) is SnapshotEnded:
-            break
-    else:
-        raise TraceFormatError(f"{path}: its keyframe does not end in its first batch")
-    yield from records
 
 
 def _last_ts(batch) -> int:

@@ -8,6 +8,7 @@ import io
 import os
 import re
 import sys
+import time
 from collections import Counter
 from collections.abc import Iterator
 
@@ -48,6 +49,12 @@ def terminal_safe(text: str) -> str:
     """``text`` with every terminal control shown as its escape (``\\x1b``, ``\\u202e``): a
     trace's header or a database's strings are input, and must not drive root's terminal."""
     return _TERMINAL_CONTROLS.sub(lambda match: ascii(match.group())[1:-1], text)
+
+
+def wall_clock(wall_ns: int) -> str:
+    """A wall-clock time (ns since the epoch) in this machine's time zone, to the second, as
+    the commands' lines show it (when a ring's dump starts, when a trigger fired)."""
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(wall_ns / 1e9))
 
 
 def raise_if_truncated(reader: TraceReader) -> None:

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import time
-
 import click
 
 from kvtrace.cli.capture import parse_duration
+from kvtrace.cli.common import wall_clock
 
 
 @click.command("dump")
@@ -41,8 +40,4 @@ def command(ring_dir: str, last: str | None, output: str) -> None:
     first, last_seq = written.keyframes[0].segment.seq, written.keyframes[-1].segment.seq
     click.echo(f"dumped segments {first}-{last_seq}: {written.num_records:,} records, "
                f"{(written.last_ns - written.first_ns) / 1e9:.1f} s from "
-               f"{_clock(written.first_ns)}, {written.num_dropped:,} dropped -> {output}")
-
-
-def _clock(wall_ns: int) -> str:
-    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(wall_ns / 1e9))
+               f"{wall_clock(written.first_ns)}, {written.num_dropped:,} dropped -> {output}")

@@ -18,6 +18,7 @@ from typing import Any
 
 import click
 
+from kvtrace.cli.common import wall_clock
 from kvtrace.errors import KvtraceError
 
 UPDATE_BUDGET_S = 0.2  # catching up on a busy engine's records, per status tick
@@ -89,14 +90,15 @@ class Alongside:
                 fired_ns = beside.live.tail.header.created_ns + int(figures.ts_s * 1e9)
                 beside.pending.append(fired_ns)
                 click.echo(f"kvtrace: pid {beside.target.pid}: trigger '{self.trigger.text}' "
-                           f"fired at {_clock(fired_ns)}; the incident follows in "
+                           f"fired at {wall_clock(fired_ns)}; the incident follows in "
                            f"{self.keep_ns / 1e9:g} s", err=True)
             while beside.pending and time.time_ns() >= beside.pending[0] + self.keep_ns:
                 self._write_incident(beside, beside.pending.pop(0))
 
     def _follow(self, beside: _Beside):
         """``beside``'s live figures, made at the first call its capture's file is there."""
-        from kvtrace.analysis.live import LiveSource, NothingToTailError
+        from kvtrace.analysis.live import LiveSource
+        from kvtrace.analysis.trace_tail import NothingToTailError
 
         if beside.live is None:
             try:
@@ -108,7 +110,7 @@ class Alongside:
         return beside.live
 
     def _update(self, beside: _Beside):
-        from kvtrace.analysis.live import NothingToTailError
+        from kvtrace.analysis.trace_tail import NothingToTailError
 
         live = self._follow(beside)
         if live is None:
@@ -131,12 +133,12 @@ class Alongside:
             written = dump(beside.path, path, since_ns=fired_ns - self.keep_ns,
                            until_ns=fired_ns + self.keep_ns)
         except KvtraceError as error:  # the capture goes on; the next firing may do better
-            click.echo(f"kvtrace: pid {beside.target.pid}: the incident of {_clock(fired_ns)} "
+            click.echo(f"kvtrace: pid {beside.target.pid}: the incident of {wall_clock(fired_ns)} "
                        f"could not be written: {error}", err=True)
             return
-        click.echo(f"kvtrace: pid {beside.target.pid}: incident of {_clock(fired_ns)}: "
-                   f"{written.num_records:,} records from {_clock(written.first_ns)} to "
-                   f"{_clock(written.last_ns)} -> {path}", err=True)
+        click.echo(f"kvtrace: pid {beside.target.pid}: incident of {wall_clock(fired_ns)}: "
+                   f"{written.num_records:,} records from {wall_clock(written.first_ns)} to "
+                   f"{wall_clock(written.last_ns)} -> {path}", err=True)
 
     def close(self) -> None:
         """The capture ended: write the incidents still waiting with what the rings hold, and
@@ -169,7 +171,3 @@ def _private_dir(path: str) -> None:
             or stat.S_IMODE(info.st_mode) & 0o022):
         raise KvtraceError(f"--incident-dir {path} is not a directory of this user's that "
                            "only it can write", "Give a new path, or fix its owner and mode.")
-
-
-def _clock(wall_ns: int) -> str:
-    return time.strftime("%H:%M:%S", time.localtime(wall_ns / 1e9))
