@@ -266,7 +266,7 @@ def phases(trace: str) -> dict:
     from kvtrace.analysis.diagnosis import COUNTERS, diagnose
     from kvtrace.analysis.load import load_traces
     from kvtrace.analysis.queries import run_query
-    from kvtrace.analysis.report import pricing_for
+    from kvtrace.analysis.pricing import pricing_for
 
     with tempfile.TemporaryDirectory(dir=os.path.dirname(os.path.abspath(trace))) as scratch:
         db = os.path.join(scratch, "doctor.duckdb")

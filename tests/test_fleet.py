@@ -26,7 +26,10 @@ from kvtrace.analysis.load import load_partitions, load_traces
 from kvtrace.analysis.load_parts import LocalWorkers, run_part
 from kvtrace.analysis.part_files import PARTS_MANIFEST
 from kvtrace.analysis.queries import run_query
-from kvtrace.analysis.report import collect, fleet_lines, pricing_for, render_markdown, render_text
+from kvtrace.analysis.fleet_verdict import fleet_lines
+from kvtrace.analysis.pricing import pricing_for
+from kvtrace.analysis.report_collect import collect
+from kvtrace.analysis.report_text import render_markdown, render_text
 from kvtrace.cli import cli
 from kvtrace.errors import KvtraceError
 from kvtrace.events import (

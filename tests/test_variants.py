@@ -164,7 +164,8 @@ def verdict_row(old: str, new: str, saved_per_hour: float) -> dict:
 def test_the_report_says_what_each_variant_stands_for(name):
     """``Variant.role`` is the verdict's wording for a variant (none: "a variant"), and
     ``Variant.gated`` makes moving to it from unfixed the upgrade to the #56794 gate."""
-    from kvtrace.analysis.report import advice, pricing_for
+    from kvtrace.analysis.pricing import pricing_for
+    from kvtrace.analysis.verdict import advice
 
     variant, pricing = get_variant(name), pricing_for()
     upgrade = advice(verdict_row("unfixed", name, 500), pricing)

@@ -10,7 +10,6 @@ sentences), ``report_collect`` (the data, from the shipped queries), then the fo
 
 from __future__ import annotations
 
-from kvtrace.analysis.fleet_verdict import fleet_lines  # moved: kvtrace.analysis.fleet_verdict
 from kvtrace.analysis.pricing import pricing_for
 from kvtrace.analysis.report_collect import collect
 from kvtrace.analysis.report_text import render_markdown, render_text

@@ -56,7 +56,7 @@ def command(sources: tuple[str, ...], as_json: bool, threshold: float | None, no
     from kvtrace.analysis.diagnosis import (DEFAULT_THRESHOLD, check_threshold, diagnose,
                                             diagnoses_json, render_text)
     from kvtrace.analysis.load import load_traces
-    from kvtrace.analysis.report import pricing_for
+    from kvtrace.analysis.pricing import pricing_for
     from kvtrace.cli.common import terminal_safe
     from kvtrace.files import check_output_dir, refuse_overwrite
     from kvtrace.replay.backend import BACKENDS

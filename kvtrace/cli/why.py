@@ -54,7 +54,7 @@ def _traces(source: str, variants: set[str]) -> list[str]:
     """The trace files SOURCE names (a trace, a replay directory, or a database's runs),
     keeping only ``variants`` when given."""
     from kvtrace.analysis.database import run_labels
-    from kvtrace.analysis.load import trace_paths
+    from kvtrace.analysis.trace_paths import trace_paths
     from kvtrace.errors import KvtraceError
     from kvtrace.traceio import TraceReader
 
