@@ -19,7 +19,7 @@ class NextStep:
     def __init__(self, begin: Callable[[Any, Any], None]) -> None:
         from vllm.v1.core.kv_cache_manager import KVCacheManager
 
-        from kvtrace.probes.wrappers import _PROBE_ATTR
+        from kvtrace.probes.probe_state import PROBE_ATTR
 
         self._owner = KVCacheManager
         self._original = KVCacheManager.__dict__["new_step_starts"]
@@ -28,7 +28,7 @@ class NextStep:
         original, lock, restore = self._original, self._lock, self._restore
 
         def new_step_starts(self):  # vLLM's own parameters, as every wrapper keeps
-            if _PROBE_ATTR in self.block_pool.__dict__:
+            if PROBE_ATTR in self.block_pool.__dict__:
                 return original(self)
             with lock:
                 if restore():  # the first step to come: begin, once
