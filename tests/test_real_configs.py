@@ -18,8 +18,8 @@ from kvtrace.errors import ConfigError
 from kvtrace.geometry import resolve_model
 from kvtrace.geometry.architecture import ATTENTION, MAMBA, MLA
 from kvtrace.geometry.cost import cost_model
-from kvtrace.geometry.families import family_of, vllm_form
-from kvtrace.geometry.presets import apply_hf_overrides, model_spec
+from kvtrace.geometry.families import family_of
+from kvtrace.geometry.presets import apply_hf_overrides, model_spec, vllm_form
 from kvtrace.geometry.weights import model_weights
 
 
