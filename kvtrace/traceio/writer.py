@@ -7,7 +7,6 @@ import io
 import os
 import struct
 import time
-import zlib
 from collections import Counter
 from collections.abc import Iterable
 from operator import itemgetter
@@ -16,17 +15,16 @@ from typing import BinaryIO
 import msgspec
 
 from kvtrace import native
-from kvtrace.events import FORMAT_MAJOR, FORMAT_MINOR, Record, TraceClosed, TraceHeader, tag_of
+from kvtrace.events import Record, TraceClosed, TraceHeader, tag_of
 from kvtrace.files import StagedOutput, cannot_write
 from kvtrace.traceio.batches import encode_batch, encode_rows
 from kvtrace.traceio.frames import (
     FRAME_BATCH,
     FRAME_CLOSED,
-    FRAME_HEAD,
     FRAME_HEADER,
     FRAME_ROWS,
-    MAGIC,
-    PREAMBLE,
+    frame_head,
+    preamble,
 )
 
 DEFAULT_BATCH_SIZE = 8192
@@ -78,13 +76,13 @@ class TraceWriter:
         # Frames of pre-encoded rows go straight to the file descriptor with the native core.
         self._native_fd = (self._file.fileno()
                            if native.core is not None and self._owns_file else None)
-        self._file.write(PREAMBLE.pack(MAGIC, FORMAT_MAJOR, FORMAT_MINOR))
+        self._file.write(preamble())
         self._write_frame(FRAME_HEADER, msgspec.msgpack.encode(header))
         self.closed = False
 
     def _write_frame(self, frame_type: bytes, body: bytes) -> None:
         payload = frame_type + body
-        self._file.write(FRAME_HEAD.pack(len(payload), zlib.crc32(payload)))
+        self._file.write(frame_head(payload))
         self._file.write(payload)
 
     def write(self, record: Record) -> None:
