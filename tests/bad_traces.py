@@ -15,6 +15,8 @@ from pathlib import Path
 import msgspec
 
 from kvtrace.events import (
+    FORMAT_MAJOR,
+    FORMAT_MINOR,
     BlockRemoved,
     BlockStored,
     EngineConfig,
@@ -25,7 +27,7 @@ from kvtrace.events import (
     TraceClosed,
     TraceHeader,
 )
-from kvtrace.traceio import FORMAT_MAJOR, FORMAT_MINOR, MAGIC, encode_batch
+from kvtrace.traceio import MAGIC, encode_batch
 
 UNIT, BLOCK = 16, 64
 SMALL_CONFIG = EngineConfig(

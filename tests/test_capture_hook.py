@@ -203,7 +203,7 @@ def test_failing_writer_leaves_engine_results_identical(vllm_backend_class, capt
     status = hook.active_session().status()
     assert results == uncaptured
     assert "No space left on device" in status.error and not status.armed
-    from kvtrace.probes.wrappers import _Patches
+    from kvtrace.probes.cache_probes import _Patches
 
     assert not _Patches.originals, "a failed writer must disarm the probes"
 
@@ -264,7 +264,7 @@ def test_a_start_that_fails_part_way_is_undone(vllm_backend_class, capture, monk
                                                tmp_path):
     """A failure after the probes are patched and the writer runs (here: the GPU sampler's
     start) leaves nothing patched, no writer thread, no trace file; the next arm captures."""
-    from kvtrace.probes.wrappers import _Patches
+    from kvtrace.probes.cache_probes import _Patches
 
     before = patched_functions()
 

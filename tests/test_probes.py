@@ -19,7 +19,7 @@ from kvtrace.events import (
     SlotsAllocated,
 )
 from kvtrace.probes import CacheProbes, ProbeSignatureError, probe_targets
-from kvtrace.probes import wrappers
+from kvtrace.probes import probe_state, wrappers
 from kvtrace.probes.signatures import EXPECTED_SIGNATURES
 from vllm_support import (  # noqa: F401 (vllm_backend_class is a fixture)
     SEED_HASH_IDS, prefill_chunks, run_mixed_workload, seed_config, vllm_backend_class)
@@ -178,7 +178,7 @@ def test_made_up_hash_ids_never_equal_a_later_requests_real_ones(vllm_backend_cl
 
 
 def test_the_wrappers_use_exactly_the_probe_state_they_document():
-    """``wrappers.WrappedProbeState`` is the wrapper <-> probe state protocol: every attribute
+    """``probe_state.WrappedProbeState`` is the wrapper <-> probe state protocol: every attribute
     and method a wrapper touches on its probe set is listed there, nothing listed goes unused,
     and a real ``CacheProbes`` has all of it."""
     import ast
@@ -187,7 +187,7 @@ def test_the_wrappers_use_exactly_the_probe_state_they_document():
     tree = ast.parse(inspect.getsource(wrappers))
     used = {node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute)
             and isinstance(node.value, ast.Name) and node.value.id == "probe"}
-    protocol = wrappers.WrappedProbeState
+    protocol = probe_state.WrappedProbeState
     declared = set(protocol.__annotations__) | {
         name for name, member in vars(protocol).items()
         if inspect.isfunction(member) and not name.startswith("__")}

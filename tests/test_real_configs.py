@@ -18,8 +18,8 @@ from kvtrace.errors import ConfigError
 from kvtrace.geometry import resolve_model
 from kvtrace.geometry.architecture import ATTENTION, MAMBA, MLA
 from kvtrace.geometry.cost import cost_model
-from kvtrace.geometry.families import family_of, vllm_form
-from kvtrace.geometry.presets import apply_hf_overrides, model_spec
+from kvtrace.geometry.families import family_of
+from kvtrace.geometry.presets import apply_hf_overrides, model_spec, vllm_form
 from kvtrace.geometry.weights import model_weights
 
 
@@ -302,7 +302,7 @@ def test_vllms_code_computes_the_shipped_geometry_from_kimi_linear_as_transforme
 def test_a_capture_names_the_model_with_the_overrides_its_engine_applied():
     """The capture's header names the model as the engine was told it; a replay prices the
     recomputed tokens with that model (``cost_model`` of the header's name)."""
-    from kvtrace.capture.hook import served_model
+    from kvtrace.capture.live_engine import served_model
 
     def scheduler(overrides):
         model_config = types.SimpleNamespace(served_model_name="Qwen/Qwen3-Next-80B-A3B-Instruct",

@@ -10,7 +10,7 @@ import msgspec
 import pytest
 from trace_samples import frame_ends, one_of_each_kind, sample_header
 
-from kvtrace import traceio
+from kvtrace.traceio import batches
 from kvtrace.errors import TraceFormatError, TraceNotFoundError, TraceVersionError
 from kvtrace.events import (
     BlocksCached,
@@ -137,7 +137,7 @@ class RequestArrivedV0(Record, tag="request_arrived"):
 @pytest.fixture
 def extra_record_types(monkeypatch):
     for record_type in (FutureKind, BlockTouchedV2, RequestArrivedV0):
-        monkeypatch.setitem(traceio._FIELD_CODECS, record_type, traceio._field_codecs(record_type))
+        monkeypatch.setitem(batches._FIELD_CODECS, record_type, batches._field_codecs(record_type))
 
 
 @pytest.mark.parametrize("rows", [False, True], ids=["columns", "rows"])

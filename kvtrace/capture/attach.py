@@ -34,6 +34,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from kvtrace.attach_methods import INJECTORS
+from kvtrace.attach_methods import METHODS  # noqa: F401  # moved: kvtrace.attach_methods
 from kvtrace.capture import canary, control
 from kvtrace.capture.debuggers import DEBUGGERS
 from kvtrace.capture.inject import (  # noqa: F401 (is_alive and Bootstrap: the CLI's, the tests')
@@ -57,7 +59,6 @@ from kvtrace.capture.safe_paths import check_not_in_runtime_dir
 from kvtrace.capture.stalls import StallSampler
 
 ENGINE_CORE_TITLE = "::EngineCore"
-METHODS = ("auto", "plugin", "remote-exec", *DEBUGGERS)
 
 
 @dataclass(frozen=True)
@@ -268,9 +269,9 @@ def _proven_debugger(target: Target, method: str, log: Callable[[str], None]):
                               f"{target.pid}", OTHER_WAYS_IN[method])
         return debugger, f"--method {method}; {verdict.describe(debugger)}"
     reasons = []
-    for name, kind in DEBUGGERS.items():
+    for name in INJECTORS:
         try:
-            debugger = kind.find()
+            debugger = DEBUGGERS[name].find()
             verdict = canary.prove(debugger, target, log)
         except AttachError as error:
             reasons.append(f"{name}: {error}")

@@ -29,35 +29,36 @@ inside functions.
 from __future__ import annotations
 
 import contextlib
-import gc
 import os
 import socket
 import sys
 import threading
 import time
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 import msgspec
 
 from kvtrace import __version__, native
+from kvtrace.capture.live_engine import (
+    engine_config_of,
+    engine_variant,
+    find_kv_cache_managers,
+    process_title,
+    scheduling,
+    served_model,
+)
 from kvtrace.capture.messages import (
     AlreadyCapturingError,
     CaptureOptions,
     CaptureStatus,
     checked_options,
 )
+from kvtrace.capture.next_step import NextStep
 from kvtrace.capture.recorder import RingFiles
 from kvtrace.capture.safe_paths import NewTraceFile
+from kvtrace.capture.step_buffer import StepBuffer
 from kvtrace.errors import KvtraceError
-from kvtrace.events import (
-    EngineConfig,
-    EventsDropped,
-    HashInterner,
-    KVCacheGroup,
-    Record,
-    TraceHeader,
-)
-from kvtrace.probes.signatures import drafter_fields_of, release_has
+from kvtrace.events import EventsDropped, HashInterner, Record, TraceHeader
 from kvtrace.traceio import TraceWriter, encode_rows
 from kvtrace.vllm_releases import running_vllm_build, running_vllm_version
 
@@ -67,261 +68,6 @@ ENCODE_BATCH_RECORDS = 256
 ENCODE_MAX_DELAY_S = 0.05
 # How long a stop waits for the engine's next step to disarm there (an idle engine has none).
 DISARM_WAIT_S = 1.0
-
-
-def process_title() -> str:
-    """The title vLLM gave this process (``VLLM::EngineCore...``), else its command name."""
-    try:
-        with open("/proc/self/cmdline", "rb") as cmdline:
-            return cmdline.read().split(b"\0")[0].decode(errors="replace")
-    except OSError:
-        return os.path.basename(sys.argv[0]) if sys.argv else ""
-
-
-def find_kv_cache_managers() -> list[tuple[Any, Any]]:
-    """Every live vLLM ``KVCacheManager`` in this process (normally one per engine core), each
-    with the vLLM scheduler that owns it (None when none is found).
-
-    Looked for first among the objects the running threads' frames hold (the engine core's
-    busy loop holds its scheduler, which holds the manager): cheap. Only if that finds none is
-    the garbage collector's object list scanned, a pause of a few tenths of a second."""
-    from vllm.v1.core.kv_cache_manager import KVCacheManager
-    from vllm.v1.core.sched.interface import SchedulerInterface
-
-    found: dict[int, Any] = {}
-    for frame in sys._current_frames().values():
-        while frame is not None:
-            for value in list(frame.f_locals.values()):
-                _collect(value, KVCacheManager, SchedulerInterface, found, depth=3)
-            frame = frame.f_back
-    if not any(_is_a(obj, KVCacheManager) for obj in found.values()):
-        found = {id(obj): obj for obj in gc.get_objects()
-                 if _is_a(obj, KVCacheManager) or _is_a(obj, SchedulerInterface)}
-    owners = {id(getattr(obj, "kv_cache_manager", None)): obj for obj in found.values()
-              if _is_a(obj, SchedulerInterface)}
-    return [(obj, owners.get(id(obj))) for obj in found.values() if _is_a(obj, KVCacheManager)]
-
-
-def _is_a(value: Any, cls: type) -> bool:
-    """``isinstance`` by the object's real type only: no ``__class__`` lookup, which some
-    proxies in a live process answer with a warning (or worse)."""
-    return cls in type(value).__mro__
-
-
-def _collect(value: Any, manager_type: type, scheduler_type: type, found: dict[int, Any],
-             depth: int) -> None:
-    """Managers and schedulers reachable from ``value`` within ``depth`` attribute hops."""
-    if _is_a(value, manager_type):
-        found[id(value)] = value
-        return
-    if _is_a(value, scheduler_type):
-        found[id(value)] = value  # and on, to the manager it holds
-    attributes = getattr(value, "__dict__", None)
-    if depth == 0 or not isinstance(attributes, dict) or isinstance(value, type):
-        return
-    for attribute in list(attributes.values()):
-        if hasattr(attribute, "__dict__") and not callable(attribute):
-            _collect(attribute, manager_type, scheduler_type, found, depth - 1)
-
-
-def engine_config_of(manager: Any, scheduler: Any = None) -> EngineConfig:
-    """Read the engine's cache settings off a live ``KVCacheManager``, and its scheduler limits
-    off the scheduler that owns it when there is one (vLLM 0.33 attributes)."""
-    config = manager.kv_cache_config
-    groups = []
-    for (kind, _sliding_window), group in zip(manager.kv_cache_event_metadata, config.kv_cache_groups):
-        spec = group.kv_cache_spec
-        groups.append(KVCacheGroup(
-            kind=kind,
-            block_size=spec.block_size,
-            mamba_cache_mode=getattr(spec, "mamba_cache_mode", "") or "",
-            num_prefill_checkpoint_blocks=getattr(spec, "num_prefill_checkpoint_blocks", 0) or 0,
-            prefill_checkpoint_alignment=getattr(spec, "prefill_checkpoint_alignment", None),
-        ))
-    coordinator = manager.coordinator
-    hash_block_size = (release_has("KVCacheConfig.hash_block_size") and config.hash_block_size
-                       or getattr(coordinator, "hash_block_size", 0))
-    return EngineConfig(
-        kv_cache_groups=groups,
-        hash_block_size=hash_block_size,
-        num_gpu_blocks=config.num_blocks,
-        retention_interval=config.prefix_cache_retention_interval,
-        enable_caching=manager.enable_caching,
-        max_model_len=manager.max_model_len,
-        **drafter_fields_of(manager, scheduler),
-        **({} if scheduler is None else _scheduler_limits(scheduler, groups)),
-    )
-
-
-def _scheduler_limits(scheduler: Any, groups: list[KVCacheGroup]) -> dict[str, Any]:
-    scheduler_config = scheduler.scheduler_config
-    # What the Mamba split aligns to, where it is not the Mamba groups' own block size.
-    split_block_size = scheduler.cache_config.block_size
-    mamba_block_sizes = {group.block_size for group in groups if group.kind == "mamba"}
-    return {
-        "async_scheduling": is_async_scheduler(scheduler),
-        "cache_block_size": (split_block_size if mamba_block_sizes
-                             and mamba_block_sizes != {split_block_size} else 0),
-        "max_num_batched_tokens": scheduler_config.max_num_batched_tokens,
-        "max_num_seqs": scheduler_config.max_num_seqs,
-        "long_prefill_token_threshold": scheduler_config.long_prefill_token_threshold,
-        "reserve_full_sequence": bool(scheduler_config.scheduler_reserve_full_isl),
-    }
-
-
-def served_model(scheduler: Any) -> dict[str, str]:
-    """The model the engine serves, by the name it serves it as (vLLM's ``served_model_name``;
-    a replay prices recomputed tokens with it when it names a model kvtrace knows), with the
-    ``--hf-overrides`` the engine applied to its config, as ``presets.model_spec`` writes them
-    (``NAME --hf-overrides JSON``), which every reader of a model applies again."""
-    from kvtrace.geometry.presets import model_spec
-
-    model_config = getattr(getattr(scheduler, "vllm_config", None), "model_config", None)
-    name = getattr(model_config, "served_model_name", None) or getattr(model_config, "model", "")
-    if isinstance(name, list):
-        name = name[0] if name else ""
-    if not isinstance(name, str) or not name:
-        return {}
-    overrides = getattr(model_config, "hf_overrides", None)  # a dict, or a function (Python)
-    try:
-        return {"model": model_spec(name, overrides if isinstance(overrides, dict) else {})}
-    except (TypeError, ValueError):  # overrides given in Python that are no JSON
-        return {"model": name}
-
-
-def is_async_scheduler(scheduler: Any) -> bool:
-    """Whether the engine runs vLLM's ``AsyncScheduler`` (read off the class: an engine built
-    by hand may run the synchronous one whatever its config says)."""
-    return any(cls.__name__ == "AsyncScheduler" for cls in type(scheduler).__mro__)
-
-
-def scheduling(scheduler: Any) -> dict[str, str]:
-    """How the engine schedules, which decides when its cache calls happen: the scheduler's
-    class, and whether it is vLLM's ``AsyncScheduler`` (what the engine runs where async
-    scheduling is on, vLLM's default; read off the class, since an engine built by hand, as
-    ``kvtrace engine``'s, may run the synchronous one whatever its config says), and the
-    speculative decoding it runs (method and draft tokens a step; none: 0)."""
-    speculative = getattr(getattr(scheduler, "vllm_config", None), "speculative_config", None)
-    return {"scheduler": type(scheduler).__name__,
-            "async_scheduling": str(is_async_scheduler(scheduler)).lower(),
-            "speculative_method": str(getattr(speculative, "method", None) or ""),
-            "num_speculative_tokens": str(getattr(speculative, "num_speculative_tokens",
-                                                  None) or 0)}
-
-
-def engine_variant(manager: Any) -> str:
-    """The checkpoint variant kvtrace's own engine installed, else the vLLM's own code."""
-    for single_type_manager in manager.coordinator.single_type_managers:
-        variant = getattr(single_type_manager, "kvtrace_variant", None)
-        if variant:
-            return variant
-    return "upstream"
-
-
-class StepBuffer:
-    """A capture's hand-over of records from vLLM's scheduler thread to the writer thread.
-
-    Called with one engine step's records (a list). They join ``pending``; every
-    ``batch_records`` records, or once the oldest has waited ``max_delay_s``, the pending
-    records are encoded at once (``encode_rows``, msgspec in C: one call for many steps costs
-    far less than one per step) and ``(number of records, chunk)`` goes to ``chunks``, which the
-    writer thread drains. Counts are in records; what would exceed ``capacity``, or arrives
-    while drops wait for their marker, goes to ``overflow(records)``. Producers count what they
-    put in, the writer what it took out: the difference is what the buffer holds, without a
-    lock. The native core has the same type (``csrc/step_buffer.c``), used when it is on; there
-    each call is one step under the interpreter lock."""
-
-    def __init__(self, encode: Callable[[list[Record]], bytes], capacity: int,
-                 overflow: Callable[[list[Record]], None], batch_records: int,
-                 max_delay_s: float) -> None:
-        self.chunks: list[tuple[int, bytes]] = []
-        self.capacity = capacity
-        self.num_buffered = self.num_drained = self.num_enqueued = self.unmarked_drops = 0
-        self._pending: list[Record] = []
-        self._pending_since_ns = 0
-        self._encode = encode
-        self._overflow = overflow
-        self._batch_records = batch_records
-        self._max_delay_ns = int(max_delay_s * 1e9)
-
-    def __call__(self, records: list[Record]) -> None:
-        num_records = len(records)
-        if self.unmarked_drops or self.num_buffered - self.num_drained + num_records > self.capacity:
-            self._overflow(records)
-            return
-        now = time.monotonic_ns()
-        if not self._pending:
-            self._pending_since_ns = now
-        self._pending.extend(records)
-        self.num_buffered += num_records
-        self.num_enqueued += num_records
-        if (len(self._pending) >= self._batch_records
-                or now - self._pending_since_ns >= self._max_delay_ns):
-            self.flush()
-
-    def flush(self) -> None:
-        """Encode the pending records now."""
-        if self._pending:
-            self.chunks.append((len(self._pending), self._encode(self._pending)))
-            self._pending = []
-
-
-class NextStep:
-    """Runs ``begin(manager, scheduler)`` on vLLM's scheduler thread at the start of the next
-    step (``KVCacheManager.new_step_starts``, first thing in ``Scheduler.schedule``), then the
-    step as usual (through whatever ``begin`` patched). Until then, ``new_step_starts`` is a
-    trigger that restores the original first, so ``begin`` finds vLLM's own method; ``cancel``
-    restores it if the step never came. A pool with a probe set of its own (a replay backend in
-    the same process) does not trigger. ``begin`` must not raise: the engine is running."""
-
-    def __init__(self, begin: Callable[[Any, Any], None]) -> None:
-        from vllm.v1.core.kv_cache_manager import KVCacheManager
-
-        from kvtrace.probes.wrappers import _PROBE_ATTR
-
-        self._owner = KVCacheManager
-        self._original = KVCacheManager.__dict__["new_step_starts"]
-        # Reentrant: ``begin`` runs under it and may stop the capture, which cancels.
-        self._lock = threading.RLock()
-        original, lock, restore = self._original, self._lock, self._restore
-
-        def new_step_starts(self):  # vLLM's own parameters, as every wrapper keeps
-            if _PROBE_ATTR in self.block_pool.__dict__:
-                return original(self)
-            with lock:
-                if restore():  # the first step to come: begin, once
-                    begin(self, _scheduler_of(self))
-            return self.new_step_starts()
-
-        self._trigger = new_step_starts
-        KVCacheManager.new_step_starts = new_step_starts
-
-    def _restore(self) -> bool:
-        """Put vLLM's method back; whether the trigger was still installed."""
-        if self._owner.__dict__.get("new_step_starts") is not self._trigger:
-            return False
-        setattr(self._owner, "new_step_starts", self._original)
-        return True
-
-    def pending(self) -> bool:
-        """Whether the trigger still waits for its step."""
-        return self._owner.__dict__.get("new_step_starts") is self._trigger
-
-    def cancel(self) -> bool:
-        """Take the trigger back if no step has come yet (waiting for one that runs)."""
-        with self._lock:
-            return self._restore()
-
-
-def _scheduler_of(manager: Any) -> Any:
-    """The vLLM scheduler calling ``manager`` on this thread: the caller's frame holds it."""
-    frame = sys._getframe(1)
-    while frame is not None:
-        candidate = frame.f_locals.get("self")
-        if candidate is not manager and getattr(candidate, "kv_cache_manager", None) is manager:
-            return candidate
-        frame = frame.f_back
-    return None
 
 
 class CaptureSession:
@@ -466,7 +212,7 @@ class CaptureSession:
             self._hand_over(taken)
             self.snapshot_pause_ns = taken.ended.pause_ns
             self._scheduler_thread = threading.get_ident()
-            self._keyframe_due_ns = time.monotonic_ns() + int(self.options.keyframe_s * 1e9)
+            self._schedule_keyframe()
             self._probes.arm()
 
     def _keyframe(self, manager: Any, scheduler: Any) -> None:
@@ -516,8 +262,12 @@ class CaptureSession:
         with self._keyframe_lock:
             if self._stopped or self.error is not None or self._next_step.pending():
                 return  # an idle engine's keyframe still waits for its step
-            self._keyframe_due_ns = time.monotonic_ns() + int(self.options.keyframe_s * 1e9)
+            self._schedule_keyframe()
             self._next_step = NextStep(self._keyframe)
+
+    def _schedule_keyframe(self) -> None:
+        """The next keyframe is due one keyframe interval from now."""
+        self._keyframe_due_ns = time.monotonic_ns() + int(self.options.keyframe_s * 1e9)
 
     def _undo_start(self) -> None:
         """Take back a start that failed part way: nothing patched, running or written."""

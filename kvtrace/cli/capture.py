@@ -10,6 +10,7 @@ import time
 
 import click
 
+from kvtrace.attach_methods import METHOD_HELP, METHODS
 from kvtrace.errors import KvtraceError
 
 STATUS_INTERVAL_S = 0.5
@@ -47,17 +48,12 @@ def parse_size(text: str | None, option: str) -> int:
     return int(float(match.group(1)) * unit)
 
 
-# attach.METHODS, spelled out so that `kvtrace --help` imports no capture code (a test holds
-# the two equal).
-METHODS = ("auto", "plugin", "remote-exec", "ptrace", "gdb", "lldb")
 
 
 @click.command("capture")
 @click.option("--pid", type=PID, help="vLLM engine-core pid, or the API-server pid above it.")
 @click.option("--method", type=click.Choice(METHODS), default="auto", show_default=True,
-              help="How to get kvtrace's hook into the engine: auto takes the plugin, then "
-                   "remote-exec (Python 3.14), then the first of kvtrace's own injector "
-                   "(ptrace), gdb and lldb that passes its canary.")
+              help=METHOD_HELP)
 @click.option("--duration", help="Stop after this long (30s, 10m, 1h); default: until Ctrl-C.")
 @click.option("-o", "--output", type=click.Path(dir_okay=False), help="Trace file to write.")
 @click.option("--no-hash-bytes", is_flag=True, help="Leave hash bytes out (ids only): a trace to share.")

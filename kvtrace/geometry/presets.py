@@ -69,9 +69,7 @@ def resolve_model(name_or_path: str | Path,
     as unless told otherwise, which a capture records); with vLLM's ``--hf-overrides`` applied
     on top (``apply_hf_overrides``): those ``name_or_path`` names, as ``model_spec`` writes
     them, then ``hf_overrides`` (a dict, or its JSON text). The config is read in the form
-    vLLM 0.33 reads it (``families.vllm_form``: e.g. Kimi-Linear as transformers 5 saves it)."""
-    from kvtrace.geometry.families import vllm_form
-
+    vLLM 0.33 reads it (``vllm_form``: e.g. Kimi-Linear as transformers 5 saves it)."""
     text, _, named = str(name_or_path).partition(HF_OVERRIDES)
     overrides = {**(parse_hf_overrides(named) if named else {}),
                  **(parse_hf_overrides(hf_overrides) if isinstance(hf_overrides, str)
@@ -158,6 +156,49 @@ def _update_nested(target: dict[str, Any], updates: dict[str, Any]) -> dict[str,
         else:
             target[key] = value
     return target
+
+
+# transformers 5's Kimi-Linear fields (KimiLinearConfig) and the checkpoint's
+# ``linear_attn_config`` keys vLLM 0.33 reads them from, with transformers' defaults.
+KIMI_LINEAR_FIELDS = {"linear_num_heads": ("num_heads", 32), "linear_head_dim": ("head_dim", 128),
+                      "linear_conv_kernel_dim": ("short_conv_kernel_size", 4)}
+
+
+def vllm_form(config: dict[str, Any]) -> dict[str, Any]:
+    """``config`` in the form vLLM 0.33 reads. Kimi-Linear as transformers 5 saves it
+    (``KimiLinearConfig``: ``layer_types`` of linear_attention / full_attention,
+    ``linear_num_heads``, ``linear_head_dim``, ``linear_conv_kernel_dim``, ``mlp_layer_types``
+    of dense / sparse, and no ``linear_attn_config``) gets the checkpoint's
+    ``linear_attn_config`` (1-based ``kda_layers`` and ``full_attn_layers``) and
+    ``first_k_dense_replace`` spelled from them: vLLM's own ``KimiLinearConfig`` reads only
+    those (``is_kda_layer``), and would build every layer as MLA. Every other config is
+    returned as it is (Qwen3-Next's ``layer_types`` and Nemotron-H's ``layers_block_type`` are
+    read by the families themselves)."""
+    text = config.get("text_config") or config
+    if (text.get("model_type") != "kimi_linear" or text.get("linear_attn_config") is not None
+            or not isinstance(text.get("layer_types"), list)):
+        return config
+    types = text["layer_types"]
+    unknown = sorted({str(t) for t in types} - {"linear_attention", "full_attention"})
+    if unknown:
+        raise ConfigError(f"layer_types has a layer {unknown[0]!r} that the Kimi layout does not "
+                          "know (linear_attention, full_attention)",
+                          "Give the model's config.json as Hugging Face publishes it.")
+    linear = {"kda_layers": [i + 1 for i, t in enumerate(types) if t == "linear_attention"],
+              "full_attn_layers": [i + 1 for i, t in enumerate(types) if t == "full_attention"]}
+    for key, (checkpoint_key, default) in KIMI_LINEAR_FIELDS.items():
+        linear[checkpoint_key] = text.get(key) or default
+    text = {**text, "linear_attn_config": linear}
+    mlp_types = text.get("mlp_layer_types")
+    if text.get("first_k_dense_replace") is None and isinstance(mlp_types, list):
+        first_sparse = next((i for i, t in enumerate(mlp_types) if t != "dense"), len(mlp_types))
+        if any(t != "sparse" for t in mlp_types[first_sparse:]):
+            raise ConfigError(
+                f"mlp_layer_types {mlp_types} is not dense layers then sparse ones, the only "
+                "layout vLLM 0.33's Kimi reads (first_k_dense_replace, moe_layer_freq 1)",
+                "Give the model's config.json as Hugging Face publishes it.")
+        text = {**text, "first_k_dense_replace": first_sparse, "moe_layer_freq": 1}
+    return {**config, "text_config": text} if "text_config" in config else text
 
 
 def preset_named(name_or_path: str | Path) -> str:

@@ -8,7 +8,7 @@ replay backend); the class patches (``wrappers.py``) stay while any is armed and
 the last restores the original function objects exactly.
 
 The wrappers keep the common work inline and call the ``_enter`` / ``_leave`` / ``_report_*``
-methods here for the rest; ``wrappers.WrappedProbeState`` lists what they use. The reporting
+methods here for the rest; ``probe_state.WrappedProbeState`` lists what they use. The reporting
 methods never raise: a failure is counted in ``num_failures``.
 """
 
@@ -39,19 +39,26 @@ from kvtrace.events import (
     StaleKeyLeft,
     StoreKind,
 )
+from kvtrace.probes.probe_state import PROBE_ATTR, WrappedProbeState
 from kvtrace.probes.signatures import block_pool_class, probe_targets
 from kvtrace.probes.wrappers import (
     _NO_REQ,
-    _PROBE_ATTR,
     _STALE_CHECKPOINT,
     _UNSEEN_REQ,
     _make_wrapper,
-    _Patches,
     _probes_changed,
     wrapper_key,
 )
 
 _GROUP_OF_KEY = struct.Struct(">I").unpack_from  # (key, -4): a key ends in its 4-byte group
+
+
+class _Patches:
+    """The process-wide class patches, shared by every armed probe set."""
+
+    originals: dict[tuple[type, str], Callable] = {}
+    armed: list[WrappedProbeState] = []
+    catch_all: WrappedProbeState | None = None
 
 
 class HashIdInterner(Protocol):
@@ -129,9 +136,9 @@ class CacheProbes(object if native.built is None else native.built.ProbeState):
                 setattr(owner, name, wrapper)
         if block_pool is None:
             _Patches.catch_all = self
-            setattr(block_pool_class(), _PROBE_ATTR, self)
+            setattr(block_pool_class(), PROBE_ATTR, self)
         else:
-            block_pool.__dict__[_PROBE_ATTR] = self
+            block_pool.__dict__[PROBE_ATTR] = self
         self._pool = block_pool
         _Patches.armed.append(self)
         self._armed = True
@@ -144,9 +151,9 @@ class CacheProbes(object if native.built is None else native.built.ProbeState):
             return
         if self._pool is None:
             _Patches.catch_all = None
-            delattr(block_pool_class(), _PROBE_ATTR)
+            delattr(block_pool_class(), PROBE_ATTR)
         else:
-            self._pool.__dict__.pop(_PROBE_ATTR, None)
+            self._pool.__dict__.pop(PROBE_ATTR, None)
         _Patches.armed.remove(self)
         self._armed = False
         _probes_changed()

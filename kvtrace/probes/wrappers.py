@@ -19,7 +19,7 @@ wrappers run their common case in C and hand every other case to the Python wrap
 which stays the reference.
 
 A wrapper finds its probe set (a ``CacheProbes``, ``cache_probes.py``) on the block pool and
-talks to it only through ``WrappedProbeState``, below.
+talks to it only through ``WrappedProbeState`` (``probe_state.py``).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import ast
 import inspect
 import textwrap
 import time
-from typing import Any, Callable, Protocol
+from typing import Any, Callable
 
 from kvtrace import native
 from kvtrace.events import (
@@ -41,68 +41,13 @@ from kvtrace.events import (
     BlockTouched,
     ComputedBlocksFound,
     HashInterned,
-    Record,
     RemoveReason,
     SlotsAllocated,
     StepStarted,
     StoreKind,
 )
+from kvtrace.probes.probe_state import PROBE_ATTR
 from kvtrace.probes.signatures import ProbeSignatureError, parameter_names
-
-_PROBE_ATTR = "_kvtrace_probes"  # a BlockPool's probe set: on the instance, or on the class (all)
-
-
-class WrappedProbeState(Protocol):
-    """What the wrappers read, write and call on their probe set (``CacheProbes``).
-
-    The wrappers do the common work inline on these attributes and call the methods for the
-    rare paths. The native fast paths (``csrc/probes.c``) read the same attributes through
-    ``native.built.ProbeState``'s slots (plus ``_depth``, ``_interned_ids``,
-    ``emit_hash_bytes`` and ``sink_many``) and call ``_flush``, ``_report_checkpoint`` and
-    ``_report_offloads``. ``tests/test_probes.py`` checks that the wrappers use nothing else.
-    """
-
-    # The records of the current call (or step, with ``sink_many``), not yet handed over.
-    _records: list[Record]
-    # True while records wait: inside a KVCacheManager call, and always with ``sink_many``.
-    _held: bool
-    # Context set by the outer method being called: the request and why hashes move.
-    _req: int  # the current request's trace number; ``_NO_REQ`` / ``_UNSEEN_REQ`` otherwise
-    _request: Any  # the current vLLM ``Request``, or None
-    _reqs: dict[str, tuple[int, int]]  # request id -> (req, hash units reported)
-    _remove_reason: RemoveReason
-    _store_kind: StoreKind
-    _in_checkpoint: bool  # inside ``MambaManager.cache_blocks`` publishing a checkpoint
-    _num_stripped: int  # stale keys stripped off the checkpoint's slot so far
-    # Steps: the last number, and one replay announced for the next ``new_step_starts``.
-    _step: int
-    _announced_step: tuple[int, int] | None
-    created_ns: int
-    num_failures: int
-
-    def _flush(self) -> None: ...
-    def _enter(self, request: Any, hash_block_size: int) -> int: ...
-    def _leave(self, held: bool) -> None: ...
-    def _report_release(self, request: Any) -> None: ...
-    def _forget_if_finished(self, request: Any) -> None: ...
-    def _report_stored(self, block_id: int, key: bytes, num_tokens: int | None) -> None: ...
-    def _report_removed(self, block_id: int, removed: list[bytes]) -> None: ...
-    def _keys_held_by_blocks(self, pool: Any) -> list[tuple[int, bytes]]: ...
-    def _report_reset(self, held: list[tuple[int, bytes]]) -> None: ...
-    def _report_checkpoint(self, manager: Any, checkpoint: tuple[int, int],
-                           chunk_end: int) -> None: ...
-    def _report_offloads(self, manager: Any, num_before: int) -> None: ...
-    def _report_checkpoint_decision(self, manager: Any, request: Any,
-                                    checkpoint: tuple[int, int]) -> None: ...
-
-
-class _Patches:
-    """The process-wide class patches, shared by every armed probe set."""
-
-    originals: dict[tuple[type, str], Callable] = {}
-    armed: list[WrappedProbeState] = []
-    catch_all: WrappedProbeState | None = None
-
 
 # --- wrappers -------------------------------------------------------------------------------------
 # They run on every cache operation of the engine, so each is one Python frame: it has the
@@ -226,7 +171,7 @@ def _factory_for(method_name: str, names: tuple[str, ...]) -> Callable[[Callable
 @_wrapper_for("new_step_starts")
 def _new_step_starts(original: Callable) -> Callable:
     def new_step_starts(self):
-        probe = getattr(self.block_pool, _PROBE_ATTR, None)
+        probe = getattr(self.block_pool, PROBE_ATTR, None)
         if probe is None:
             return original(self)
         if probe._records:
@@ -252,7 +197,7 @@ def _new_step_starts(original: Callable) -> Callable:
 @_wrapper_for("get_computed_blocks")
 def _get_computed_blocks(original: Callable) -> Callable:
     def get_computed_blocks(self, request, max_cache_hit_length):
-        probe = getattr(self.block_pool, _PROBE_ATTR, None)
+        probe = getattr(self.block_pool, PROBE_ATTR, None)
         if probe is None:
             return original(self, request, max_cache_hit_length)
         held, probe._held = probe._held, True
@@ -281,7 +226,7 @@ def _allocate_slots(original: Callable) -> Callable:
                        new_computed_blocks, num_lookahead_tokens, num_external_computed_tokens,
                        delay_cache_blocks, num_encoder_tokens, full_sequence_must_fit,
                        reserved_blocks, has_scheduled_reqs, skip_zeroing_group_ids):
-        probe = getattr(self.block_pool, _PROBE_ATTR, None)
+        probe = getattr(self.block_pool, PROBE_ATTR, None)
         if probe is None:
             return original(self, request, num_new_tokens, num_new_computed_tokens,
                             new_computed_blocks, num_lookahead_tokens,
@@ -331,7 +276,7 @@ def _allocate_slots(original: Callable) -> Callable:
 @_wrapper_for("free", "pop_blocks_for_free")
 def _release(original: Callable) -> Callable:
     def release(self, request):
-        probe = getattr(self.block_pool, _PROBE_ATTR, None)
+        probe = getattr(self.block_pool, PROBE_ATTR, None)
         if probe is None:
             return original(self, request)
         held, probe._held = probe._held, True
@@ -349,7 +294,7 @@ def _release(original: Callable) -> Callable:
 @_wrapper_for("KVCacheManager.cache_blocks")
 def _manager_cache_blocks(original: Callable) -> Callable:
     def cache_blocks(self, request, num_computed_tokens):
-        probe = getattr(self.block_pool, _PROBE_ATTR, None)
+        probe = getattr(self.block_pool, PROBE_ATTR, None)
         if probe is None:
             return original(self, request, num_computed_tokens)
         held, probe._held = probe._held, True
@@ -373,7 +318,7 @@ def _manager_cache_blocks(original: Callable) -> Callable:
 @_wrapper_for("get_new_blocks")
 def _get_new_blocks(original: Callable) -> Callable:
     def get_new_blocks(self, num_blocks):
-        probe = getattr(self, _PROBE_ATTR, None)
+        probe = getattr(self, PROBE_ATTR, None)
         if probe is None:
             return original(self, num_blocks)
         reason, probe._remove_reason = probe._remove_reason, _LRU_REUSE
@@ -396,7 +341,7 @@ def _get_new_blocks(original: Callable) -> Callable:
 def _touch(original: Callable) -> Callable:
     def touch(self, blocks):
         result = original(self, blocks)
-        probe = getattr(self, _PROBE_ATTR, None)
+        probe = getattr(self, PROBE_ATTR, None)
         if probe is not None:
             try:
                 req = probe._req
@@ -413,7 +358,7 @@ def _touch(original: Callable) -> Callable:
 @_wrapper_for("free_blocks")
 def _free_blocks(original: Callable) -> Callable:
     def free_blocks(self, ordered_blocks):
-        probe = getattr(self, _PROBE_ATTR, None)
+        probe = getattr(self, PROBE_ATTR, None)
         if probe is None:
             return original(self, ordered_blocks)
         ordered_blocks = list(ordered_blocks)  # an iterator would be spent by vLLM
@@ -442,7 +387,7 @@ def _context_wrapper(remove_reason: RemoveReason, store_kind: StoreKind | None =
     call; ``checkpoint_aware``: a partial store inside a checkpoint publication is CHECKPOINT."""
     def factory(original: Callable) -> Callable:
         def wrapper(self, *args, **kwargs):
-            probe = getattr(self, _PROBE_ATTR, None)
+            probe = getattr(self, PROBE_ATTR, None)
             if probe is None:
                 return original(self, *args, **kwargs)
             saved = probe._remove_reason, probe._store_kind
@@ -472,7 +417,7 @@ _wrapper_for("evict_blocks")(_context_wrapper(_CONNECTOR))
 @_wrapper_for("reset_prefix_cache")
 def _reset_prefix_cache(original: Callable) -> Callable:
     def reset_prefix_cache(self):
-        probe = getattr(self, _PROBE_ATTR, None)
+        probe = getattr(self, PROBE_ATTR, None)
         if probe is None:
             return original(self)
         held = probe._keys_held_by_blocks(self)
@@ -490,7 +435,7 @@ def _remove_cached_block_hashes(original: Callable) -> Callable:
     def _remove_cached_block_hashes(self, block):
         removed = original(self, block)
         if removed:  # mostly not: get_new_blocks asks this of every block it hands out
-            probe = getattr(self, _PROBE_ATTR, None)
+            probe = getattr(self, PROBE_ATTR, None)
             if probe is not None:
                 probe._report_removed(block.block_id, removed)
                 if not probe._held:
@@ -502,7 +447,7 @@ def _remove_cached_block_hashes(original: Callable) -> Callable:
 @_wrapper_for("_insert_block_hash")
 def _insert_block_hash(original: Callable) -> Callable:
     def _insert_block_hash(self, block_hash_with_group_id, block, num_tokens):
-        probe = getattr(self, _PROBE_ATTR, None)
+        probe = getattr(self, PROBE_ATTR, None)
         if probe is None:
             return original(self, block_hash_with_group_id, block, num_tokens)
         if block.block_hash is None:
@@ -533,7 +478,7 @@ def _get_num_blocks_to_allocate(original: Callable) -> Callable:
     def get_num_blocks_to_allocate(self, request_id, num_tokens, new_computed_blocks,
                                    total_computed_tokens, num_local_computed_tokens,
                                    num_tokens_main_model, apply_admission_cap, prefill_end):
-        probe = getattr(self.block_pool, _PROBE_ATTR, None)
+        probe = getattr(self.block_pool, PROBE_ATTR, None)
         checkpoints = getattr(self, "_checkpoints", None)  # only in "align" mode
         if probe is None or checkpoints is None or apply_admission_cap:
             return original(self, request_id, num_tokens, new_computed_blocks,
@@ -555,7 +500,7 @@ def _get_num_blocks_to_allocate(original: Callable) -> Callable:
 @_wrapper_for("allocate_new_blocks")
 def _allocate_new_blocks(original: Callable) -> Callable:
     def allocate_new_blocks(self, request_id, num_tokens, num_tokens_main_model):
-        probe = getattr(self.block_pool, _PROBE_ATTR, None)
+        probe = getattr(self.block_pool, PROBE_ATTR, None)
         if probe is None:
             return original(self, request_id, num_tokens, num_tokens_main_model)
         num_offloads = len(self._pending_boundary_state_offloads)
@@ -569,7 +514,7 @@ def _allocate_new_blocks(original: Callable) -> Callable:
 @_wrapper_for("cache_blocks")
 def _cache_blocks(original: Callable) -> Callable:
     def cache_blocks(self, request, num_tokens, retention_interval, *, replay_boundaries):
-        probe = getattr(self.block_pool, _PROBE_ATTR, None)
+        probe = getattr(self.block_pool, PROBE_ATTR, None)
         if probe is None:
             return original(self, request, num_tokens, retention_interval,
                             replay_boundaries=replay_boundaries)
