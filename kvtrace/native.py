@@ -6,8 +6,8 @@ compiler; ``setup.py`` makes the build optional), turned off with ``KVTRACE_NATI
 unusable (``configure`` refused the record types; ``problem`` says why). Every native part has
 a Python twin, the reference, used when ``core`` is None: the probes' hot wrappers
 (``probes/wrappers.py``; C in ``csrc/probes.c``), a capture's per-step hand-over
-(``capture/hook.py``; ``csrc/step_buffer.c``) and the writing of record frames (``traceio.py``;
-``csrc/frames.c``). Each reads ``core`` when it is set up, so tests can switch it off around one
+(``capture/step_buffer.py``; ``csrc/step_buffer.c``) and the writing of record frames
+(``traceio/writer.py``; ``csrc/frames.c``). Each reads ``core`` when it is set up, so tests can switch it off around one
 capture.
 """
 

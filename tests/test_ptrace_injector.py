@@ -205,8 +205,11 @@ def test_the_injector_runs_isolated_from_the_working_directory(tmp_path):
 
 
 def test_the_cli_offers_every_way_in_in_attachs_order():
-    from kvtrace.capture import attach
-    from kvtrace.cli import capture
+    from kvtrace.attach_methods import INJECTORS, METHODS
+    from kvtrace.capture.debuggers import DEBUGGERS
+    from kvtrace.cli.capture import command as capture
 
-    assert capture.METHODS == attach.METHODS
-    assert attach.METHODS.index("ptrace") < attach.METHODS.index("gdb"), "least stop first"
+    method = next(p for p in capture.params if p.name == "method")
+    assert tuple(method.type.choices) == METHODS
+    assert INJECTORS.index("ptrace") < INJECTORS.index("gdb"), "least stop first"
+    assert set(DEBUGGERS) == set(INJECTORS), "every injector auto tries has its class"

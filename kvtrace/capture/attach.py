@@ -35,7 +35,6 @@ from pathlib import Path
 from typing import Callable
 
 from kvtrace.attach_methods import INJECTORS
-from kvtrace.attach_methods import METHODS  # noqa: F401  # moved: kvtrace.attach_methods
 from kvtrace.capture import canary, control
 from kvtrace.capture.debuggers import DEBUGGERS
 from kvtrace.capture.inject import (  # noqa: F401 (is_alive and Bootstrap: the CLI's, the tests')

@@ -24,7 +24,7 @@ def register() -> None:
         return
     try:
         from kvtrace.capture.control import start_control_server
-        from kvtrace.capture.hook import process_title
+        from kvtrace.capture.live_engine import process_title
 
         if mode != "force" and ENGINE_CORE_TITLE not in process_title():
             return
