@@ -24,7 +24,15 @@
 #include <structmember.h>
 
 /* tp_dealloc of this module's types: heap types with references that `clear` drops. */
-void dealloc_with(PyObject *self, inquiry clear);
+static inline void
+dealloc_with(PyObject *self, inquiry clear)
+{
+    PyTypeObject *type = Py_TYPE(self);
+    PyObject_GC_UnTrack(self);
+    clear(self);
+    type->tp_free(self);
+    Py_DECREF(type);
+}
 
 /* --- records the probes build, by field name ------------------------------------------------- */
 

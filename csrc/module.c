@@ -5,16 +5,6 @@
 
 #include <string.h>
 
-void
-dealloc_with(PyObject *self, inquiry clear)
-{
-    PyTypeObject *type = Py_TYPE(self);
-    PyObject_GC_UnTrack(self);
-    clear(self);
-    type->tp_free(self);
-    Py_DECREF(type);
-}
-
 /* --- the record types, laid out by configure() ------------------------------------------------ */
 
 #define FIELD_NAME(field) #field,

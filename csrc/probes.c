@@ -1112,12 +1112,14 @@ free_blocks(FastWrapper *w, PyObject *const *args, size_t nargsf, PyObject *kwna
     return result;
 }
 
-static vectorcallfunc fast_paths[NUM_KINDS] = {
-    (vectorcallfunc)new_step_starts, (vectorcallfunc)allocate_slots,
-    (vectorcallfunc)insert_block_hash, (vectorcallfunc)remove_cached_block_hashes,
-    (vectorcallfunc)get_num_blocks_to_allocate, (vectorcallfunc)allocate_new_blocks,
-    (vectorcallfunc)cache_blocks, (vectorcallfunc)get_new_blocks, (vectorcallfunc)touch,
-    (vectorcallfunc)free_blocks,
+/* A fast path: a vectorcall whose callable is the wrapper. */
+typedef PyObject *(*FastPath)(FastWrapper *w, PyObject *const *args, size_t nargsf,
+                              PyObject *kwnames);
+
+static const FastPath fast_paths[NUM_KINDS] = {
+    new_step_starts, allocate_slots, insert_block_hash, remove_cached_block_hashes,
+    get_num_blocks_to_allocate, allocate_new_blocks, cache_blocks, get_new_blocks, touch,
+    free_blocks,
 };
 
 /* Every fast path: a stop met by our code after the original returned is raised in place of
