@@ -12,9 +12,10 @@ from setuptools import Extension, setup
 
 setup(ext_modules=[
     Extension("kvtrace._native",
-              ["csrc/module.c", "csrc/probes.c", "csrc/step_buffer.c", "csrc/frames.c",
-               "csrc/snapshot.c"],
-              depends=["csrc/kvtrace_native.h"],  # rebuilt when it changes; shipped in an sdist
+              ["csrc/module.c", "csrc/records.c", "csrc/probes.c", "csrc/probe_state.c",
+               "csrc/step_buffer.c", "csrc/frames.c", "csrc/snapshot.c"],
+              # rebuilt when they change; shipped in an sdist
+              depends=["csrc/kvtrace_native.h", "csrc/probe_state.h"],
               optional=True),
     Extension("kvtrace._model_core",
               ["csrc/model_core.c", "csrc/model_restore.c", "csrc/model_managers.c",
