@@ -4,15 +4,19 @@
  * there (setup.py, optional); kvtrace/native.py says whether it is on, and every part has a
  * Python twin that is the reference and the fallback:
  *
- * - probes.c: ProbeState, FastWrapper and intern_hashes, the probes' fast paths
- *   (kvtrace/probes/wrappers.py).
+ * - probes.c: FastWrapper, the probes' fast paths (kvtrace/probes/wrappers.py).
+ * - probe_state.c: ProbeState, the fields the probes and their fast paths share
+ *   (kvtrace/probes/cache_probes.py), and intern_hashes; probe_state.h holds what probes.c
+ *   uses of it.
  * - step_buffer.c: StepBuffer, a capture's per-step hand-over (kvtrace/capture/hook.py).
  * - frames.c: write_rows_frame, a record frame written without the interpreter lock
  *   (kvtrace/traceio.py).
  * - snapshot.c: snapshot_pool, the pool part of a capture's start snapshot
  *   (kvtrace/probes/snapshot.py).
- * - module.c: the module, and configure(), which reads the field order of the records the
- *   probes build from their types (kvtrace/events.py is its one source).
+ * - records.c: the record types the probes build, laid out by field name from the types
+ *   (kvtrace/events.py is the one source of their field order).
+ * - module.c: the module, and configure(), which hands the probes their record types and
+ *   constants.
  *
  * tests/test_native.py checks each part against its twin.
  */
@@ -24,7 +28,15 @@
 #include <structmember.h>
 
 /* tp_dealloc of this module's types: heap types with references that `clear` drops. */
-void dealloc_with(PyObject *self, inquiry clear);
+static inline void
+dealloc_with(PyObject *self, inquiry clear)
+{
+    PyTypeObject *type = Py_TYPE(self);
+    PyObject_GC_UnTrack(self);
+    clear(self);
+    type->tp_free(self);
+    Py_DECREF(type);
+}
 
 /* --- records the probes build, by field name ------------------------------------------------- */
 
@@ -113,11 +125,16 @@ new_record(const RecordType *record, PyObject *const *values)
 
 /* --- the parts -------------------------------------------------------------------------------- */
 
+/* records.c */
+int records_configure(PyObject *types);
+
 /* probes.c */
 int probes_add_types(PyObject *module);
 void probes_configure(PyObject *no_req, PyObject *stale_checkpoint, PyObject *lru_reuse);
-PyObject *intern_hashes(PyObject *module, PyObject *args);
 PyObject *probes_changed(PyObject *module, PyObject *unused);
+
+/* probe_state.c */
+PyObject *intern_hashes(PyObject *module, PyObject *args);
 
 /* step_buffer.c */
 int step_buffer_add_type(PyObject *module);

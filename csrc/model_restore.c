@@ -1,14 +1,15 @@
 /* The model core's start from a capture's start snapshot: the twin of ModelBackend.restore
  * (kvtrace/replay/model/backend.py), BlockPool.restore (pool.py) and the managers'
- * restore_request (managers.py), in their order. Included by model_core.c, whose pool, request
- * and tally functions it uses; NativeModelBackend.restore hands it the snapshot's records as
- * tuples.
+ * restore_request (managers.py), in their order, with the pool's, the requests' and the
+ * tally's functions (model_parts.h); NativeModelBackend.restore hands it the snapshot's records
+ * as tuples.
  *
  * kvtrace/replay/snapshot_checks.py refuses a snapshot no engine could have held before any
  * backend sees it. What is checked here is only what the core would otherwise read or write
  * outside its arrays (a block, group or index out of range, a request twice or unknown, a
  * block twice in the free queue): a SnapshotError, as the Python twin raises, not a crash.
  */
+#include "model_parts.h"
 
 static int snapshot_error(const char *format, ...) {
     va_list ap;
@@ -251,7 +252,7 @@ static int restore_table(Core *c, PyObject *item) {
 /* _restore(requests, blocks, keys, free_queue, tables): start from a start snapshot (a new
    core only). Counting, the Tally starts from the snapshot as ReplaySummary does from its
    records; no record is made (the replay trace's writer has the snapshot's records already). */
-static PyObject *Core_restore(Core *c, PyObject *args) {
+PyObject *Core_restore(Core *c, PyObject *args) {
     PyObject *requests, *blocks, *keys, *free_queue, *tables;
     if (!PyArg_ParseTuple(args, "OOOOO", &requests, &blocks, &keys, &free_queue, &tables)
         || restore_each(c, requests, restore_request) || restore_each(c, blocks, restore_block)

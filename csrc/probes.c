@@ -1,6 +1,6 @@
-/* The probes' fast paths: ProbeState, FastWrapper and intern_hashes.
+/* The probes' fast paths: FastWrapper (ProbeState and intern_hashes: probe_state.c).
  *
- * FastWrapper / ProbeState: the probes' ten hottest wrappers (kvtrace/probes/wrappers.py).
+ * FastWrapper: the probes' ten hottest wrappers (kvtrace/probes/wrappers.py).
  * The probes wrap ~10 vLLM cache methods per engine step; as Python functions each wrapper
  * costs a frame, its own argument binding and several attribute lookups. Here
  * KVCacheManager.new_step_starts / allocate_slots, BlockPool._insert_block_hash /
@@ -9,8 +9,7 @@
  * common case: forward the caller's arguments untouched to the original and build the records
  * the Python wrapper would. Every other case (a new request, a checkpoint publication, a
  * replay probe set that flushes per call, anything unexpected before the original runs) goes,
- * arguments untouched, to the Python wrapper, which does the whole call. ProbeState is
- * CacheProbes' base class: the fields both sides use. intern_hashes is CacheProbes._hash_ids.
+ * arguments untouched, to the Python wrapper, which does the whole call.
  *
  * Rules kept from the Python side: nothing of ours raises into vLLM (our failures are cleared and
  * counted in num_failures), and the original's result or exception is returned or raised
@@ -19,113 +18,22 @@
  * Python code, is kept (clear_unless_stop), no more of our Python code runs, and the call
  * returns NULL with it, as the Python wrappers' `except Exception` let it through.
  */
-#include "kvtrace_native.h"
+#include "probe_state.h"
 
 #include <string.h>
 #include <time.h>
 
-#if PY_VERSION_HEX >= 0x030D0000
-#define LOOKUP_ATTR PyObject_GetOptionalAttr
-#else
-#define LOOKUP_ATTR _PyObject_LookupAttr
-#endif
+/* --- the fast paths' constants, set by configure() -------------------------------------------- */
 
-/* --- ProbeState ------------------------------------------------------------------------------ */
-
-typedef struct {
-    PyObject_HEAD
-    PyObject *records;        /* _records: list of records held until flushed */
-    PyObject *req;            /* _req: the current request's number, or _NO_REQ */
-    PyObject *request;        /* _request: the current vLLM Request, or None */
-    PyObject *held;           /* _held: True while records wait */
-    PyObject *reqs;           /* _reqs: request id -> (req, hash units reported) */
-    PyObject *depth;          /* _depth: hash id -> prefix length in tokens */
-    PyObject *step;           /* _step */
-    PyObject *announced_step; /* _announced_step: (step, ts_ns) or None */
-    PyObject *remove_reason;  /* _remove_reason */
-    PyObject *store_kind;     /* _store_kind */
-    PyObject *hash_ids;       /* _interned_ids: the interner's bytes -> id dict, or None */
-    PyObject *emit_hash_bytes;
-    PyObject *sink_many;      /* takes one step's records as a list, or None */
-    long long created_ns;
-    long long num_failures;
-} ProbeState;
-
-#define STATE_OBJECTS(X) X(records) X(req) X(request) X(held) X(reqs) X(depth) X(step) \
-    X(announced_step) X(remove_reason) X(store_kind) X(hash_ids) X(emit_hash_bytes) X(sink_many)
-
-static int
-state_traverse(ProbeState *self, visitproc visit, void *arg)
-{
-#define VISIT(name) Py_VISIT(self->name);
-    STATE_OBJECTS(VISIT)
-#undef VISIT
-    Py_VISIT(Py_TYPE(self));
-    return 0;
-}
-
-static int
-state_clear(ProbeState *self)
-{
-#define CLEAR(name) Py_CLEAR(self->name);
-    STATE_OBJECTS(CLEAR)
-#undef CLEAR
-    return 0;
-}
-
-static void
-state_dealloc(PyObject *self)
-{
-    dealloc_with(self, (inquiry)state_clear);
-}
-
-static PyMemberDef state_members[] = {
-    {"_records", T_OBJECT_EX, offsetof(ProbeState, records), 0, NULL},
-    {"_req", T_OBJECT_EX, offsetof(ProbeState, req), 0, NULL},
-    {"_request", T_OBJECT_EX, offsetof(ProbeState, request), 0, NULL},
-    {"_held", T_OBJECT_EX, offsetof(ProbeState, held), 0, NULL},
-    {"_reqs", T_OBJECT_EX, offsetof(ProbeState, reqs), 0, NULL},
-    {"_depth", T_OBJECT_EX, offsetof(ProbeState, depth), 0, NULL},
-    {"_step", T_OBJECT_EX, offsetof(ProbeState, step), 0, NULL},
-    {"_announced_step", T_OBJECT_EX, offsetof(ProbeState, announced_step), 0, NULL},
-    {"_remove_reason", T_OBJECT_EX, offsetof(ProbeState, remove_reason), 0, NULL},
-    {"_store_kind", T_OBJECT_EX, offsetof(ProbeState, store_kind), 0, NULL},
-    {"_interned_ids", T_OBJECT_EX, offsetof(ProbeState, hash_ids), 0, NULL},
-    {"emit_hash_bytes", T_OBJECT_EX, offsetof(ProbeState, emit_hash_bytes), 0, NULL},
-    {"sink_many", T_OBJECT_EX, offsetof(ProbeState, sink_many), 0, NULL},
-    {"created_ns", T_LONGLONG, offsetof(ProbeState, created_ns), 0, NULL},
-    {"num_failures", T_LONGLONG, offsetof(ProbeState, num_failures), 0, NULL},
-    {NULL},
-};
-
-static PyType_Slot state_slots[] = {
-    {Py_tp_doc, "The probe fields the native wrappers read and write (CacheProbes' base)."},
-    {Py_tp_members, state_members},
-    {Py_tp_traverse, state_traverse},
-    {Py_tp_clear, state_clear},
-    {Py_tp_dealloc, state_dealloc},
-    {0, NULL},
-};
-
-static PyType_Spec state_spec = {
-    "kvtrace._native.ProbeState", sizeof(ProbeState), 0,
-    Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC, state_slots,
-};
-
-/* --- the probes' state: their constants set by configure() ----------------------------------- */
-
-static PyTypeObject *ProbeStateType;
 static PyObject *NoReq, *StaleCheckpoint, *LruReuse, *One;
-static PyObject *s_block_pool, *s_probe_attr, *s_checkpoints, *s_pending_offloads, *s_request_id,
-    *s_block_hashes, *s_num_computed_tokens, *s_num_in_flight_tokens, *s_all_token_ids, *s_block_hash, *s_block_id, *s_flush,
+static PyObject *s_checkpoints, *s_pending_offloads, *s_request_id, *s_block_hashes,
+    *s_num_computed_tokens, *s_num_in_flight_tokens, *s_all_token_ids, *s_block_hash, *s_block_id,
     *s_report_checkpoint, *s_report_offloads, *s_is_null, *s_ref_cnt;
 
 static int
 intern_names(void)
 {
 #define NAME(var, text) if ((var = PyUnicode_InternFromString(text)) == NULL) return -1;
-    NAME(s_block_pool, "block_pool")
-    NAME(s_probe_attr, "_kvtrace_probes")
     NAME(s_checkpoints, "_checkpoints")
     NAME(s_pending_offloads, "_pending_boundary_state_offloads")
     NAME(s_request_id, "request_id")
@@ -138,7 +46,6 @@ intern_names(void)
     NAME(s_all_token_ids, "_all_token_ids")
     NAME(s_block_hash, "_block_hash")
     NAME(s_block_id, "block_id")
-    NAME(s_flush, "_flush")
     NAME(s_report_checkpoint, "_report_checkpoint")
     NAME(s_report_offloads, "_report_offloads")
     NAME(s_is_null, "is_null")
@@ -148,171 +55,6 @@ intern_names(void)
         return -1;
     }
     return 0;
-}
-
-/* --- helpers ---------------------------------------------------------------------------------- */
-
-/* Clear the pending error unless it is the engine's own stop (not an Exception: a signal
- * handler's SystemExit or KeyboardInterrupt), which stays pending and must reach vLLM:
- * swallowed, the engine would not stop when told. 1 when a stop is pending. */
-static int
-clear_unless_stop(void)
-{
-    if (PyErr_Occurred() && !PyErr_ExceptionMatches(PyExc_Exception)) {
-        return 1;
-    }
-    PyErr_Clear();
-    return 0;
-}
-
-/* A failure of ours: counted, never raised; -1 if it was a stop instead (kept, not counted). */
-static int
-count_failure(ProbeState *probe)
-{
-    if (clear_unless_stop()) {
-        return -1;
-    }
-    probe->num_failures++;
-    return 0;
-}
-
-/* Replace a slot's value (steals `value`). */
-static void
-set_field(PyObject **field, PyObject *value)
-{
-    PyObject *old = *field;
-    *field = value;
-    Py_XDECREF(old);
-}
-
-/* The probe set observing `pool`, or NULL (none, not ours, or the lookup failed: error cleared
- * unless a stop). New reference. */
-static ProbeState *
-probe_of_pool(PyObject *pool)
-{
-    PyObject *probe;
-    if (LOOKUP_ATTR(pool, s_probe_attr, &probe) < 0) {
-        clear_unless_stop();
-        return NULL;
-    }
-    if (probe != NULL && !PyObject_TypeCheck(probe, ProbeStateType)) {
-        Py_CLEAR(probe);
-    }
-    return (ProbeState *)probe;
-}
-
-/* For managers, which reach their pool as self.block_pool. */
-static ProbeState *
-probe_of_manager(PyObject *manager)
-{
-    PyObject *pool = PyObject_GetAttr(manager, s_block_pool);
-    if (pool == NULL) {
-        clear_unless_stop();
-        return NULL;
-    }
-    ProbeState *probe = probe_of_pool(pool);
-    Py_DECREF(pool);
-    return probe;
-}
-
-/* CacheProbes._flush: hand the held records to the sink; with sink_many (a capture), here. */
-static void
-flush(ProbeState *probe)
-{
-    PyObject *records = probe->records, *result;
-    if (PyErr_Occurred()) {
-        return; /* a stop met earlier in this call: it goes to vLLM first */
-    }
-    if (probe->sink_many == NULL || probe->sink_many == Py_None || records == NULL
-        || !PyList_CheckExact(records)) {
-        result = PyObject_CallMethodNoArgs((PyObject *)probe, s_flush);
-    } else if (PyList_GET_SIZE(records) == 0) {
-        return;
-    } else {
-        PyObject *fresh = PyList_New(0);
-        if (fresh == NULL) {
-            count_failure(probe);
-            return;
-        }
-        probe->records = fresh; /* the sink may keep the old list */
-        result = PyObject_CallOneArg(probe->sink_many, records);
-        Py_DECREF(records);
-    }
-    if (result == NULL) {
-        count_failure(probe);
-    }
-    Py_XDECREF(result);
-}
-
-static void
-flush_unless_held(ProbeState *probe)
-{
-    if (probe->held != Py_True) {
-        flush(probe);
-    }
-}
-
-/* Append a new record (steals it); NULL (a failed constructor) counts as a failure. */
-static int
-append_record(ProbeState *probe, PyObject *record)
-{
-    if (record == NULL || probe->records == NULL || PyList_Append(probe->records, record) < 0) {
-        Py_XDECREF(record);
-        count_failure(probe);
-        return -1;
-    }
-    Py_DECREF(record);
-    return 0;
-}
-
-/* (hash id, group) of a BlockHashWithGroupId (hash bytes + 4-byte big-endian group), interning
- * the hash bytes as events.HashInterner does; a new id is announced by a HashInterned record
- * when the probe emits hash bytes. Returns a new reference to the id, or NULL with an error. */
-static PyObject *
-intern_key(ProbeState *probe, PyObject *key, unsigned long *group)
-{
-    if (!PyBytes_Check(key) || PyBytes_GET_SIZE(key) < 4 || !PyDict_CheckExact(probe->hash_ids)) {
-        PyErr_SetString(PyExc_TypeError, "kvtrace probes: unexpected block hash key");
-        return NULL;
-    }
-    const unsigned char *data = (const unsigned char *)PyBytes_AS_STRING(key);
-    Py_ssize_t num_hash_bytes = PyBytes_GET_SIZE(key) - 4;
-    *group = ((unsigned long)data[num_hash_bytes] << 24)
-             | ((unsigned long)data[num_hash_bytes + 1] << 16)
-             | ((unsigned long)data[num_hash_bytes + 2] << 8) | data[num_hash_bytes + 3];
-    PyObject *hash_bytes = PyBytes_FromStringAndSize((const char *)data, num_hash_bytes);
-    if (hash_bytes == NULL) {
-        return NULL;
-    }
-    PyObject *hash_id = PyDict_GetItemWithError(probe->hash_ids, hash_bytes);
-    if (hash_id != NULL) {
-        Py_INCREF(hash_id);
-        Py_DECREF(hash_bytes);
-        return hash_id;
-    }
-    if (PyErr_Occurred() || (hash_id = PyLong_FromSsize_t(PyDict_GET_SIZE(probe->hash_ids))) == NULL
-        || PyDict_SetItem(probe->hash_ids, hash_bytes, hash_id) < 0) {
-        Py_XDECREF(hash_id);
-        Py_DECREF(hash_bytes);
-        return NULL;
-    }
-    if (probe->emit_hash_bytes == Py_True) {
-        append_record(probe, NEW_RECORD(HashInterned, .hash_id = hash_id,
-                                        .hash_bytes = hash_bytes));
-    }
-    Py_DECREF(hash_bytes);
-    if (PyErr_Occurred()) { /* a stop */
-        Py_CLEAR(hash_id);
-    }
-    return hash_id;
-}
-
-/* _depth.get(hash_id, fallback): borrowed. */
-static PyObject *
-depth_of(ProbeState *probe, PyObject *hash_id, PyObject *fallback)
-{
-    PyObject *depth = PyDict_GetItemWithError(probe->depth, hash_id);
-    return depth != NULL ? depth : (PyErr_Occurred() ? NULL : fallback);
 }
 
 /* --- FastWrapper ------------------------------------------------------------------------------ */
@@ -1112,12 +854,14 @@ free_blocks(FastWrapper *w, PyObject *const *args, size_t nargsf, PyObject *kwna
     return result;
 }
 
-static vectorcallfunc fast_paths[NUM_KINDS] = {
-    (vectorcallfunc)new_step_starts, (vectorcallfunc)allocate_slots,
-    (vectorcallfunc)insert_block_hash, (vectorcallfunc)remove_cached_block_hashes,
-    (vectorcallfunc)get_num_blocks_to_allocate, (vectorcallfunc)allocate_new_blocks,
-    (vectorcallfunc)cache_blocks, (vectorcallfunc)get_new_blocks, (vectorcallfunc)touch,
-    (vectorcallfunc)free_blocks,
+/* A fast path: a vectorcall whose callable is the wrapper. */
+typedef PyObject *(*FastPath)(FastWrapper *w, PyObject *const *args, size_t nargsf,
+                              PyObject *kwnames);
+
+static const FastPath fast_paths[NUM_KINDS] = {
+    new_step_starts, allocate_slots, insert_block_hash, remove_cached_block_hashes,
+    get_num_blocks_to_allocate, allocate_new_blocks, cache_blocks, get_new_blocks, touch,
+    free_blocks,
 };
 
 /* Every fast path: a stop met by our code after the original returned is raised in place of
@@ -1255,71 +999,13 @@ static PyType_Spec wrapper_spec = {
     wrapper_slots,
 };
 
-/* --- intern_hashes, and what the module tells the probes ------------------------------------- */
+/* --- what the module tells the probes --------------------------------------------------------- */
 
 PyObject *
 probes_changed(PyObject *module, PyObject *unused)
 {
     probes_generation++;
     Py_RETURN_NONE;
-}
-
-/* intern_hashes(probe, hashes, start, stop, hash_block_size) -> ids: CacheProbes._hash_ids for a
- * plain HashInterner. Interns hashes[start:stop] (a new id announced by a HashInterned record
- * when the probe emits hash bytes) and records the prefix length each id covers. */
-PyObject *
-intern_hashes(PyObject *module, PyObject *args)
-{
-    ProbeState *probe;
-    PyObject *hashes;
-    Py_ssize_t start, stop, hash_block_size;
-    if (!PyArg_ParseTuple(args, "O!O!nnn:intern_hashes", ProbeStateType, &probe, &PyList_Type,
-                          &hashes, &start, &stop, &hash_block_size)) {
-        return NULL;
-    }
-    if (probe->hash_ids == NULL || !PyDict_CheckExact(probe->hash_ids) || probe->depth == NULL
-        || !PyDict_CheckExact(probe->depth) || probe->records == NULL) {
-        PyErr_SetString(PyExc_TypeError, "intern_hashes: the probe set has no HashInterner");
-        return NULL;
-    }
-    stop = Py_MAX(Py_MIN(stop, PyList_GET_SIZE(hashes)), 0); /* as hashes[start:stop] */
-    start = Py_MAX(Py_MIN(start, stop), 0);
-    PyObject *ids = PyList_New(stop - start);
-    for (Py_ssize_t i = start; ids != NULL && i < stop; i++) {
-        PyObject *hash_bytes = PyList_GET_ITEM(hashes, i);
-        PyObject *hash_id = PyDict_GetItemWithError(probe->hash_ids, hash_bytes);
-        if (hash_id != NULL) {
-            Py_INCREF(hash_id);
-        } else if (PyErr_Occurred()
-                   || (hash_id = PyLong_FromSsize_t(PyDict_GET_SIZE(probe->hash_ids))) == NULL
-                   || PyDict_SetItem(probe->hash_ids, hash_bytes, hash_id) < 0) {
-            Py_XDECREF(hash_id);
-            Py_CLEAR(ids);
-            break;
-        } else if (probe->emit_hash_bytes == Py_True) {
-            PyObject *copy = PyBytes_FromObject(hash_bytes); /* bytes(hash_bytes) */
-            PyObject *record = copy == NULL ? NULL : NEW_RECORD(HashInterned, .hash_id = hash_id,
-                                                                .hash_bytes = copy);
-            Py_XDECREF(copy);
-            if (record == NULL || PyList_Append(probe->records, record) < 0) {
-                Py_XDECREF(record);
-                Py_DECREF(hash_id);
-                Py_CLEAR(ids);
-                break;
-            }
-            Py_DECREF(record);
-        }
-        PyObject *depth = PyLong_FromSsize_t((i + 1) * hash_block_size);
-        if (depth == NULL || PyDict_SetItem(probe->depth, hash_id, depth) < 0) {
-            Py_XDECREF(depth);
-            Py_DECREF(hash_id);
-            Py_CLEAR(ids);
-            break;
-        }
-        Py_DECREF(depth);
-        PyList_SET_ITEM(ids, i - start, hash_id);
-    }
-    return ids;
 }
 
 void
@@ -1333,13 +1019,11 @@ probes_configure(PyObject *no_req, PyObject *stale_checkpoint, PyObject *lru_reu
 int
 probes_add_types(PyObject *module)
 {
-    if (intern_names() < 0) {
+    if (intern_names() < 0 || probe_state_add_type(module) < 0) {
         return -1;
     }
-    ProbeStateType = (PyTypeObject *)PyType_FromSpec(&state_spec);
     PyObject *wrapper_type = PyType_FromSpec(&wrapper_spec);
-    int added = ProbeStateType == NULL || wrapper_type == NULL
-                || PyModule_AddObjectRef(module, "ProbeState", (PyObject *)ProbeStateType) < 0
+    int added = wrapper_type == NULL
                 || PyModule_AddObjectRef(module, "FastWrapper", wrapper_type) < 0 ? -1 : 0;
     Py_XDECREF(wrapper_type);
     return added;
