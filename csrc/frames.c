@@ -1,6 +1,6 @@
 /* write_rows_frame: one trace frame of pre-encoded rows, joined, checksummed (CRC-32) and written
  * with the interpreter lock released, so the writer thread barely competes with vLLM's scheduler
- * thread. kvtrace/traceio.py has its twin, TraceWriter.
+ * thread. kvtrace/traceio/writer.py has its twin, TraceWriter.
  */
 #include "kvtrace_native.h"
 

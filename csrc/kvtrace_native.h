@@ -8,9 +8,9 @@
  * - probe_state.c: ProbeState, the fields the probes and their fast paths share
  *   (kvtrace/probes/cache_probes.py), and intern_hashes; probe_state.h holds what probes.c
  *   uses of it.
- * - step_buffer.c: StepBuffer, a capture's per-step hand-over (kvtrace/capture/hook.py).
+ * - step_buffer.c: StepBuffer, a capture's per-step hand-over (kvtrace/capture/step_buffer.py).
  * - frames.c: write_rows_frame, a record frame written without the interpreter lock
- *   (kvtrace/traceio.py).
+ *   (kvtrace/traceio/writer.py).
  * - snapshot.c: snapshot_pool, the pool part of a capture's start snapshot
  *   (kvtrace/probes/snapshot.py).
  * - records.c: the record types the probes build, laid out by field name from the types

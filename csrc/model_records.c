@@ -233,7 +233,7 @@ static int out_str(Columns *w, const char *text, size_t n) {
     return out_header(w, n, 0xa0, 31, 1, 0xd9) || out_bytes(w, text, n);
 }
 
-/* traceio._int_column: ("i", code, raw) at the narrowest little-endian width that holds them */
+/* traceio.batches._int_column: ("i", code, raw) at the narrowest little-endian width that holds them */
 static int out_int_column(Columns *w, const i64 *values, Py_ssize_t n) {
     i64 low = 0, high = 0;
     for (Py_ssize_t i = 0; i < n; i++) {

@@ -5,7 +5,7 @@
  * are encoded at once (msgspec, via `encode`: one call for many steps costs far less than one
  * per step) and (number of records, bytes) goes to `chunks`, which the writer thread drains.
  * Counters are in records. When the records do not fit in `capacity`, or drops wait to be
- * marked, `overflow(records)` (Python) decides what to keep. kvtrace/capture/hook.py has its
+ * marked, `overflow(records)` (Python) decides what to keep. kvtrace/capture/step_buffer.py has its
  * twin, which has the constants.
  */
 #include "kvtrace_native.h"

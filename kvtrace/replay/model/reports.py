@@ -6,7 +6,7 @@ record, in order, for the backend to hand to its sink. ``Tally`` makes no record
 what ``ReplaySummary`` (``kvtrace.replay.run``) would count over those records, as the reports
 are made, for a replay that writes no trace (``kvtrace sweep``, ``write_traces=False``).
 ``Counts`` is what either twin hands over in the end: the C core counts the same figures in C
-(``csrc/model_core.c``) and returns them in this shape.
+(``csrc/model_records.c``) and returns them in this shape.
 """
 
 from __future__ import annotations
