@@ -18,6 +18,7 @@ setup(ext_modules=[
               optional=True),
     Extension("kvtrace._model_core", ["csrc/model_core.c"],
               depends=["csrc/containers.h", "csrc/model_restore.c"], optional=True),
-    Extension("kvtrace._forensics_core", ["csrc/forensics_core.c"],
-              depends=["csrc/containers.h"], optional=True),
+    Extension("kvtrace._forensics_core",
+              ["csrc/forensics_core.c", "csrc/forensics_records.c", "csrc/forensics_lookup.c"],
+              depends=["csrc/containers.h", "csrc/forensics.h"], optional=True),
 ])
