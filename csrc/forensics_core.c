@@ -426,6 +426,18 @@ static const int cause_in_shortfall[NUM_CAUSES] = {FORENSICS_CAUSES(FORENSICS_SH
 static const char *const row_column_names[NUM_A] = {FORENSICS_ROW_COLUMNS(FORENSICS_NAME)};
 static const char *const entry_column_names[NUM_E] = {FORENSICS_ENTRY_COLUMNS(FORENSICS_NAME)};
 
+/* Python and this core disagree on a name (a kind, a field, a cause, a column, an enum value):
+   a bug on one side, never a trace's fault, so not a ValueError (which stream.py reads as one). */
+static int mismatch(const char *format, ...) {
+    va_list ap;
+    va_start(ap, format);
+    PyObject *message = PyUnicode_FromFormatV(format, ap);
+    va_end(ap);
+    if (message) PyErr_Format(PyExc_RuntimeError, "forensics core: %U", message);
+    Py_XDECREF(message);
+    return -1;
+}
+
 /* Where `name` is in the tuple of str `names`, or -1. */
 static int index_of(PyObject *names, const char *name) {
     for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(names); i++) {
@@ -440,10 +452,10 @@ static int index_of(PyObject *names, const char *name) {
 static int place_names(PyObject *names, const char *const *wanted, int num_wanted, int *places,
                        const char *what) {
     if (!PyTuple_Check(names) || PyTuple_GET_SIZE(names) != num_wanted)
-        return fail("%s: a tuple of %d names", what, num_wanted);
+        return mismatch("%s: a tuple of %d names", what, num_wanted);
     for (int i = 0; i < num_wanted; i++)
         if ((places[i] = index_of(names, wanted[i])) < 0)
-            return fail("%s: no '%s'", what, wanted[i]);
+            return mismatch("%s: no '%s'", what, wanted[i]);
     return 0;
 }
 
@@ -467,25 +479,25 @@ static int parse_specs(Core *c, PyObject *records) {
                               &names, &field_kinds, &num_fields, &spec->shape))
             return -1;
         if (num_fields > MAX_FIELDS || PyTuple_GET_SIZE(names) != num_fields)
-            return fail("records: %U: more fields than this core reads", tag);
+            return mismatch("records: %U: more fields than this core reads", tag);
         spec->num_fields = (int)num_fields;
         memcpy(spec->field_kinds, field_kinds, (size_t)num_fields);
         if (spec->shape && memchr(field_kinds, 'o', (size_t)num_fields))
-            return fail("records: %U: rows of a kind with a field of objects", tag);
+            return mismatch("records: %U: rows of a kind with a field of objects", tag);
         spec->req_field = index_of(names, "req");
         spec->kind = -1;
         for (int k = 0; k < NUM_KINDS; k++)
             if (PyUnicode_CompareWithASCIIString(tag, kind_tags[k]) == 0) spec->kind = k;
         if (spec->kind >= 0) {
-            if (found[spec->kind]++) return fail("records: %U twice", tag);
+            if (found[spec->kind]++) return mismatch("records: %U twice", tag);
             int columns = 0;
             for (const char *const *name = kind_reads[spec->kind]; *name; name++) {
                 int f = index_of(names, *name);
-                if (f < 0) return fail("records: %U has no field '%s'", tag, *name);
+                if (f < 0) return mismatch("records: %U has no field '%s'", tag, *name);
                 spec->read[spec->num_read++] = f;
                 columns += field_kinds[f] == 'l' ? 2 : 1;
             }
-            if (columns > MAX_READ * 2) return fail("records: %U: too many columns", tag);
+            if (columns > MAX_READ * 2) return mismatch("records: %U: too many columns", tag);
         }
         spec->table = -1;
         if (spec->shape) {
@@ -495,7 +507,7 @@ static int parse_specs(Core *c, PyObject *records) {
         }
     }
     for (int k = 0; k < NUM_KINDS; k++)
-        if (!found[k]) return fail("records: no kind '%s'", kind_tags[k]);
+        if (!found[k]) return mismatch("records: no kind '%s'", kind_tags[k]);
     c->tables = PyMem_Calloc((size_t)c->num_tables + 1, sizeof(Table));
     if (!c->tables) { PyErr_NoMemory(); return -1; }
     for (int r = 0; r < c->num_specs; r++) {
@@ -516,14 +528,14 @@ static int parse_specs(Core *c, PyObject *records) {
    in the rows is its index there, and the shortfall causes' order is the waterfall's. */
 static int parse_causes(Core *c, PyObject *causes) {
     if (!PyTuple_Check(causes) || PyTuple_GET_SIZE(causes) != NUM_CAUSES)
-        return fail("causes: a tuple of the %d causes", NUM_CAUSES);
+        return mismatch("causes: a tuple of the %d causes", NUM_CAUSES);
     PyObject *names = PyTuple_New(NUM_CAUSES);
     if (!names) return -1;
     for (int i = 0; i < NUM_CAUSES; i++) {
         PyObject *cause = PyTuple_GET_ITEM(causes, i);
         if (!PyTuple_Check(cause) || PyTuple_GET_SIZE(cause) != 2) {
             Py_DECREF(names);
-            return fail("causes: (name, in_shortfall) pairs");
+            return mismatch("causes: (name, in_shortfall) pairs");
         }
         PyTuple_SET_ITEM(names, i, Py_NewRef(PyTuple_GET_ITEM(cause, 0)));
     }
@@ -537,7 +549,7 @@ static int parse_causes(Core *c, PyObject *causes) {
             int in_shortfall = PyObject_IsTrue(PyTuple_GET_ITEM(PyTuple_GET_ITEM(causes, i), 1));
             if (in_shortfall < 0) return -1;
             if (in_shortfall != cause_in_shortfall[code])
-                return fail("causes: '%s' is %sin the shortfall here", cause_names[code],
+                return mismatch("causes: '%s' is %sin the shortfall here", cause_names[code],
                             cause_in_shortfall[code] ? "" : "not ");
             c->level[code] = in_shortfall ? c->present : -1;
             if (in_shortfall) c->cause_at[c->present++] = code;
@@ -550,7 +562,7 @@ static int parse_causes(Core *c, PyObject *causes) {
    hands them over. */
 static int parse_columns(Core *c, PyObject *columns) {
     if (!PyTuple_Check(columns) || PyTuple_GET_SIZE(columns) != 2)
-        return fail("columns: (the attribution's, the cache entries')");
+        return mismatch("columns: (the attribution's, the cache entries')");
     return place_names(PyTuple_GET_ITEM(columns, 0), row_column_names, NUM_A, c->row_column,
                        "attribution columns")
         || place_names(PyTuple_GET_ITEM(columns, 1), entry_column_names, NUM_E,
@@ -569,7 +581,7 @@ static const struct { const char *name; size_t offset; } enum_values[] = {
 static int parse_enums(Core *c, PyObject *enums) {
     for (size_t i = 0; i < sizeof(enum_values) / sizeof(enum_values[0]); i++) {
         PyObject *value = PyDict_GetItemString(enums, enum_values[i].name);  /* borrowed */
-        if (!value) return fail("enums: no '%s'", enum_values[i].name);
+        if (!value) return mismatch("enums: no '%s'", enum_values[i].name);
         i64 number = PyLong_AsLongLong(value);
         if (number == -1 && PyErr_Occurred()) return -1;
         *(i64 *)((char *)c + enum_values[i].offset) = number;
