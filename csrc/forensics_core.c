@@ -611,12 +611,25 @@ static int parse_narrow(Core *c, PyObject *narrow) {
     return 0;
 }
 
+/* The geometry's value `name` (borrowed), or NULL with an error. */
+static PyObject *geometry_item(PyObject *geometry, const char *name) {
+    PyObject *value = PyDict_GetItemString(geometry, name);
+    if (!value) mismatch("geometry: no '%s'", name);
+    return value;
+}
+static int geometry_int(PyObject *geometry, const char *name, long long *out) {
+    PyObject *value = geometry_item(geometry, name);
+    if (!value) return -1;
+    *out = PyLong_AsLongLong(value);
+    return *out == -1 && PyErr_Occurred() ? -1 : 0;
+}
+
 /* ForensicsCore(records, causes, columns, geometry, enums, request, request_id, explain,
        keep_lookups, make_rows, make_entries, make_tables, narrow, spill)
    records: parse_specs'; causes: parse_causes'; columns: parse_columns'; geometry: None
-   (no attribution: a trace without an engine config), or (hash unit, per group whether Mamba,
-   attention groups, Mamba groups, attention block, Mamba block, hit alignment, the pool's
-   blocks, EAGLE's drop and margin); enums: parse_enums'; request: the one request to
+   (no attribution: a trace without an engine config), or a dict of hit_search.Geometry's
+   fields by name, with is_mamba (per group, whether Mamba) and num_blocks (the pool's);
+   enums: parse_enums'; request: the one request to
    attribute (None: all); narrow: parse_narrow's; spill: (a file descriptor or -1, the bytes of
    it to hold in memory). */
 static int Core_init(Core *c, PyObject *args, PyObject *kwargs) {
@@ -648,10 +661,17 @@ static int Core_init(Core *c, PyObject *args, PyObject *kwargs) {
         PyObject *is_mamba, *attention, *mamba;
         long long unit, attention_block, mamba_block, alignment;
         long long num_gpu_blocks, eagle_drop, eagle_margin;
-        if (!PyArg_ParseTuple(geometry, "LO!O!O!LLLLLL", &unit, &PyTuple_Type, &is_mamba,
-                              &PyTuple_Type, &attention, &PyTuple_Type, &mamba, &attention_block,
-                              &mamba_block, &alignment, &num_gpu_blocks, &eagle_drop,
-                              &eagle_margin))
+        if (!PyDict_Check(geometry)) return mismatch("geometry: a dict");
+        if (geometry_int(geometry, "unit", &unit)
+            || !(is_mamba = geometry_item(geometry, "is_mamba"))
+            || !(attention = geometry_item(geometry, "attention_groups"))
+            || !(mamba = geometry_item(geometry, "mamba_groups"))
+            || geometry_int(geometry, "attention_block", &attention_block)
+            || geometry_int(geometry, "mamba_block", &mamba_block)
+            || geometry_int(geometry, "alignment", &alignment)
+            || geometry_int(geometry, "num_blocks", &num_gpu_blocks)
+            || geometry_int(geometry, "eagle_drop", &eagle_drop)
+            || geometry_int(geometry, "eagle_margin", &eagle_margin))
             return -1;
         if (eagle_drop < 0 || eagle_margin < 0) {
             PyErr_SetString(PyExc_ValueError, "EAGLE's drop and margin must not be negative");

@@ -47,7 +47,7 @@ static int levels_of(Core *c, const int *groups, int num_groups, const i64 *unit
     return 0;
 }
 
-/* _Geometry.attention_reach */
+/* hit_search.Geometry.attention_reach */
 static i64 attention_reach(Core *c, const LVec *levels, i64 threshold, i64 num_units, i64 cap) {
     if (!c->num_attention) return cap;
     i64 unit = c->unit, block = c->attention_block, per_block = floordiv(block, unit);
@@ -75,13 +75,13 @@ static i64 attention_reach(Core *c, const LVec *levels, i64 threshold, i64 num_u
     return reach;
 }
 
-/* _Geometry.eagle_ideal */
+/* hit_search.Geometry.eagle_ideal */
 static i64 eagle_ideal(Core *c, i64 ideal, i64 cap) {
     i64 reach = min64(ideal, floordiv(cap + c->eagle_margin, c->unit) * c->unit);
     return max64(reach - c->eagle_drop, 0);
 }
 
-/* _Geometry.mamba_state */
+/* hit_search.Geometry.mamba_state */
 static i64 mamba_state(Core *c, const LVec *levels, i64 threshold, i64 num_units, i64 limit) {
     if (!c->num_mamba) return limit;
     i64 unit = c->unit, block = c->mamba_block, known = levels->n - 1;

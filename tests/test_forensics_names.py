@@ -139,7 +139,8 @@ def test_reordered_causes_and_record_fields_give_the_same_rows_by_name(traces, t
     assert {"checkpoint_pushout", "mamba_evicted", "cold", "partial_unit"} <= causes, causes
     assert own[(snapshot, native, "why")]  # the snapshot's requests were attributed
     if native:  # and the C core's record tables, the changed kinds' among them
-        assert {"block_stored", "slots_allocated", "key_cached"} <= own[(snapshot, True, "rows")].keys()
+        tables = own[(snapshot, True, "rows")].keys()
+        assert {"block_stored", "slots_allocated", "key_cached"} <= tables
 
 
 def test_the_core_refuses_a_name_it_does_not_find(monkeypatch):

@@ -18,11 +18,11 @@ the first admission), ``H`` the hash unit. Definitions (``docs/miss-attribution.
   applied one at a time in ``SHORTFALL_CAUSES`` order (``kvtrace.analysis.causes``), the hit
   is recomputed after each with a model of vLLM 0.33's hit search (``hit_search``: full
   attention left to right with the fine-grained tail probe, and with ``use_eagle`` EAGLE's
-  dropped unit; Mamba/KDA the deepest state at or below the attention hit), and each cause gets the tokens its restriction took. The search's own
-  rules come first, over the ideal cache: the last-token cap (``hit_cap``), then the unit an
-  EAGLE/MTP engine drops from every hit (``eagle_dropped_unit``). The last restriction leaves
-  exactly the keys the cache held at the lookup; what the model then still finds above the
-  real hit is ``other``. Every hit is clamped to at least the real hit, so each cause is >= 0
+  dropped unit; Mamba/KDA the deepest state at or below the attention hit), and each cause
+  gets the tokens its restriction took. The search's own rules come first, over the ideal
+  cache: the last-token cap (``hit_cap``), then the unit an EAGLE/MTP engine drops from every
+  hit (``eagle_dropped_unit``). The last restriction leaves exactly the keys the cache held at
+  the lookup; what the model then still finds above the real hit is ``other``. Every hit is clamped to at least the real hit, so each cause is >= 0
   and they sum to ``ideal - hit`` exactly; a cause only gets tokens the causes before it did
   not already take.
 * Beyond the ideal, ``T - ideal`` is ``cold`` (whole hash units nobody had computed) and

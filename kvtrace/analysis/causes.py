@@ -1,8 +1,9 @@
 """The causes a lookup's missed tokens are attributed to, defined once: each with what it means,
 whether it is part of the shortfall (``ideal - hit``) or beyond the ideal, its colour in the
-HTML report and the kvtrace doctor finding that owns it (a cause without one is unexplained). Everything else reads them by name: the attributor and its C core (which is handed
-the names at start and finds its own codes among them), the miss_attribution table's enum, the
-reports. The definitions in ``kvtrace/analysis/attributor.py``'s module docstring and
+HTML report and the kvtrace doctor finding that owns it (a cause without one is unexplained).
+Everything else reads them by name: the attributor and its C core (which is handed the names at
+start and finds its own codes among them), the miss_attribution table's enum, the reports. The
+definitions in ``kvtrace/analysis/attributor.py``'s module docstring and
 ``docs/miss-attribution.md`` say how each is measured.
 
 The shortfall causes, in the order they are defined here, are the waterfall: the order in which

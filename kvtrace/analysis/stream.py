@@ -18,6 +18,7 @@ tests/test_attribution.py holds the C core to its twins, row for row.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import tempfile
 
@@ -192,11 +193,9 @@ class NativePass:
         self.lookups: list[LookupAttribution] = []
         geometry = None
         if attributor is not None:
-            shape = attributor.geometry
-            geometry = (shape.unit, tuple(map(int, attributor.is_mamba)),
-                        shape.attention_groups, shape.mamba_groups, shape.attention_block,
-                        shape.mamba_block, shape.alignment, attributor.num_blocks,
-                        shape.eagle_drop, shape.eagle_margin)
+            geometry = {**dataclasses.asdict(attributor.geometry),  # by name (Core_init)
+                        "is_mamba": tuple(map(int, attributor.is_mamba)),
+                        "num_blocks": attributor.num_blocks}
         spill = self._spill_file() if spill_dir is not None else None
         try:
             self.core = core.ForensicsCore(
