@@ -280,5 +280,7 @@ int follow_record(Core *c, Source *s);
 
 /* forensics_lookup.c */
 int attribute_lookup(Core *c, Request *r, i64 req, i64 admission, i64 num_tokens);
+extern const char *const lookup_fields[], *const segment_fields[], *const key_fields[],
+    *const removal_fields[];  /* NULL-terminated */
 
 #endif

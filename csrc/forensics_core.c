@@ -764,7 +764,7 @@ static PyMethodDef Core_methods[] = {
     {"take_tables", (PyCFunction)Core_take_tables, METH_O,
      "[(table, columns)]: every whole chunk of rows of every table (0: all)."},
     {"take_lookups", (PyCFunction)Core_take_lookups, METH_NOARGS,
-     "The attributed lookups so far, as tuples (keep_lookups)."},
+     "The attributed lookups so far, as tuples (keep_lookups; fields: LOOKUP_FIELDS, ...)."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -792,12 +792,31 @@ static struct PyModuleDef module = {
     "The streaming pass of kvtrace load and why, in C (see csrc/forensics_core.c).", -1, NULL,
 };
 
+/* The module's tuple of str `attr` from the NULL-terminated `names`. */
+static int add_names(PyObject *m, const char *attr, const char *const *names) {
+    Py_ssize_t count = 0;
+    while (names[count]) count++;
+    PyObject *tuple = PyTuple_New(count);
+    for (Py_ssize_t i = 0; tuple && i < count; i++) {
+        PyObject *name = PyUnicode_FromString(names[i]);
+        if (!name) Py_CLEAR(tuple);
+        else PyTuple_SET_ITEM(tuple, i, name);
+    }
+    int rc = tuple ? PyModule_AddObjectRef(m, attr, tuple) : -1;
+    Py_XDECREF(tuple);
+    return rc;
+}
+
 PyMODINIT_FUNC PyInit__forensics_core(void) {
     if (PyType_Ready(&CoreType) < 0) return NULL;
     PyObject *m = PyModule_Create(&module);
     if (!m) return NULL;
     if (PyModule_AddObjectRef(m, "ForensicsCore", (PyObject *)&CoreType) < 0
-        || PyModule_AddIntConstant(m, "NUM_KINDS", NUM_KINDS) < 0) {
+        || PyModule_AddIntConstant(m, "NUM_KINDS", NUM_KINDS) < 0
+        || add_names(m, "LOOKUP_FIELDS", lookup_fields)
+        || add_names(m, "SEGMENT_FIELDS", segment_fields)
+        || add_names(m, "KEY_FIELDS", key_fields)
+        || add_names(m, "REMOVAL_FIELDS", removal_fields)) {
         Py_DECREF(m);
         return NULL;
     }

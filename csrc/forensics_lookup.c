@@ -142,6 +142,16 @@ static Py_ssize_t lost_keys(Core *c, int level, i64 start, i64 end, const i64 *u
     return n;
 }
 
+/* The tuples take_lookups hands over, their fields named in the order built below: the module
+   publishes these names (LOOKUP_FIELDS, ...), by which stream.py reads each field. */
+const char *const lookup_fields[] = {
+    "req", "lookup", "seq", "step", "query_tokens", "ideal_tokens", "hit_tokens",
+    "shared_prefix_boundary", "attention_hit", "mamba_hit", "in_flight", "segments", NULL};
+const char *const segment_fields[] = {"cause", "start", "end", "keys", NULL};
+const char *const key_fields[] = {"group", "depth_tokens", "hash_id", "removal", NULL};
+const char *const removal_fields[] = {
+    "reason", "seq", "step", "block_id", "by_req", "transient_behind", "behind", NULL};
+
 static PyObject *removal_tuple(Core *c, int32_t index) {
     if (index < 0) Py_RETURN_NONE;
     const Removal *r = chunk_at(&c->removals, index);

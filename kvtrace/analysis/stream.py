@@ -19,8 +19,10 @@ tests/test_attribution.py holds the C core to its twins, row for row.
 from __future__ import annotations
 
 import dataclasses
+import operator
 import os
 import tempfile
+from collections.abc import Callable, Iterable
 
 import numpy as np
 
@@ -278,14 +280,25 @@ def _as_columns(table: int, data: tuple[bytes | list, ...]) -> Columns:
             for index, (name, column) in enumerate(zip(_CORE_TABLES[table][1], data))}
 
 
+def _picker(published: tuple[str, ...], wanted: Iterable[str]) -> Callable[[tuple], tuple]:
+    """The fields ``wanted`` of a tuple the C core lays out as its module ``published``, by
+    name."""
+    return operator.itemgetter(*map(published.index, wanted))
+
+
+if built is not None:  # the tuples take_lookups hands over, read by name
+    _LOOKUP = _picker(built.LOOKUP_FIELDS,
+                      [field.name for field in dataclasses.fields(LookupAttribution)])
+    _SEGMENT = _picker(built.SEGMENT_FIELDS, ("cause", "start", "end", "keys"))
+    _KEY = _picker(built.KEY_FIELDS, ("group", "depth_tokens", "hash_id", "removal"))
+    _REMOVAL = _picker(built.REMOVAL_FIELDS, Removal._fields)
+
+
 def _lookup(row: tuple) -> LookupAttribution:
     """A lookup the C core kept, as the Python twin makes it."""
-    (req, admission, seq, step, query, ideal, hit, boundary, attention_hit, mamba_hit,
-     in_flight, segments) = row
-    lookup = LookupAttribution(req, admission, seq, step, query, ideal, hit, boundary,
-                               attention_hit, mamba_hit, in_flight=in_flight)
-    for cause, start, end, keys in segments:
-        lookup.segments.append(Segment(CAUSES[cause], start, end, tuple(
-            LostKey(group, depth, hash_id, None if removal is None else Removal(*removal))
-            for group, depth, hash_id, removal in keys)))
+    lookup = LookupAttribution(*_LOOKUP(row))  # its segments as the core laid them out, so:
+    lookup.segments = [Segment(CAUSES[cause], start, end, tuple(
+        LostKey(group, depth, hash_id, None if removal is None else Removal(*_REMOVAL(removal)))
+        for group, depth, hash_id, removal in map(_KEY, keys)))
+        for cause, start, end, keys in map(_SEGMENT, lookup.segments)]
     return lookup
