@@ -22,9 +22,9 @@ the first admission), ``H`` the hash unit. Definitions (``docs/miss-attribution.
   gets the tokens its restriction took. The search's own rules come first, over the ideal
   cache: the last-token cap (``hit_cap``), then the unit an EAGLE/MTP engine drops from every
   hit (``eagle_dropped_unit``). The last restriction leaves exactly the keys the cache held at
-  the lookup; what the model then still finds above the real hit is ``other``. Every hit is clamped to at least the real hit, so each cause is >= 0
-  and they sum to ``ideal - hit`` exactly; a cause only gets tokens the causes before it did
-  not already take.
+  the lookup; what the model then still finds above the real hit is ``other``. Every hit is
+  clamped to at least the real hit, so each cause is >= 0 and they sum to ``ideal - hit``
+  exactly; a cause only gets tokens the causes before it did not already take.
 * Beyond the ideal, ``T - ideal`` is ``cold`` (whole hash units nobody had computed) and
   ``partial_unit`` / ``short_prompt`` (the tokens after the last whole hash unit, which no hash
   covers; ``short_prompt`` when the query is shorter than one unit). So for every lookup
