@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from kvtrace.analysis.lookups import TraceAttribution
 from kvtrace.traceio import TraceReader
 
-# moved: the names below are imported from here by modules of other slices
+# Imported from here by modules of other slices until they take them from their new homes:
 from kvtrace.analysis.causes import CAUSES, SHORTFALL_CAUSES  # moved: kvtrace.analysis.causes
 from kvtrace.analysis.miss_summary import (  # moved: kvtrace.analysis.miss_summary
     NEAR_ZERO_HIT_RATE, CauseTotals, silent_zero_warning)
