@@ -28,8 +28,9 @@
  * spill_dir): the pass holds a bounded share of it in memory whatever the trace's length.
  *
  * Nothing is agreed on by position with Python: the record kinds and their fields, the causes,
- * the output columns and the enum values are handed over by name at construction, and the core
- * finds the ones it uses (csrc/forensics.h names them) or refuses to start.
+ * the output columns, the geometry and the enum values are handed over by name at construction,
+ * and the core finds the ones it uses (csrc/forensics.h names them) or refuses to start; the
+ * module publishes the fields of the lookups' tuples by name (LOOKUP_FIELDS, ...).
  *
  * This file holds the type, the batches and the tables; forensics_records.c follows the cache
  * record by record, forensics_lookup.c attributes one lookup (csrc/forensics.h).
