@@ -29,6 +29,7 @@ import numpy as np
 from kvtrace.analysis.attributor import MissAttributor, new_attributor
 from kvtrace.analysis.causes import CAUSES, DEFINITIONS
 from kvtrace.analysis.database import (
+    ENTRY_FIGURE_COLUMNS,
     child_table,
     element_column,
     is_enum_field,
@@ -100,10 +101,8 @@ for _record_type in RECORD_TYPES:
         TABLES += [(child_table(_tag, name), ("seq", "req", "pos", element_column(name)))
                    for name, field_type in _fields if is_list_field(field_type)]
 
-# The cache_entry_figures columns (but run); the C core finds each by name.
-ENTRY_COLUMNS = ("stored_seq", "block_id", "removed_seq", "removed_step", "removed_reason_code",
-                 "position_class_code", "hits", "last_hit_seq", "last_hit_step",
-                 "transient_cached")
+# The cache_entry_figures columns (but run, the loader's); the C core finds each by name.
+ENTRY_COLUMNS = tuple(name for name, _ in ENTRY_FIGURE_COLUMNS if name != "run")
 # The causes as the C core is told of them: each by name, and whether it is in the shortfall
 # (the order of those is the waterfall's; a cause's index here is its value in the rows).
 _CAUSES = tuple((cause.name, cause.in_shortfall) for cause in DEFINITIONS)
