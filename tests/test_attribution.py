@@ -1,4 +1,5 @@
-"""Miss attribution (kvtrace/analysis/attribution.py, `kvtrace why`, the miss_attribution table).
+"""Miss attribution (kvtrace/analysis/attributor.py and its C core, `kvtrace why`, the
+miss_attribution table).
 
 - A property test over seeded schedules replayed on the real vLLM cache: for every admitted
   lookup the causes partition what was missed, the ideal matches an independent SQL
@@ -22,9 +23,11 @@ import msgspec
 import pytest
 from click.testing import CliRunner
 
-from kvtrace.analysis.attribution import (BEYOND_IDEAL_CAUSES, CAUSES, SHORTFALL_CAUSES,
-                                          AttributionError, CauseTotals, attribute_trace,
-                                          iter_rows)
+from kvtrace.analysis.attribution import attribute_trace
+from kvtrace.analysis.attributor import AttributionError
+from kvtrace.analysis.causes import BEYOND_IDEAL_CAUSES, CAUSES, SHORTFALL_CAUSES
+from kvtrace.analysis.miss_summary import CauseTotals
+from kvtrace.analysis.miss_table import iter_rows
 from kvtrace.analysis.database import open_database
 from kvtrace.analysis import stream
 from kvtrace.analysis.load import load_traces

@@ -249,6 +249,17 @@ def test_every_finding_id_has_a_case():
     assert set(CASES) == set(FINDING_IDS) == {m.id for m in MECHANISMS}
 
 
+def test_every_cause_that_names_its_finding_names_one_that_exists():
+    """Each cause names the finding that owns it where it is defined (causes.py); a misspelt
+    one would leave the cause unexplained without a word."""
+    from kvtrace.analysis.causes import CAUSE_MECHANISMS, CAUSES
+    from kvtrace.analysis.diagnosis import BY_ID
+
+    assert set(CAUSE_MECHANISMS) <= set(CAUSES)
+    assert set(CAUSE_MECHANISMS.values()) <= BY_ID.keys()
+    assert {cause for m in BY_ID.values() for cause in m.causes} == CAUSE_MECHANISMS.keys()
+
+
 @pytest.fixture(scope="module")
 def run_trace(tmp_path_factory) -> Callable[[str], Path]:
     """Each run's trace, made once per module, in a directory of its own (a run's source

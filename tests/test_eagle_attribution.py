@@ -12,7 +12,8 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from kvtrace.analysis.attribution import SHORTFALL_CAUSES, attribute_trace
+from kvtrace.analysis.attribution import attribute_trace
+from kvtrace.analysis.causes import SHORTFALL_CAUSES
 from kvtrace.analysis.database import open_database
 from kvtrace.analysis.load import load_traces
 from kvtrace.analysis.queries import run_query

@@ -5,8 +5,9 @@ The diagnosis reads a loaded database (``kvtrace load``): the miss attribution's
 first admissions (``diagnosis.sql``), the tokens preempted requests prefilled again, and vLLM's
 own counters, where they were recorded beside the capture, against kvtrace's admitted lookups
 (``vllm_counter_reconciliation.sql``). Each
-``Mechanism`` owns a set of causes (``CAUSE_MECHANISMS``: one mechanism per cause, the table
-``kvtrace why`` and the report read too, so the three never disagree). A mechanism whose share
+``Mechanism`` owns a set of causes (each cause names its owner where it is defined:
+``causes.CAUSE_MECHANISMS``, the table ``kvtrace why`` and the report read too, so the three
+never disagree). A mechanism whose share
 of the missed prefill reaches the threshold is a finding; the others are ruled out, with
 their share. A finding with a ``Change`` gets a prediction: the run's source replayed with the
 change, against the same replay without it: the caller's ``predict`` (analysis never runs a
@@ -20,6 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvtrace.analysis.causes import CAUSE_MECHANISMS
 from kvtrace.analysis.queries import Result, run_query
 from kvtrace.analysis.vllm_counters import QUERY as COUNTERS  # vLLM's counters, the trace
 from kvtrace.errors import ConfigError
@@ -46,12 +48,17 @@ class Change:
 @dataclass(frozen=True)
 class Mechanism:
     id: str
-    causes: tuple[str, ...]  # the miss attribution's causes it explains (first admissions)
     name: str  # what it is, as a title
     mechanism: str  # how it loses hits, one sentence
     reference: str  # the public vLLM reports and fixes
     action: str  # what to change
     change: Change | None = None  # the replay that predicts the action's effect
+
+    @property
+    def causes(self) -> tuple[str, ...]:
+        """The miss attribution's causes it explains (first admissions): each cause names its
+        owner (causes.DEFINITIONS)."""
+        return tuple(cause for cause, owner in CAUSE_MECHANISMS.items() if owner == self.id)
 
 
 DENSE_RETENTION = Change("dense Mamba retention (a state kept at every block)",
@@ -60,16 +67,14 @@ DOUBLE_POOL = Change("twice the KV pool", (), pool_factor=2)
 
 MECHANISMS = (
     Mechanism(
-        "unique-prompts", ("cold",), "Prompts share little",
+        "unique-prompts", "Prompts share little",
         "no earlier request had computed these tokens, so no cache of any size or policy "
         "could have hit them",
         "not a cache problem (docs/doctor/unique-prompts.md)",
         "Nothing to tune in the cache: put what requests share first (the system prompt, tool "
         "definitions) and route requests that share a prefix to the same engine."),
     Mechanism(
-        "hash-unit-exceeds-prompts", ("short_prompt", "partial_unit", "hit_cap",
-                                      "block_quantisation"),
-        "The hash unit is longer than what requests share",
+        "hash-unit-exceeds-prompts", "The hash unit is longer than what requests share",
         "only whole hash units (in align mode the block, hundreds to thousands of tokens) hit, "
         "and the last token never does: prompts shorter than a unit, their tails and shared "
         "prefixes that end inside a block are recomputed",
@@ -78,8 +83,7 @@ MECHANISMS = (
         "vLLM 0.32+), longer shared prefixes, and max_model_len above the block. kvtrace "
         "cannot replay a finer unit: a trace carries one hash per unit."),
     Mechanism(
-        "mamba-state-not-retained", ("mamba_not_retained", "mamba_not_reserved"),
-        "No recurrent state where the shared prefix ends",
+        "mamba-state-not-retained", "No recurrent state where the shared prefix ends",
         "the attention blocks of a shared prefix were cached, but no Mamba/KDA state was kept "
         "at its end (retention 0 keeps states only at prompt ends, in request-unique tokens), "
         "and a hybrid hit needs both",
@@ -87,8 +91,7 @@ MECHANISMS = (
         "Keep states inside prompts: a prefix-cache retention interval, dense retention, or "
         "--mamba-cache-mode all.", DENSE_RETENTION),
     Mechanism(
-        "checkpoint-pushout", ("checkpoint_pushout",),
-        "Transient checkpoints crowd hot prefixes out",
+        "checkpoint-pushout", "Transient checkpoints crowd hot prefixes out",
         "mid-prompt Mamba checkpoints that no later request reuses sat cached in the LRU and "
         "pushed out hot prefixes that later requests needed",
         "vllm PR #56794",
@@ -96,8 +99,7 @@ MECHANISMS = (
         "cache (variant fixed).",
         Change("#56794's gate (variant fixed)", ("--variant", "fixed"), variant="fixed")),
     Mechanism(
-        "prompt-end-keys-stripped", ("mamba_suppressed",),
-        "The checkpoint gate strips prompt-end keys",
+        "prompt-end-keys-stripped", "The checkpoint gate strips prompt-end keys",
         "the variant kept checkpoints request-local or stripped their keys, among them the "
         "prompt-end states a repeated prompt would have hit (vLLM 0.30.0's gate strips them "
         "where the hash unit is the block; 0.31 and later do not)",
@@ -106,7 +108,7 @@ MECHANISMS = (
         Change("vLLM 0.33's own checkpoint logic (variant upstream)", ("--variant", "upstream"),
                variant="upstream")),
     Mechanism(
-        "pool-pressure", ("evicted", "mamba_evicted"), "Pool pressure",
+        "pool-pressure", "Pool pressure",
         "reusable prefixes were evicted by LRU reuse before they were needed again: every "
         "request takes blocks in every KV-cache group of one pool, and a miss in one group "
         "voids the hit in all",
@@ -114,7 +116,7 @@ MECHANISMS = (
         "A larger KV pool (gpu_memory_utilization, a smaller max_model_len), fewer concurrent "
         "long prefills, or KV offloading.", DOUBLE_POOL),
     Mechanism(
-        "eagle-dropped-unit", ("eagle_dropped_unit",), "Speculative decoding drops a unit",
+        "eagle-dropped-unit", "Speculative decoding drops a unit",
         "EAGLE/MTP drops the last matched block from every hit, so a repeated short prompt "
         "hits nothing and longer ones a block less",
         "vllm #53504 (fixed by #53945, #54713; opt-out #53388); vllm-ascend #16639",
@@ -124,14 +126,14 @@ MECHANISMS = (
         Change("0.33's lookahead block hashes", ("--lookahead-block-hashes",),
                overrides={"lookahead_block_hashes": True})),
     Mechanism(
-        "preemption-recompute", (), "Preempted requests prefill again",
+        "preemption-recompute", "Preempted requests prefill again",
         "requests preempted under memory pressure lost their blocks and prefilled everything "
         "their resumed lookup did not hit",
         "vLLM's docs on preemption (recompute mode: docs.vllm.ai, Optimization and Tuning)",
         "A larger KV pool, or fewer requests at once (max_num_seqs, max_num_batched_tokens).",
         DOUBLE_POOL),
     Mechanism(
-        "metric-overcount", (), "vLLM's hit counter is not the hit rate",
+        "metric-overcount", "vLLM's hit counter is not the hit rate",
         "vLLM's counters, recorded beside the capture, read another hit rate than kvtrace's "
         "admitted lookups: a release that records its prefix-cache stats at the lookup counts "
         "a lookup retried after a failed admission again (0.30-0.33 record them at admission, "
@@ -141,7 +143,6 @@ MECHANISMS = (
         "vllm:prefix_cache_queries."),
 )
 BY_ID = {mechanism.id: mechanism for mechanism in MECHANISMS}
-CAUSE_MECHANISMS = {cause: m.id for m in MECHANISMS for cause in m.causes}
 PREEMPTION, OVERCOUNT = "preemption-recompute", "metric-overcount"
 
 

@@ -4,20 +4,12 @@ database (``lookups_from_causes``: the ``request_causes`` query's rows)."""
 
 from __future__ import annotations
 
-from kvtrace.analysis.attribution import (
-    DESCRIPTIONS,
-    SHORTFALL_CAUSES,
-    LookupAttribution,
-    LostKey,
-    Removal,
-    Segment,
-)
-from kvtrace.analysis.diagnosis import mechanism_of
+from kvtrace.analysis.causes import DESCRIPTIONS, SHORTFALL_CAUSES
 from kvtrace.analysis.database import run_labels
+from kvtrace.analysis.diagnosis import mechanism_of
+from kvtrace.analysis.lookups import NO_REQ, LookupAttribution, LostKey, Removal, Segment
 from kvtrace.analysis.queries import Result
 from kvtrace.events import RemoveReason, TraceHeader, enum_label
-
-NO_REQUEST = -1  # Removal.by_req when the removal happened outside an allocation
 
 
 def lookups_from_causes(causes: Result) -> list[LookupAttribution]:
@@ -39,7 +31,7 @@ def lookups_from_causes(causes: Result) -> list[LookupAttribution]:
             if row["removal_reason"] is not None:
                 removal = Removal(RemoveReason[row["removal_reason"]], row["removed_seq"],
                                   row["removed_step"], row["removed_block_id"],
-                                  NO_REQUEST if row["removed_by_req"] is None
+                                  NO_REQ if row["removed_by_req"] is None
                                   else row["removed_by_req"], row["transient_behind"] or 0)
             keys = (LostKey(row["key_group"], row["key_depth_tokens"], row["key_hash_id"],
                             removal),)

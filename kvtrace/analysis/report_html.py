@@ -14,7 +14,7 @@ import html
 import json
 from importlib import resources
 
-from kvtrace.analysis.attribution import CAUSES
+from kvtrace.analysis.causes import COLOURS, HIT_COLOUR
 from kvtrace.analysis.queries import Result
 from kvtrace.analysis.render import cell, numeric_columns
 from kvtrace.analysis.fleet_verdict import fleet_lines
@@ -25,10 +25,8 @@ from kvtrace.analysis.verdict import diagnosis_lines, prefix_phrase, verdict_lin
 HTML_ROWS = 100  # rows of a table on the page; `kvtrace sql` has the rest
 MARKED_PREFIXES = 10  # hot prefixes the occupancy plots mark one by one; the rest share a trace
 
-# One colour per cause, in waterfall order; cold and the uncacheable tails in greys.
-CAUSE_COLOURS = dict(zip(("hit",) + CAUSES, (
-    "#9bbb59", "#8064a2", "#5b3f80", "#4bacc6", "#f79646", "#fac090", "#ffc000", "#b7dee8",
-    "#7f7f7f", "#c0504d", "#e6b9b8", "#ccc1da", "#000000", "#d9d9d9", "#bfbfbf", "#a6a6a6")))
+# The hit's colour and each cause's, by name (each defined with its cause).
+CAUSE_COLOURS = {"hit": HIT_COLOUR, **COLOURS}
 OCCUPANCY_COLOURS = ("#4f81bd", "#9bbb59", "#c0504d", "#f79646", "#dddddd")
 
 # cache_occupancy's categories, bottom to top of the occupancy plots

@@ -18,23 +18,18 @@ tests/test_attribution.py holds the C core to its twins, row for row.
 
 from __future__ import annotations
 
+import dataclasses
+import operator
 import os
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import numpy as np
 
-from kvtrace.analysis.attribution import (
-    CAUSES,
-    LookupAttribution,
-    LostKey,
-    MissAttributor,
-    Removal,
-    Segment,
-    iter_rows,
-    new_attributor,
-)
+from kvtrace.analysis.attributor import MissAttributor, new_attributor
+from kvtrace.analysis.causes import CAUSES, DEFINITIONS
 from kvtrace.analysis.database import (
+    ENTRY_FIGURE_COLUMNS,
     child_table,
     element_column,
     is_enum_field,
@@ -44,31 +39,20 @@ from kvtrace.analysis.database import (
     record_fields,
     stored_column,
 )
+from kvtrace.analysis.lookups import LookupAttribution, LostKey, Removal, Segment
+from kvtrace.analysis.miss_table import (
+    ATTRIBUTION_COLUMNS,
+    ATTRIBUTION_TABLE,
+    NONE,
+    lookup_columns,
+)
 from kvtrace.errors import TraceFormatError
 from kvtrace.files import OutputError
 from kvtrace.events import (
     RECORD_TYPES,
-    BlockAllocated,
-    BlockFreed,
-    BlockRemoved,
-    BlockState,
-    BlockStored,
-    BlockTouched,
     CheckpointClass,
-    CheckpointRecorded,
-    CheckpointSuppressed,
-    ComputedBlocksFound,
-    EventsDropped,
-    HashesExtended,
-    KeyCached,
     RemoveReason,
-    RequestArrived,
-    RequestFinished,
-    RequestPreempted,
     RequestQueue,
-    RequestState,
-    SlotsAllocated,
-    StepStarted,
     StoreKind,
     TraceHeader,
     tag_of,
@@ -82,34 +66,7 @@ except ImportError:
 
 core = built if os.environ.get("KVTRACE_NATIVE") != "0" else None
 
-NONE = np.iinfo(np.int64).min  # NULL in a column the pass hands over
-
-# The fields the C core reads of each kind, in the order of its K_* codes (a list field is two
-# columns there: lengths, values).
-FIELDS = {
-    StepStarted: (),
-    RequestArrived: ("req", "hash_ids", "request_id"),
-    HashesExtended: ("req", "hash_ids"),
-    ComputedBlocksFound: ("req", "num_hit_tokens", "shared_prefix_boundary"),
-    SlotsAllocated: ("req", "num_new_tokens", "num_computed_tokens", "num_new_computed_tokens",
-                     "num_external_computed_tokens", "num_tokens", "success"),
-    RequestFinished: ("req",),
-    RequestPreempted: ("req",),
-    BlockAllocated: ("block_id",),
-    BlockTouched: ("block_id",),
-    BlockFreed: ("block_id", "ref_cnt"),
-    BlockStored: ("block_id", "hash_id", "group", "num_tokens", "kind", "req"),
-    BlockRemoved: ("block_id", "hash_id", "group", "reason"),
-    CheckpointRecorded: ("req", "group", "position", "position_class"),
-    CheckpointSuppressed: ("req", "group", "position"),
-    EventsDropped: ("count",),
-    BlockState: ("block_id", "ref_cnt"),
-    KeyCached: ("hash_id", "group", "num_tokens", "block_ids"),
-    RequestState: ("req", "queue", "hash_ids", "num_computed_tokens", "num_preemptions",
-                   "request_id"),
-}
-_CODES = {record_type: code for code, record_type in enumerate(FIELDS)}
-_SKIP = 255
+_SKIP = 255  # a batch kind no record spec describes
 
 
 def _field_kind(field_type: object) -> str:
@@ -121,19 +78,19 @@ def _field_kind(field_type: object) -> str:
 
 
 def _spec(record_type: type) -> tuple:
-    """How the C core reads a record kind (csrc/forensics_core.c, RecordSpec)."""
+    """A record kind as the C core is told of it (csrc/forensics_core.c, parse_specs): its tag
+    and its fields' names, by which the core finds the kinds and fields it reads, their kinds
+    (``_field_kind``), and whether it makes the kind's rows."""
     fields = record_fields(record_type)
     kinds = "".join(_field_kind(field_type) for _, field_type in fields)
-    names = [name for name, _ in fields]
-    return (_CODES.get(record_type, -1), tuple(map(names.index, FIELDS.get(record_type, ()))),
-            "o" not in kinds, kinds, names.index("req") if "req" in names else -1)
+    return (tag_of(record_type), tuple(name for name, _ in fields), kinds, "o" not in kinds)
 
 
 _SPECS = tuple(map(_spec, RECORD_TYPES))
 _INDEX = {record_type: index for index, record_type in enumerate(RECORD_TYPES)}
 # The kinds whose rows the C core makes (every field an int, an int list, a str or bytes), and
 # its tables in its order: each such kind's table, then a child table per list field.
-SHAPED_TYPES = frozenset(t for t, spec in zip(RECORD_TYPES, _SPECS) if spec[2])
+SHAPED_TYPES = frozenset(t for t, spec in zip(RECORD_TYPES, _SPECS) if spec[3])
 TABLES: list[tuple[str, tuple[str, ...]]] = []
 for _record_type in RECORD_TYPES:
     if _record_type in SHAPED_TYPES:
@@ -144,19 +101,15 @@ for _record_type in RECORD_TYPES:
         TABLES += [(child_table(_tag, name), ("seq", "req", "pos", element_column(name)))
                    for name, field_type in _fields if is_list_field(field_type)]
 
-# The miss_attribution columns the pass hands over, in the C core's order.
-ATTRIBUTION_COLUMNS = (
-    "req", "lookup", "seq", "step", "query_tokens", "ideal_tokens", "hit_tokens",
-    "attention_hit_tokens", "mamba_hit_tokens", "cause", "tokens", "from_tokens", "to_tokens",
-    "key_group", "key_depth_tokens", "key_hash_id", "removed_block_id", "removed_seq",
-    "removed_step", "removed_by_req", "transient_behind", "in_flight",
-)
-# The cache_entry_figures columns (but run), in the C core's order.
-ENTRY_COLUMNS = ("stored_seq", "block_id", "removed_seq", "removed_step", "removed_reason_code",
-                 "position_class_code", "hits", "last_hit_seq", "last_hit_step",
-                 "transient_cached")
-
-ATTRIBUTION_TABLE = "miss_attribution"
+# The cache_entry_figures columns (but run, the loader's); the C core finds each by name.
+ENTRY_COLUMNS = tuple(name for name, _ in ENTRY_FIGURE_COLUMNS if name != "run")
+# The causes as the C core is told of them: each by name, and whether it is in the shortfall
+# (the order of those is the waterfall's; a cause's index here is its value in the rows).
+_CAUSES = tuple((cause.name, cause.in_shortfall) for cause in DEFINITIONS)
+# The enum values the C core compares with, by name.
+_ENUMS = {f"{type(value).__name__}.{value.name}": int(value) for value in (
+    StoreKind.CHECKPOINT, CheckpointClass.TRANSIENT, RemoveReason.LRU_REUSE,
+    RemoveReason.STALE_CHECKPOINT, RemoveReason.REKEY, RequestQueue.RUNNING)}
 _CORE_TABLES = [*TABLES, (ATTRIBUTION_TABLE, ATTRIBUTION_COLUMNS),
                 ("cache_entry_figures", ENTRY_COLUMNS)]
 # Per table, its columns the C core hands over as int32s (the database stores them so).
@@ -241,17 +194,13 @@ class NativePass:
         self.lookups: list[LookupAttribution] = []
         geometry = None
         if attributor is not None:
-            shape = attributor.geometry
-            geometry = (shape.unit, tuple(map(int, attributor.is_mamba)),
-                        shape.attention_groups, shape.mamba_groups, shape.attention_block,
-                        shape.mamba_block, shape.alignment, attributor.num_blocks,
-                        shape.eagle_drop, shape.eagle_margin)
-        enums = (StoreKind.CHECKPOINT, CheckpointClass.TRANSIENT, RemoveReason.LRU_REUSE,
-                 RemoveReason.STALE_CHECKPOINT, RemoveReason.REKEY, RequestQueue.RUNNING)
+            geometry = {**dataclasses.asdict(attributor.geometry),  # by name (Core_init)
+                        "is_mamba": tuple(map(int, attributor.is_mamba)),
+                        "num_blocks": attributor.num_blocks}
         spill = self._spill_file() if spill_dir is not None else None
         try:
             self.core = core.ForensicsCore(
-                _SPECS, geometry, tuple(map(int, enums)),
+                _SPECS, _CAUSES, (ATTRIBUTION_COLUMNS, ENTRY_COLUMNS), geometry, _ENUMS,
                 attributor.only_request if attributor else None,
                 attributor.request_id if attributor else None,
                 bool(attributor and attributor.explain), keep_lookups, make_rows,
@@ -330,27 +279,25 @@ def _as_columns(table: int, data: tuple[bytes | list, ...]) -> Columns:
             for index, (name, column) in enumerate(zip(_CORE_TABLES[table][1], data))}
 
 
+def _picker(published: tuple[str, ...], wanted: Iterable[str]) -> Callable[[tuple], tuple]:
+    """The fields ``wanted`` of a tuple the C core lays out as its module ``published``, by
+    name."""
+    return operator.itemgetter(*map(published.index, wanted))
+
+
+if built is not None:  # the tuples take_lookups hands over, read by name
+    _LOOKUP = _picker(built.LOOKUP_FIELDS,
+                      [field.name for field in dataclasses.fields(LookupAttribution)])
+    _SEGMENT = _picker(built.SEGMENT_FIELDS, ("cause", "start", "end", "keys"))
+    _KEY = _picker(built.KEY_FIELDS, ("group", "depth_tokens", "hash_id", "removal"))
+    _REMOVAL = _picker(built.REMOVAL_FIELDS, Removal._fields)
+
+
 def _lookup(row: tuple) -> LookupAttribution:
     """A lookup the C core kept, as the Python twin makes it."""
-    (req, admission, seq, step, query, ideal, hit, boundary, attention_hit, mamba_hit,
-     in_flight, segments) = row
-    lookup = LookupAttribution(req, admission, seq, step, query, ideal, hit, boundary,
-                               attention_hit, mamba_hit, in_flight=in_flight)
-    for cause, start, end, keys in segments:
-        lookup.segments.append(Segment(CAUSES[cause], start, end, tuple(
-            LostKey(group, depth, hash_id, None if removal is None else Removal(*removal))
-            for group, depth, hash_id, removal in keys)))
+    lookup = LookupAttribution(*_LOOKUP(row))  # its segments as the core laid them out, so:
+    lookup.segments = [Segment(CAUSES[cause], start, end, tuple(
+        LostKey(group, depth, hash_id, None if removal is None else Removal(*_REMOVAL(removal)))
+        for group, depth, hash_id, removal in map(_KEY, keys)))
+        for cause, start, end, keys in map(_SEGMENT, lookup.segments)]
     return lookup
-
-
-_CAUSE_INDEX = {cause: index for index, cause in enumerate(CAUSES)}
-
-
-def lookup_columns(lookups: Iterable[LookupAttribution]) -> Columns:
-    """The Python twin's lookups as the C core's row columns (``iter_rows``' rows without the
-    run's labels and the columns SQL derives; the cause by its index, NULL as ``NONE``)."""
-    rows = [(*row[3:5], *row[6:13], _CAUSE_INDEX[row[13]], *row[15:])
-            for row in iter_rows(0, "", "", lookups)]
-    data = np.array([[NONE if value is None else int(value) for value in row] for row in rows],
-                    dtype=np.int64).reshape(len(rows), len(ATTRIBUTION_COLUMNS))
-    return {name: data[:, index].copy() for index, name in enumerate(ATTRIBUTION_COLUMNS)}
