@@ -72,7 +72,7 @@ def check_prediction(command: str, name: str, directory: Path) -> float:
 
 
 def measure(model: str, workload: str, requests: int, directory: Path) -> dict:
-    from kvtrace.analysis.diagnosis import CAUSE_MECHANISMS
+    from kvtrace.analysis.causes import CAUSE_MECHANISMS
 
     name = f"{model}.{workload}"
     make = workload_command(workload, model, requests, f"{name}.kvtrace")

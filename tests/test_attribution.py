@@ -27,7 +27,7 @@ from kvtrace.analysis.attribution import attribute_trace
 from kvtrace.analysis.attributor import AttributionError
 from kvtrace.analysis.causes import BEYOND_IDEAL_CAUSES, CAUSES, SHORTFALL_CAUSES
 from kvtrace.analysis.miss_summary import CauseTotals
-from kvtrace.analysis.miss_table import iter_rows
+from kvtrace.analysis.miss_table import NONE, iter_rows
 from kvtrace.analysis.database import open_database
 from kvtrace.analysis import stream
 from kvtrace.analysis.load import load_traces
@@ -730,7 +730,7 @@ def test_sparse_hash_ids_attribute_as_dense_ones(seeded_replays, tmp_path, monke
     moved = tmp_path / "sparse.kvtrace"
     write_trace(moved, reader.header, [remapped(record) for record in records])
     index = stream.ATTRIBUTION_COLUMNS.index("key_hash_id")
-    unmoved = [tuple(sparse(v) if i == index and v != stream.NONE else v
+    unmoved = [tuple(sparse(v) if i == index and v != NONE else v
                      for i, v in enumerate(row)) for row in pass_output(dense, native=True)]
     reference = pass_output(moved, native=False)
     assert sorted(unmoved) == reference and len(reference) > 100

@@ -271,7 +271,8 @@ def assert_doctor_names_the_dominant_cause(trace, tmp_path, evicts: bool
     import json
 
     from kvtrace.analysis.database import open_database
-    from kvtrace.analysis.diagnosis import BY_ID, CAUSE_MECHANISMS
+    from kvtrace.analysis.causes import CAUSE_MECHANISMS
+    from kvtrace.analysis.diagnosis import BY_ID
     from kvtrace.analysis.queries import run_query
 
     db = tmp_path / "doctor.duckdb"

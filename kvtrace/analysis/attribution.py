@@ -16,23 +16,14 @@ import tempfile
 from collections.abc import Iterator
 
 from kvtrace.analysis.lookups import TraceAttribution
+from kvtrace.analysis.stream import new_pass
 from kvtrace.traceio import TraceReader
-
-# Imported from here by modules of other slices until they take them from their new homes:
-from kvtrace.analysis.causes import CAUSES, SHORTFALL_CAUSES  # moved: kvtrace.analysis.causes
-from kvtrace.analysis.miss_summary import (  # moved: kvtrace.analysis.miss_summary
-    NEAR_ZERO_HIT_RATE, CauseTotals, silent_zero_warning)
-from kvtrace.analysis.miss_table import ROW_COLUMNS  # moved: kvtrace.analysis.miss_table
 
 
 def attribute_trace(path: str | os.PathLike, *, request: int | str | None = None,
                     explain: bool = False) -> TraceAttribution:
     """Attribute every admitted lookup of the trace at ``path`` (one streaming pass: the C core
     where it is built, else ``MissAttributor``)."""
-    # Imported here while database.py takes ROW_COLUMNS from this module (stream imports
-    # database): once it takes them from miss_table, this import moves to the top.
-    from kvtrace.analysis.stream import new_pass
-
     reader = TraceReader(os.fspath(path))
     with reader, cyclic_gc_paused():
         attribution = new_pass(reader.header, reader.path, request=request, explain=explain,

@@ -13,7 +13,8 @@ from collections import Counter
 import numpy as np
 
 from kvtrace.analysis import stream
-from kvtrace.analysis.attribution import CAUSES, SHORTFALL_CAUSES
+from kvtrace.analysis.causes import CAUSES, SHORTFALL_CAUSES
+from kvtrace.analysis.miss_table import NONE
 from kvtrace.analysis.database import (
     ATTRIBUTION_TABLE,
     column_name,
@@ -132,7 +133,7 @@ def _narrowed(table: str, columns: dict[str, np.ndarray], path: str) -> dict[str
 _BOOL_COLUMNS = {(tag_of(record_type), column_name(name))
                  for record_type in RECORD_TYPES
                  for name, field_type in record_fields(record_type) if field_type is bool}
-# The streaming pass's columns: int64, NULL as stream.NONE; flags as 0/1.
+# The streaming pass's columns: int64, NULL as NONE; flags as 0/1.
 _PASS_TABLES = {ATTRIBUTION_TABLE: stream.ATTRIBUTION_COLUMNS,
                 "cache_entry_figures": stream.ENTRY_COLUMNS}
 _FLAGS = {"in_flight"}
@@ -144,6 +145,11 @@ def _insert_sql(table: str, columns: tuple[str, ...]) -> str:
     return f"INSERT INTO {stored_tables()[table]} BY NAME {_chunk_select(table, columns, True)}"
 
 
+# The shortfall's causes by their codes (a cause's code is its place in CAUSES), by name: the
+# causes' order is theirs to choose.
+_SHORTFALL_CODES = ", ".join(str(CAUSES.index(cause)) for cause in SHORTFALL_CAUSES)
+
+
 @functools.cache
 def _chunk_select(table: str, columns: tuple[str, ...], with_run: bool) -> str:
     """The rows of a chunk of ``table`` as they are stored, each column under its name, with
@@ -153,9 +159,9 @@ def _chunk_select(table: str, columns: tuple[str, ...], with_run: bool) -> str:
     if table == ATTRIBUTION_TABLE:
         causes = ", ".join(f"'{cause}'" for cause in CAUSES)
         targets += ["resumed", "in_shortfall"]
-        expressions += ["lookup > 1", f"cause < {len(SHORTFALL_CAUSES)}"]
+        expressions += ["lookup > 1", f"cause IN ({_SHORTFALL_CODES})"]
     for name in columns:
-        value = f"nullif({name}, {stream.NONE})" if table in _PASS_TABLES else name
+        value = f"nullif({name}, {NONE})" if table in _PASS_TABLES else name
         if table == ATTRIBUTION_TABLE and name == "cause":
             value = f"[{causes}][{name} + 1]"
         elif (name in _FLAGS and table in _PASS_TABLES) or (table, name) in _BOOL_COLUMNS:

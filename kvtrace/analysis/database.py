@@ -42,7 +42,7 @@ import typing
 from collections.abc import Sequence
 from importlib import resources
 
-from kvtrace.analysis.attribution import ROW_COLUMNS
+from kvtrace.analysis.miss_table import ATTRIBUTION_TABLE, ROW_COLUMNS
 from kvtrace.analysis.sql_access import connect
 from kvtrace.errors import KvtraceError, TraceFormatError
 from kvtrace.events import RECORD_TYPES, CheckpointClass, RemoveReason, TraceHeader, tag_of
@@ -59,7 +59,6 @@ ENTRY_FIGURES_SCHEMA_VERSION = 3
 # v4: the record kinds' and the attribution's rows stored in this schema, read through views
 # (schema_statements); the same columns as v3, so a v3 database reads as it did.
 ROWS_SCHEMA = "kvtrace_rows"
-ATTRIBUTION_TABLE = "miss_attribution"
 
 RENAMED_FIELDS = {"group": "group_id", "step": "engine_step"}
 

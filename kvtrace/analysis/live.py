@@ -20,7 +20,7 @@ import threading
 import msgspec
 import numpy as np
 
-from kvtrace.analysis.attribution import CAUSES
+from kvtrace.analysis.causes import CAUSES
 from kvtrace.analysis.stream import ATTRIBUTION_TABLE, new_pass
 from kvtrace.analysis.trace_tail import TraceTail
 from kvtrace.events import (
@@ -106,7 +106,7 @@ class Figures(msgspec.Struct, frozen=True):
       evicted first (the evictions checkpoint_pushouts starts from, per hash id as
       pushed_out_prefixes counts them).
     * ``misses_by_cause``: missed tokens of the first admissions per miss-attribution cause, in
-      ``attribution.CAUSES`` order (``miss_attribution``, ``lookup = 1``): with ``hit_tokens``
+      ``causes.CAUSES`` order (``miss_attribution``, ``lookup = 1``): with ``hit_tokens``
       they sum to ``query_tokens``. Empty for a trace without an engine config.
     """
 

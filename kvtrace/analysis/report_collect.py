@@ -11,7 +11,8 @@ dominant cause: the data behind the verdict is suspect then.
 
 from __future__ import annotations
 
-from kvtrace.analysis.attribution import CAUSES, CauseTotals, silent_zero_warning
+from kvtrace.analysis.causes import CAUSES
+from kvtrace.analysis.miss_summary import CauseTotals, silent_zero_warning
 from kvtrace.analysis.fleet_verdict import fleet
 from kvtrace.analysis.pricing import Pricing, pricing_for
 from kvtrace.analysis.queries import Result, execute, run_query, sql_command

@@ -43,7 +43,6 @@ from kvtrace.analysis.lookups import LookupAttribution, LostKey, Removal, Segmen
 from kvtrace.analysis.miss_table import (
     ATTRIBUTION_COLUMNS,
     ATTRIBUTION_TABLE,
-    NONE,
     lookup_columns,
 )
 from kvtrace.errors import TraceFormatError

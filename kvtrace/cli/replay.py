@@ -150,8 +150,9 @@ def _check_outputs(source: str, outdir: str, summary_json: str | None, db: str |
 def _warn_of_silent_zeros(result) -> None:
     """A variant whose hit rate is near zero is attributed (one pass over its output), and
     warned about when something other than cold prompts explains it."""
-    from kvtrace.analysis.attribution import (NEAR_ZERO_HIT_RATE, CauseTotals, attribute_trace,
-                                              silent_zero_warning)
+    from kvtrace.analysis.attribution import attribute_trace
+    from kvtrace.analysis.miss_summary import (NEAR_ZERO_HIT_RATE, CauseTotals,
+                                               silent_zero_warning)
 
     for variant in result.variants:
         summary = variant.summary

@@ -11,7 +11,7 @@
 --   hit_tokens: the joint hit the cache gave (num_hit_tokens)
 --   attention_hit_tokens: full attention's own longest hit at the lookup, less EAGLE's dropped unit on a use_eagle engine (NULL: no such group)
 --   mamba_hit_tokens: the deepest Mamba state below the last token at the lookup (NULL: none)
---   cause: why these tokens were not hit (see kvtrace/analysis/attribution.py DESCRIPTIONS)
+--   cause: why these tokens were not hit (see kvtrace/analysis/causes.py)
 --   in_shortfall: true for causes of ideal - hit; false past it (cold, partial_unit, short_prompt)
 --   tokens: tokens of the query this cause cost (to_tokens - from_tokens)
 --   from_tokens: where in the query they start
