@@ -336,7 +336,7 @@ def test_h3_an_execute_state_pool_this_machine_cannot_hold_is_refused(tmp_path, 
 
 def test_h4_the_source_is_streamed_into_compact_arrivals(tmp_path):
     from kvtrace.events import RequestArrived
-    from kvtrace.replay.run import read_source
+    from kvtrace.replay.source import read_source
 
     num_requests, units = 2000, 100
     path = tmp_path / "wide.kvtrace"
