@@ -1,7 +1,7 @@
 """What a replay is asked to run (``ReplayOptions``) and the variants it runs by default.
 
-Below the run driver (``run``) so that what hands a replay to another process
-(``other_release``, ``sweep``) names its options without importing the driver.
+Below the run driver (``run``), so that what hands a replay to another process
+(``other_release``) names its options without importing the driver back.
 """
 
 from __future__ import annotations
