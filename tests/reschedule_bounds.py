@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from kvtrace.events import BlockRemoved, ComputedBlocksFound, RemoveReason, SlotsAllocated
-from kvtrace.replay.run import ReplaySummary
+from kvtrace.replay.summary import ReplaySummary
 from kvtrace.traceio import TraceReader
 
 MAX_HIT_RATE_POINTS = 0.005

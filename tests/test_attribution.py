@@ -38,8 +38,10 @@ from kvtrace.engine_config import FIRST_MADE_UP_HASH_ID, SchedulerSettings
 from kvtrace.errors import TraceFormatError
 from kvtrace.events import (BlockRemoved, ComputedBlocksFound, RemoveReason, ReplayInfo,
                             TraceHeader)
-from kvtrace.replay.run import ReplayOptions, replay
-from kvtrace.replay.scheduler import Arrival, Scheduler
+from kvtrace.replay.arrivals import Arrival
+from kvtrace.replay.options import ReplayOptions
+from kvtrace.replay.run import replay
+from kvtrace.replay.scheduler import Scheduler
 from kvtrace.replay.vllm_backend import VllmBackend
 from kvtrace.traceio import TraceWriter, read_records, write_trace
 from kvtrace.workloads.mooncake import import_mooncake

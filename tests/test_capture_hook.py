@@ -14,7 +14,8 @@ from vllm_support import prefill_chunks, run_mixed_workload, seed_config, vllm_b
 from kvtrace.capture import hook
 from kvtrace.capture.messages import ControlMessageError
 from kvtrace.events import EventsDropped, SlotsAllocated
-from kvtrace.replay.run import ReplayOptions, replay
+from kvtrace.replay.options import ReplayOptions
+from kvtrace.replay.run import replay
 from kvtrace.traceio import TraceReader, TraceWriter, read_records
 
 

@@ -237,7 +237,8 @@ def test_a_source_that_names_a_presets_repository_is_priced_as_that_preset(tmp_p
     prices its lookups as the preset, without --model."""
     import msgspec.structs
 
-    from kvtrace.replay.run import ReplayOptions, replay
+    from kvtrace.replay.options import ReplayOptions
+    from kvtrace.replay.run import replay
     from kvtrace.traceio import TraceReader, read_records, write_trace
     from kvtrace.workloads.synth import synthesize
     from kvtrace.workloads.workload import EngineShape, write_workload

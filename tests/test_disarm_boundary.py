@@ -18,7 +18,8 @@ from vllm_support import seed_config, vllm_backend_class  # noqa: F401
 from kvtrace.capture import hook
 from kvtrace.events import EventsDropped
 from kvtrace.replay.lockstep import verify
-from kvtrace.replay.run import ReplayOptions, replay
+from kvtrace.replay.options import ReplayOptions
+from kvtrace.replay.run import replay
 from kvtrace.traceio import read_records
 
 

@@ -18,7 +18,8 @@ from kvtrace.analysis.database import open_database
 from kvtrace.analysis.load import load_traces
 from kvtrace.analysis.queries import run_query
 from kvtrace.events import KVCacheGroup
-from kvtrace.replay.run import ReplayOptions, replay
+from kvtrace.replay.options import ReplayOptions
+from kvtrace.replay.run import replay
 from kvtrace.traceio import read_records, write_trace
 from kvtrace.workloads.workload import EngineShape, Workload, WorkloadRequest, write_workload
 

@@ -183,7 +183,7 @@ def test_a_process_wide_capture_sees_every_call_of_the_engines_cache(workload, c
     the engine's own loop: vLLM is imported once here.)"""
     from kvtrace.events import HashInterner, RequestArrived
     from kvtrace.probes import CacheProbes
-    from kvtrace.replay.run import ReplaySummary
+    from kvtrace.replay.summary import ReplaySummary
     from kvtrace.engine.core import Engine, EngineOptions, load_workload
 
     options = EngineOptions(str(workload), variant="unfixed", speed=0)

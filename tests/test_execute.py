@@ -20,10 +20,11 @@ from kvtrace.events import StaleKeyLeft
 from kvtrace.replay.execute import ExecuteOptions
 from kvtrace.geometry.families import architecture_of
 from kvtrace.geometry.presets import resolve_model
-from kvtrace.replay.execute.engine import ExecuteEngine, Recurrence, TrueStates, check_kernel
+from kvtrace.replay.execute.executor import StateExecutor
 from kvtrace.replay.execute.inputs import UnitInputs
 from kvtrace.replay.execute.kda import TorchKernel, chunk_kda_state, fla_kernel, recurrent_kda_state
 from kvtrace.replay.execute.model import state_shape
+from kvtrace.replay.execute.recurrence import Recurrence, TrueStates, check_kernel
 from vllm_support import (  # noqa: F401 (vllm_backend_class is a fixture)
     SEED_HASH_IDS, prefill_chunks, seed_config, vllm_backend_class)
 
@@ -117,7 +118,7 @@ def run_seed_scenario(backend_class, variant: str) -> tuple[dict, list]:
     state at 112), request 3 the whole 240-token prompt (its prompt-end checkpoint)."""
     config = seed_config(0)
     records = []
-    with ExecuteEngine(config, ExecuteOptions(device="cpu", model="kimi-linear-48b-a3b")) as engine:
+    with StateExecutor(config, ExecuteOptions(device="cpu", model="kimi-linear-48b-a3b")) as engine:
         def sink(record):
             records.append(record)
             engine(record)
@@ -270,7 +271,7 @@ def test_bad_execute_options_are_refused(executed, args, message):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA device")
 def test_cuda_without_a_device_is_a_clear_error():
     with pytest.raises(ConfigError, match="torch sees no CUDA device"):
-        ExecuteEngine(seed_config(0), ExecuteOptions(device="cuda", model="kimi-linear-48b-a3b"))
+        StateExecutor(seed_config(0), ExecuteOptions(device="cuda", model="kimi-linear-48b-a3b"))
 
 
 def test_the_replay_driver_imports_no_torch():
@@ -310,7 +311,7 @@ def test_the_seed_scenario_on_cuda_gives_the_cpu_verdicts():
 
     for variant in ("naive", "fixed"):
         cpu, records = run_seed_scenario(VllmBackend, variant)
-        with ExecuteEngine(seed_config(0), ExecuteOptions(device="cuda", model="kimi-linear-48b-a3b")) as engine:
+        with StateExecutor(seed_config(0), ExecuteOptions(device="cuda", model="kimi-linear-48b-a3b")) as engine:
             assert engine.pool.device.type == "cuda"
             for record in records:
                 engine(record)
@@ -356,4 +357,4 @@ def test_execute_mode_runs_every_family_on_its_own_state(tmp_path, model, state)
 
 def test_execute_mode_needs_the_model_of_a_source_that_names_none():
     with pytest.raises(ConfigError, match="names none"):
-        ExecuteEngine(seed_config(0), ExecuteOptions(device="cpu"))
+        StateExecutor(seed_config(0), ExecuteOptions(device="cpu"))

@@ -38,7 +38,7 @@ from kvtrace.cli.demo import BUSY_ENGINE
 from kvtrace.engine.process import EngineProcess
 from kvtrace.events import SlotsAllocated
 from kvtrace.geometry.presets import preset_names
-from kvtrace.replay.run import ReplaySummary
+from kvtrace.replay.summary import ReplaySummary
 from kvtrace.traceio import TraceReader, count_kinds
 from kvtrace.workloads.synth import synthesize
 from kvtrace.workloads.workload import EngineShape, write_workload

@@ -41,13 +41,14 @@ from kvtrace.events import (
     StaleKeyLeft,
     StoreKind,
 )
+from kvtrace.replay.arrivals import Arrival
 from kvtrace.replay.backend import open_backend, open_counting_backend
 from kvtrace.replay.lockstep import replay_lockstep
 from kvtrace.replay.model import ModelBackend, NativeModelBackend, native, open_model_backend
 from kvtrace.replay.model.pool import BlockPool
 from kvtrace.replay.model.reports import Records
-from kvtrace.replay.run import ReplaySummary
-from kvtrace.replay.scheduler import Arrival, Scheduler
+from kvtrace.replay.scheduler import Scheduler
+from kvtrace.replay.summary import ReplaySummary
 from kvtrace.replay.variants import (
     MODELLED_VARIANTS, VARIANTS, CheckpointAction, CheckpointFacts)
 from kvtrace.workloads.synth import synthesize
@@ -343,7 +344,7 @@ def test_the_mooncake_trace_in_full(vllm_backend_class, tmp_path, variant):
     over a million records, equal one for one."""
     from third_party_data import MOONCAKE_SYNTHETIC
     from kvtrace.engine_config import derive
-    from kvtrace.replay.scheduler import arrivals_of
+    from kvtrace.replay.arrivals import arrivals_of
     from kvtrace.traceio import read_records
     from kvtrace.workloads.mooncake import import_mooncake
     from kvtrace.workloads.workload import EngineShape, write_workload

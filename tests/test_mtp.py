@@ -23,7 +23,8 @@ from kvtrace.engine_config import (SchedulerSettings, check_request, derive, dra
                                    num_hashed_units, speculative_method)
 from kvtrace.errors import ConfigError
 from kvtrace.events import EngineConfig, KVCacheGroup
-from kvtrace.replay.scheduler import Scheduler, mamba_checkpoint_position
+from kvtrace.replay.scheduler import Scheduler
+from kvtrace.replay.scheduling_rules import mamba_checkpoint_position
 
 FULL_ATTENTION = EngineConfig(kv_cache_groups=[KVCacheGroup(kind="full_attention",
                                                             block_size=16)],

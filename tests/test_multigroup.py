@@ -13,8 +13,9 @@ import pytest
 from kvtrace.capture import hook
 from kvtrace.engine_config import SchedulerSettings
 from kvtrace.events import CheckpointRecorded, CheckpointSuppressed, BlockStored, StoreKind
-from kvtrace.replay.run import ReplayOptions, replay
-from kvtrace.replay.scheduler import arrivals_of
+from kvtrace.replay.arrivals import arrivals_of
+from kvtrace.replay.options import ReplayOptions
+from kvtrace.replay.run import replay
 from kvtrace.replay.variants import MODELLED_VARIANTS
 from kvtrace.traceio import read_records, write_trace
 from kvtrace.workloads.synth import synthesize

@@ -38,9 +38,11 @@ from kvtrace.events import BlocksCached
 from kvtrace.replay.backend import open_backend, started
 from kvtrace.replay.lockstep import replay_lockstep
 from kvtrace.replay.model import NativeModelBackend, native
-from kvtrace.replay.run import ReplayOptions, Source, read_source, replay
+from kvtrace.replay.options import ReplayOptions
+from kvtrace.replay.run import replay
 from kvtrace.replay.scheduler import Scheduler
 from kvtrace.replay.snapshot import SnapshotError, snapshot_of
+from kvtrace.replay.source import Source, read_source
 from kvtrace.replay.variants import MODELLED_VARIANTS
 from kvtrace.traceio import TraceReader
 from kvtrace.workloads.synth import synthesize

@@ -30,7 +30,7 @@ from kvtrace.cli import cli
 from kvtrace.errors import ConfigError, UnsafePathError
 from kvtrace.events import HashInterner, SlotsAllocated, TraceHeader
 from kvtrace.probes import CacheProbes, ProbeSignatureError, probe_targets, signatures, wrappers
-from kvtrace.replay.release_worker import on_release
+from kvtrace.replay.other_release import release_version_for
 from kvtrace.replay.variants import get_variant
 from kvtrace.traceio import TraceReader, TraceWriter
 from kvtrace.vllm_release_table import BY_VERSION, PROJECT_RELEASE
@@ -244,21 +244,21 @@ def header(vllm_version: str) -> TraceHeader:
 
 def test_lockstep_runs_on_the_release_the_trace_was_recorded_on(releases_home):
     fixed = get_variant("fixed")
-    assert on_release(fixed, header(PROJECT_VLLM), "lockstep", "vllm") == PROJECT_VLLM
-    assert on_release(fixed, header("0.31.0"), "reschedule", "vllm") == PROJECT_VLLM
-    assert on_release(fixed, header("0.31.0"), "lockstep", "model") == PROJECT_VLLM
+    assert release_version_for(fixed, header(PROJECT_VLLM), "lockstep", "vllm") == PROJECT_VLLM
+    assert release_version_for(fixed, header("0.31.0"), "reschedule", "vllm") == PROJECT_VLLM
+    assert release_version_for(fixed, header("0.31.0"), "lockstep", "model") == PROJECT_VLLM
     with pytest.raises(ConfigError) as missing:
-        on_release(fixed, header("0.31.0"), "lockstep", "vllm")
+        release_version_for(fixed, header("0.31.0"), "lockstep", "vllm")
     assert str(missing.value).startswith("the trace was recorded on vLLM 0.31.0, and lockstep "
                                          "re-issues its calls on the same release's code")
     assert missing.value.hint.startswith("Install it: kvtrace vllm install 0.31.0")
     with pytest.raises(ConfigError, match="recorded on vLLM 0.29.0, which kvtrace cannot run"):
-        on_release(fixed, header("0.29.0"), "lockstep", "vllm")
+        release_version_for(fixed, header("0.29.0"), "lockstep", "vllm")
     release = get_variant("vllm-0.30.0")
-    assert on_release(release, header(PROJECT_VLLM), "reschedule", "vllm") == "0.30.0"
+    assert release_version_for(release, header(PROJECT_VLLM), "reschedule", "vllm") == "0.30.0"
     with pytest.raises(ConfigError, match="variant vllm-0.30.0 runs vLLM 0.30.0's own code, "
                                           "which the model backend does not have"):
-        on_release(release, header(PROJECT_VLLM), "reschedule", "model")
+        release_version_for(release, header(PROJECT_VLLM), "reschedule", "model")
 
 
 @pytest.fixture(scope="module")

@@ -37,7 +37,7 @@ def test_a_truncated_source_is_replayed_with_a_warning(tmp_path, replayed, locks
 # Hardening finding H4.
 def test_the_source_is_streamed_into_compact_arrivals(tmp_path):
     from kvtrace.events import RequestArrived
-    from kvtrace.replay.run import read_source
+    from kvtrace.replay.source import read_source
 
     num_requests, units = 2000, 100
     path = tmp_path / "wide.kvtrace"

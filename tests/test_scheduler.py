@@ -12,13 +12,9 @@ import pytest
 from kvtrace.engine_config import SchedulerSettings
 from kvtrace.errors import ConfigError
 from kvtrace.events import EngineConfig, FinishStatus, KVCacheGroup
-from kvtrace.replay.scheduler import (
-    Arrival,
-    MambaAlignedSplit,
-    Scheduler,
-    arrivals_of,
-    mamba_checkpoint_position,
-)
+from kvtrace.replay.arrivals import Arrival, arrivals_of
+from kvtrace.replay.scheduler import Scheduler
+from kvtrace.replay.scheduling_rules import MambaAlignedSplit, mamba_checkpoint_position
 from vllm_support import seed_config
 
 # The seed config of the PR analysis: full attention 16, Mamba align 32, hash unit 16.

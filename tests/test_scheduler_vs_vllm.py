@@ -22,8 +22,8 @@ from test_model_backend import TWINS, first_divergence, reschedule, summaries_bo
 
 from kvtrace.engine_config import SchedulerSettings
 from kvtrace.events import BlocksCached, HashInterner, RequestArrived, SlotsAllocated, StepStarted
-from kvtrace.replay.run import ReplaySummary
 from kvtrace.replay.scheduler import Scheduler
+from kvtrace.replay.summary import ReplaySummary
 from kvtrace.workloads.workload import EngineShape, write_workload
 from kvtrace.workloads.synth import synthesize
 from third_party_data import MOONCAKE_SYNTHETIC
@@ -249,7 +249,7 @@ def test_each_drafters_hits_by_hand(drafter, expected_hits):
     from kvtrace.engine.core import EngineWorkload
     from kvtrace.engine_config import SchedulerSettings, drafter_fields
     from kvtrace.events import ComputedBlocksFound, EngineConfig, KVCacheGroup
-    from kvtrace.replay.scheduler import Arrival
+    from kvtrace.replay.arrivals import Arrival
 
     config = EngineConfig(kv_cache_groups=[KVCacheGroup(kind="full_attention", block_size=16)],
                           hash_block_size=16, num_gpu_blocks=64, max_model_len=1024,
@@ -274,7 +274,7 @@ def test_the_verifiers_answers_read_off_a_capture_replay_its_run(tmp_path, async
     runs with a fallback rate of 0 (every drawn draft rejected), and still makes vLLM's
     records, record for record: every step's answer came from the capture."""
     from kvtrace.events import TraceHeader
-    from kvtrace.replay.run import read_source
+    from kvtrace.replay.source import read_source
     from kvtrace.traceio import TraceWriter
 
     workload = drafting_workload(tmp_path, "chat", 26, async_scheduling, drafter)

@@ -31,8 +31,10 @@ from kvtrace.events import (
 from kvtrace.probes import CacheProbes
 from kvtrace.probes import snapshot as live_snapshot
 from kvtrace.replay.backend import open_backend
-from kvtrace.replay.run import ReplayOptions, replay
+from kvtrace.replay.options import ReplayOptions
+from kvtrace.replay.run import replay
 from kvtrace.replay.snapshot import SnapshotError, snapshot_of
+from kvtrace.replay.snapshot_checks import check_snapshot
 from kvtrace.traceio import TraceReader, TraceWriter
 from kvtrace.workloads.synth import synthesize
 from kvtrace.workloads.workload import EngineShape, write_workload
@@ -95,7 +97,7 @@ def test_a_snapshot_rebuilt_into_a_fresh_cache_reads_back_the_same(workload):
     kinds = {type(record) for record in taken}
     assert {FreeQueueState, BlockState, KeyCached, RequestState, RequestBlocksState} <= kinds
     snapshot = snapshot_of(taken)
-    snapshot.check(workload.config, "test")
+    check_snapshot(snapshot, workload.config, "test")
     with open_backend("vllm", workload.config, "unfixed", lambda record: None,
                       snapshot) as backend:
         requests = [backend.request(r.req) for r in snapshot.requests]

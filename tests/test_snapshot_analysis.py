@@ -60,7 +60,7 @@ from kvtrace.events import (
     TraceHeader,
 )
 from kvtrace.replay.model.reports import Tally
-from kvtrace.replay.run import ReplaySummary
+from kvtrace.replay.summary import ReplaySummary
 from kvtrace.traceio import write_trace
 
 S = 100  # the key cached when the capture armed

@@ -23,7 +23,7 @@ from kvtrace.errors import ConfigError
 from kvtrace.events import EngineConfig, KVCacheGroup, RequestArrived, TraceHeader
 from kvtrace.replay import backend as backend_module
 from kvtrace.replay import sweep as sweep_module
-from kvtrace.replay.run import read_source
+from kvtrace.replay.source import read_source
 from kvtrace.replay.sweep import SweepGrid, default_backend, plan_sweep, run_sweep
 from kvtrace.traceio import write_trace
 

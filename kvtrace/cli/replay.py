@@ -90,7 +90,8 @@ def command(source: str, variants: tuple[str, ...], backend: str, num_gpu_blocks
     from kvtrace.errors import KvtraceError
     from kvtrace.geometry.cost import DEFAULT_GPU
     from kvtrace.replay.execute import ExecuteOptions
-    from kvtrace.replay.run import ReplayOptions, replay
+    from kvtrace.replay.options import ReplayOptions
+    from kvtrace.replay.run import replay
 
     if verify and not lockstep:
         raise KvtraceError("--verify needs --lockstep",

@@ -62,7 +62,7 @@ def command(source: str, pool_fractions: tuple[str, ...], num_gpu_blocks: tuple[
     """
     from kvtrace.analysis.sweep import check_outputs, write_outputs
     from kvtrace.engine_config import KEEP, parse_retention
-    from kvtrace.replay.run import DEFAULT_VARIANTS
+    from kvtrace.replay.options import DEFAULT_VARIANTS
     from kvtrace.replay.sweep import SweepGrid, plan_sweep, run_sweep
 
     grid = SweepGrid(

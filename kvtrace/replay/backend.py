@@ -23,7 +23,7 @@ from kvtrace.errors import KvtraceError
 from kvtrace.events import EngineConfig, FinishStatus, Record
 
 if TYPE_CHECKING:
-    from kvtrace.replay.run import ReplaySummary
+    from kvtrace.replay.summary import ReplaySummary
     from kvtrace.replay.snapshot import StartSnapshot
     from kvtrace.traceio import TraceWriter
 

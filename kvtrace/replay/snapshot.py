@@ -3,8 +3,9 @@
 A capture that armed on a serving engine begins with ``state`` records (``events.SnapshotStarted``
 and what follows it): the cache and the requests in flight at that moment. ``StartSnapshot``
 holds them for the replay backends to rebuild (``CacheBackend.restore``) and for the scheduler
-model to continue from. It is checked when read, so a damaged or hand-made snapshot is refused
-with a message, not met as an ``IndexError`` inside a backend.
+model to continue from. It is checked when read (``snapshot_checks.check_snapshot``), so a
+damaged or hand-made snapshot is refused with a message, not met as an ``IndexError`` inside a
+backend.
 """
 
 from __future__ import annotations
@@ -12,9 +13,9 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
+from kvtrace.errors import KvtraceError
 from kvtrace.events import (
     BlockState,
-    EngineConfig,
     FreeQueueState,
     KeyCached,
     Record,
@@ -24,7 +25,13 @@ from kvtrace.events import (
     SnapshotEnded,
     SnapshotStarted,
 )
-from kvtrace.replay.snapshot_checks import SnapshotError, check_snapshot
+
+class SnapshotError(KvtraceError):
+    """A start snapshot that no engine could have had."""
+
+    default_hint = ("The trace's start snapshot is damaged or was edited (a capture writes none "
+                    "like it); capture again. The trace itself was not changed.")
+
 
 STATE_TYPES = (SnapshotStarted, FreeQueueState, BlockState, KeyCached, RequestState,
                RequestBlocksState, SnapshotEnded)
@@ -62,10 +69,6 @@ class StartSnapshot:
     def waiting(self) -> list[RequestState]:
         return [r for r in self.requests if r.queue == RequestQueue.WAITING]
 
-    def check(self, config: EngineConfig, source: str) -> None:
-        """Refuse what the engine of ``config`` could not hold (``snapshot_checks``); ``source``
-        names the trace."""
-        check_snapshot(self, config, source)
 
 
 def never_admitted(status: str, num_preemptions: int) -> bool:

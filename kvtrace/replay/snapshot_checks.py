@@ -18,12 +18,13 @@ from typing import TYPE_CHECKING, NoReturn
 
 from kvtrace.engine_config import (MAX_REQUEST_TOKENS, check_pool_fits, hash_id_out_of_range,
                                    num_hashed_units)
-from kvtrace.errors import ConfigError, KvtraceError
+from kvtrace.errors import ConfigError
 from kvtrace.events import EngineConfig, RequestBlocksState, RequestQueue, RequestState
 from kvtrace.probes.snapshot import field_size
 
+from kvtrace.replay.snapshot import SnapshotError, StartSnapshot
+
 if TYPE_CHECKING:
-    from kvtrace.replay.snapshot import StartSnapshot
     from kvtrace.traceio import RecordBatch
 
 # vLLM's ``RequestStatus`` names of a request the scheduler holds, unfinished.
@@ -35,13 +36,6 @@ UNADMITTED_STATUSES = ("WAITING", "PREEMPTED")
 # The per-request state only a Mamba "align" group's manager keeps (others lack the attribute).
 ALIGN_FIELDS = ("last_state_block_idx", "_num_retired_blocks", "_allocated_block_reqs",
                 "_checkpoints", "_producer_partial_tail_reqs")
-
-
-class SnapshotError(KvtraceError):
-    """A start snapshot that no engine could have had."""
-
-    default_hint = ("The trace's start snapshot is damaged or was edited (a capture writes none "
-                    "like it); capture again. The trace itself was not changed.")
 
 
 def check_snapshot(snapshot: StartSnapshot, config: EngineConfig, source: str) -> None:

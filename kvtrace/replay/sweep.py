@@ -43,8 +43,10 @@ from kvtrace.engine_config import (
 )
 from kvtrace.errors import ConfigError, KvtraceError
 from kvtrace.replay.backend import BACKENDS, open_backend
-from kvtrace.replay.run import DEFAULT_VARIANTS, ReplayOptions, Source, read_source, replay
-from kvtrace.replay.scheduler import Arrival
+from kvtrace.replay.arrivals import Arrival
+from kvtrace.replay.options import DEFAULT_VARIANTS, ReplayOptions
+from kvtrace.replay.run import replay
+from kvtrace.replay.source import Source, read_source
 from kvtrace.workloads.workload import (
     Workload,
     WorkloadRequest,

@@ -3,15 +3,15 @@
 Beside the cache replay, a state pool holds a KDA recurrent state per block of every Mamba/KDA
 group. The replay's records say which request's prefix each block holds (``BlockStored``,
 ``StaleKeyLeft``) and which block a prefix hit reads (``BlockTouched`` after an admission); the
-engine (``engine.ExecuteEngine``) writes computed states where the cache publishes them and, on
-every hit, compares the state read with the state recomputed from scratch for that prefix. The
-recurrence runs over deterministic inputs derived from each hash id (``inputs``), so the state
-after any prefix is a pure function of that prefix. The tokens each admission recomputes are
-priced in GPU time by an analytic FLOPs model of the real model (``kvtrace.geometry.cost``,
-which the analysis side shares).
+state executor (``executor.StateExecutor``) writes computed states where the cache publishes
+them and, on every hit, compares the state read with the state recomputed from scratch for that
+prefix. The recurrence (``recurrence``) runs over deterministic inputs derived from each hash id
+(``inputs``), so the state after any prefix is a pure function of that prefix. The tokens each
+admission recomputes are priced in GPU time by an analytic FLOPs model of the real model
+(``kvtrace.geometry.cost``, which the analysis side shares).
 
-Only ``engine``, ``kda`` and ``inputs`` import torch; this package and ``model`` do not, so the
-replay driver can read the options without it.
+Only ``executor``, ``recurrence``, ``kda`` and ``inputs`` import torch; this package and
+``model`` do not, so the replay driver can read the options without it.
 """
 
 from __future__ import annotations

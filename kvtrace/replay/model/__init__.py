@@ -19,7 +19,7 @@ from kvtrace.replay.model.native import NativeModelBackend
 from kvtrace.traceio import TraceWriter
 
 if TYPE_CHECKING:
-    from kvtrace.replay.run import ReplaySummary
+    from kvtrace.replay.summary import ReplaySummary
     from kvtrace.replay.snapshot import StartSnapshot
 
 __all__ = ["ModelBackend", "NativeModelBackend", "open_counting_model_backend",

@@ -42,7 +42,7 @@ from kvtrace.replay.variants import get_variant
 from kvtrace.replay.vllm_backend import UNLIMITED_MODEL_LEN, MadeUpHashIds
 
 if TYPE_CHECKING:
-    from kvtrace.replay.run import ReplaySummary
+    from kvtrace.replay.summary import ReplaySummary
     from kvtrace.replay.snapshot import StartSnapshot
 
 Hits = tuple[list[int], ...]  # per KV-cache group: the hit blocks (null blocks included)

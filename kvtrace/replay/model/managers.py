@@ -20,7 +20,7 @@ from kvtrace.events import (
 )
 from kvtrace.replay.model.pool import CHECKPOINT, NULL_BLOCK, PARTIAL, STALE_CHECKPOINT, BlockPool
 from kvtrace.replay.model.reports import Records, Tally
-from kvtrace.replay.scheduler import MambaAlignedSplit, mamba_checkpoint_position
+from kvtrace.replay.scheduling_rules import MambaAlignedSplit, mamba_checkpoint_position
 from kvtrace.replay.snapshot import SnapshotError
 from kvtrace.replay.variants import CheckpointAction, CheckpointFacts, Variant
 

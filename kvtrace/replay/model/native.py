@@ -35,7 +35,7 @@ from kvtrace.replay.vllm_backend import UNLIMITED_MODEL_LEN
 from kvtrace.traceio import TraceWriter
 
 if TYPE_CHECKING:
-    from kvtrace.replay.run import ReplaySummary
+    from kvtrace.replay.summary import ReplaySummary
     from kvtrace.replay.snapshot import StartSnapshot
 
 try:

@@ -3,8 +3,8 @@
 The pool, managers and coordinator report every effect as ``out.report(Kind, *fields)`` (the
 fields of the ``kvtrace.events`` record ``Kind``). ``Records`` turns each report into its
 record, in order, for the backend to hand to its sink. ``Tally`` makes no record: it counts
-what ``ReplaySummary`` (``kvtrace.replay.run``) would count over those records, as the reports
-are made, for a replay that writes no trace (``kvtrace sweep``, ``write_traces=False``).
+what ``ReplaySummary`` (``kvtrace.replay.summary``) would count over those records, as the
+reports are made, for a replay that writes no trace (``kvtrace sweep``, ``write_traces=False``).
 ``Counts`` is what either twin hands over in the end: the C core counts the same figures in C
 (``csrc/model_records.c``) and returns them in this shape.
 """
@@ -33,7 +33,7 @@ from kvtrace.events import (
 from kvtrace.replay.snapshot import never_admitted
 
 if TYPE_CHECKING:
-    from kvtrace.replay.run import ReplaySummary
+    from kvtrace.replay.summary import ReplaySummary
 
 
 class Records(list):
