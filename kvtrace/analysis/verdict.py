@@ -8,15 +8,18 @@ from __future__ import annotations
 from kvtrace.analysis.pricing import Pricing
 from kvtrace.analysis.queries import Result
 from kvtrace.analysis.report_model import Labels, ReportData, Verdict
+from kvtrace.replay.variants import VARIANTS
 
 TOP_VERDICT_PREFIXES = 3
 # Below this share of the prefill the moved-from variant recomputes, a pair's difference is
 # noise for a verdict.
 MATERIAL_SHARE = 0.005
-# What each variant stands for, for the verdict's sentence (docs/commands/replay.md#variants).
-VARIANT_ROLES = {"unfixed": "before #56794", "naive": "#56794's gate without stripping stale keys",
-                 "fixed": "#56794 as merged", "upstream": "vLLM 0.33.0's own checkpoint logic"}
-GATED = ("fixed", "upstream")  # the variants that carry the #56794 gate, for the sentence
+
+
+def _role(variant: str) -> str:
+    """What ``variant`` stands for in a sentence (``Variant.role``; "" for one not in the table,
+    such as a captured engine's own)."""
+    return VARIANTS[variant].role if variant in VARIANTS else ""
 
 
 def verdicts_of(rows: Result, pushouts: Result, labels: Labels,
@@ -60,15 +63,15 @@ def advice(row: dict, pricing: Pricing) -> str:
                 f"{'fewer' if better == new else 'more'} prefill tokens per hour{cost}, but "
                 "it leaves stale keys that hand a hit the wrong state (`--query "
                 "stale_key_hazards`): do not run it; compare the other variants.")
-    if old == "unfixed" and new in GATED:
+    if old == "unfixed" and new in VARIANTS and VARIANTS[new].gated:
         if per_hour > 0:
-            return (f"Upgrade to a release with the #56794 gate ({new}: {VARIANT_ROLES[new]}): "
+            return (f"Upgrade to a release with the #56794 gate ({new}: {_role(new)}): "
                     f"on this traffic it would recompute {amount} per hour{cost}.")
         return (f"The #56794 gate ({new}) would recompute {amount} per hour on this "
                 f"traffic{cost}: the transient checkpoints {old} publishes served later hits "
                 "here. Size the pool before relying on the gate (`kvtrace sweep` finds the "
                 "pool size at which it pays).")
-    return (f"Prefer {better} ({VARIANT_ROLES.get(better, 'a variant')}) over {worse}: "
+    return (f"Prefer {better} ({_role(better) or 'a variant'}) over {worse}: "
             f"{new} would recompute {amount} per hour than {old} on this traffic{cost}.")
 
 
