@@ -93,7 +93,7 @@ class Workload:
 def build_workload(preset: str, requests: int, arrival_scale: float, directory: str) -> Workload:
     """A synthetic workload, written as a trace and read back as the engine takes it."""
     from kvtrace.engine_config import SchedulerSettings
-    from kvtrace.replay.scheduler import arrivals_of
+    from kvtrace.replay.arrivals import arrivals_of
     from kvtrace.traceio import read_records
     from kvtrace.workloads.synth import synthesize
     from kvtrace.workloads.workload import EngineShape, write_workload

@@ -54,7 +54,8 @@ def spread(values: list[float]) -> str:
 
 def bench_replay(repeats: int) -> int:
     from kvtrace.replay.execute import ExecuteOptions
-    from kvtrace.replay.run import ReplayOptions, replay
+    from kvtrace.replay.options import ReplayOptions
+    from kvtrace.replay.run import replay
 
     work = Path(tempfile.mkdtemp(prefix="kvtrace-bench-execute-"))
     workload = work / "demo.kvtrace"
@@ -96,7 +97,8 @@ def prepare(outdir: Path) -> int:
     wrong-state scenario (tests/test_execute.py) under naive and fixed."""
     from kvtrace import __version__
     from kvtrace.events import TraceHeader
-    from kvtrace.replay.run import ReplayOptions, replay
+    from kvtrace.replay.options import ReplayOptions
+    from kvtrace.replay.run import replay
     from kvtrace.replay.vllm_backend import VllmBackend
     from kvtrace.traceio import TraceWriter
 
@@ -126,7 +128,7 @@ def bench_traces(directory: Path, devices: list[str], state_scale: float | None,
     import torch
 
     from kvtrace.replay.execute import ExecuteOptions
-    from kvtrace.replay.execute.engine import execute_trace
+    from kvtrace.replay.execute.executor import execute_trace
 
     paths = sorted(directory.glob("*.kvtrace"))
     if not paths:

@@ -60,8 +60,12 @@ from pathlib import Path
 
 from kvtrace.engine_config import derive
 from kvtrace.replay.backend import open_backend
-from kvtrace.replay.run import ReplayOptions, ReplaySummary, RunStart, read_source, replay
-from kvtrace.replay.scheduler import Scheduler, arrivals_of
+from kvtrace.replay.arrivals import arrivals_of
+from kvtrace.replay.options import ReplayOptions
+from kvtrace.replay.run import replay
+from kvtrace.replay.scheduler import Scheduler
+from kvtrace.replay.source import RunStart, read_source
+from kvtrace.replay.summary import ReplaySummary
 from kvtrace.traceio import TraceWriter, read_records, write_trace
 from kvtrace.workloads.mooncake import import_mooncake
 from kvtrace.workloads.workload import EngineShape, write_workload

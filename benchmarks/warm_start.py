@@ -40,7 +40,8 @@ from kvtrace.events import (
     RequestState,
     SlotsAllocated,
 )
-from kvtrace.replay.run import ReplayOptions, replay
+from kvtrace.replay.options import ReplayOptions
+from kvtrace.replay.run import replay
 from kvtrace.traceio import TraceReader
 from kvtrace.workloads.synth import synthesize
 from kvtrace.workloads.workload import EngineShape, write_workload

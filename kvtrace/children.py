@@ -10,6 +10,8 @@ entries (an empty or relative one names the working directory) and which sets
 ``python -m vllm...``) are isolated too. ``PYTHONPATH`` stays: it is how a child runs an older
 vLLM release first on its path (``vllm_releases``), or a test's plugins. ``with
 isolated_children():`` does the same for the Pythons a library starts from this process.
+A parent that forks workers holds the stop signals meanwhile (``stop_signals_deferred``), and
+finds what it started in /proc (``descendants``).
 
 Imports: the standard library only.
 """
@@ -20,7 +22,9 @@ import contextlib
 import os
 import signal
 import sys
+import threading
 from collections.abc import Iterator, Mapping
+from typing import Any
 
 _ISOLATING = ("PYTHONPATH", "PYTHONSAFEPATH")  # the variables child_environment changes
 _PR_SET_PDEATHSIG = 1
@@ -81,3 +85,52 @@ def die_with_parent(parent: int, signum: int = signal.SIGKILL) -> bool:
     except (OSError, AttributeError):
         pass  # not Linux: the parent's own ways of stopping it still apply
     return os.getppid() == parent
+
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
+_deferred_signals: list[int] = []  # stop signals heard while they were held
+
+
+def defer_stop(signum: int, _frame: Any) -> None:
+    """A stop signal's handler while they are held: heard, delivered later."""
+    _deferred_signals.append(signum)
+
+
+@contextlib.contextmanager
+def stop_signals_deferred() -> Iterator[None]:
+    """Hold the stop signals while the workers are forked, and deliver them after. Raised
+    there, the exception of a stop lands in fork's at-fork handlers, which swallow it: the
+    sweep went on and exited 0, and a second SIGTERM was ignored."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {signum: signal.signal(signum, defer_stop) for signum in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        heard, _deferred_signals[:] = list(_deferred_signals), []
+        for signum in heard:
+            signal.raise_signal(signum)  # to the handler it was meant for, in plain code
+
+
+def stops_heard() -> int:
+    """How many stop signals ``stop_signals_deferred`` holds now (a forked worker that sees
+    one was stopped while it was forked)."""
+    return len(_deferred_signals)
+
+
+def descendants(pid: int) -> list[int]:
+    """The processes below ``pid``, from /proc."""
+    parent_of = {}
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError, IndexError, ValueError):
+                with open(os.path.join(entry.path, "stat")) as stat:
+                    parent_of[int(entry.name)] = int(stat.read().rsplit(")", 1)[1].split()[1])
+    found, frontier = [], {pid}
+    while frontier:
+        frontier = {child for child, parent in parent_of.items() if parent in frontier}
+        found += frontier
+    return found

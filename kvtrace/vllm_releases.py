@@ -36,7 +36,6 @@ from kvtrace.probes.signatures import check_supported
 from kvtrace.vllm_release_table import BY_VERSION, INSTALLED_MB, SUPPORTED_VLLM_VERSIONS
 
 RELEASES_ENV = "KVTRACE_VLLM_RELEASES"
-WHEEL_MB = {v: row.wheel_mb for v, row in BY_VERSION.items()}  # moved: vllm_release_table
 MARKER = ".kvtrace-release"
 
 

@@ -21,7 +21,8 @@ from pathlib import Path
 import pytest
 
 from kvtrace.analysis import stream
-from kvtrace.replay.run import ReplayOptions, replay
+from kvtrace.replay.options import ReplayOptions
+from kvtrace.replay.run import replay
 from kvtrace.traceio import write_trace
 from kvtrace.workloads.synth import synthesize
 from kvtrace.workloads.workload import write_workload

@@ -21,6 +21,7 @@ from kvtrace.cli import cli
 from kvtrace.engine_config import KEEP
 from kvtrace.errors import ConfigError
 from kvtrace.events import EngineConfig, KVCacheGroup, RequestArrived, TraceHeader
+from kvtrace import ray_cluster
 from kvtrace.replay import backend as backend_module
 from kvtrace.replay import sweep as sweep_module
 from kvtrace.replay.source import read_source
@@ -342,7 +343,7 @@ def test_a_stop_while_ray_starts_is_raised_once_it_has_started(sigterm_raises):
     done = threading.Event()
     _sigterm_after(0.2)
     with pytest.raises(_Stopped):
-        sweep_module._connect_to_ray(_slow_ray(1.0, calls), "local", 1, done)
+        ray_cluster.connect_to_ray(_slow_ray(1.0, calls), "local", 1, done)
     assert calls == ["init", "started"]  # the stop waited for the start
     done.set()
 
@@ -353,6 +354,6 @@ def test_a_second_stop_does_not_wait_for_a_hung_start(sigterm_raises):
     _sigterm_after(0.2, times=2)
     began = time.monotonic()
     with pytest.raises(_Stopped):
-        sweep_module._connect_to_ray(_slow_ray(30.0, calls), "local", 1, done)
+        ray_cluster.connect_to_ray(_slow_ray(30.0, calls), "local", 1, done)
     assert calls == ["init"] and time.monotonic() - began < 5
     done.set()

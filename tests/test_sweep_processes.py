@@ -13,7 +13,7 @@ import pytest
 from bad_traces import requests, trace
 from cli_runs import KVTRACE, run, vllm_imported, workload  # noqa: F401
 
-from kvtrace.replay.sweep import _descendants
+from kvtrace.children import descendants
 
 
 def sweep_process(source: Path, out: Path, *extra: str) -> subprocess.Popen:
@@ -66,7 +66,7 @@ def test_sweep_workers_stop_with_the_sweep(tmp_path, mooncake_workload, stop, af
     exited 0), and a SIGKILLed sweep left its workers blocked at 430 MB each, forever."""
     process = sweep_process(mooncake_workload, tmp_path / "sweep", "-j", "2")
     deadline = time.monotonic() + 300
-    while len(workers := _descendants(process.pid)) < 2:
+    while len(workers := descendants(process.pid)) < 2:
         assert process.poll() is None and time.monotonic() < deadline, process.stderr.read()
         time.sleep(0.01)
     time.sleep(after)
@@ -103,11 +103,11 @@ def test_sweep_on_a_local_ray_stops_with_its_instance(tmp_path, when):
         time.sleep(0.1)
     else:
         deadline = time.monotonic() + 300
-        while not any("raylet" in command_line(pid) for pid in _descendants(process.pid)):
+        while not any("raylet" in command_line(pid) for pid in descendants(process.pid)):
             assert process.poll() is None and time.monotonic() < deadline, process.stderr.read()
             time.sleep(0.2)
         time.sleep(2)  # Ray still starting, or running the tasks
-    ray_processes = _descendants(process.pid)
+    ray_processes = descendants(process.pid)
     process.send_signal(signal.SIGTERM)
     assert process.wait(60) == 128 + signal.SIGTERM
     assert "kvtrace: stopped by SIGTERM" in "".join(said) + process.stderr.read()

@@ -75,7 +75,8 @@ def command(workdir: str, quick: bool) -> None:
     from kvtrace.analysis.report import report_database
     from kvtrace.errors import KvtraceError
     from kvtrace.engine.process import EngineProcess
-    from kvtrace.replay.run import ReplayOptions, replay
+    from kvtrace.replay.options import ReplayOptions
+    from kvtrace.replay.run import replay
     from kvtrace.workloads.workload import EngineShape, write_workload
     from kvtrace.workloads.synth import synthesize
 

@@ -113,7 +113,7 @@ def run_source(connection, run: int) -> RunSource:
     import msgspec
 
     from kvtrace.events import TraceHeader
-    from kvtrace.replay.run import CAPTURED_VARIANT
+    from kvtrace.replay.options import CAPTURED_VARIANT
 
     path, header_json = connection.execute(
         "SELECT path, header_json FROM runs WHERE run = ?", [run]).fetchone()
@@ -174,7 +174,8 @@ def _replayed(path: str, variant: str, backend: str, overrides: dict[str, Any], 
               ) -> dict[str, Any]:
     """A rescheduled replay's figures: hit rate, missed prefill tokens, the pool."""
     from kvtrace.engine_config import Overrides
-    from kvtrace.replay.run import ReplayOptions, replay
+    from kvtrace.replay.options import ReplayOptions
+    from kvtrace.replay.run import replay
 
     with tempfile.TemporaryDirectory(prefix="kvtrace-doctor-") as outdir:
         result = replay(ReplayOptions(path, outdir, (variant,), backend=backend,

@@ -90,22 +90,15 @@ class RayWorkers:
         self.done_with_ray = threading.Event()
 
     def __enter__(self) -> RayWorkers:
-        from kvtrace.errors import KvtraceError
-        from kvtrace.replay.sweep import _connect_to_ray
+        from kvtrace.ray_cluster import connect_to_ray, import_ray
 
-        try:
-            import ray
-        except ImportError:
-            raise KvtraceError("--ray needs Ray, which is not installed",
-                               "pip install 'kvtrace[ray]', or drop --ray to use local "
-                               "processes.") from None
-        self.ray = ray
+        self.ray = ray = import_ray()
         self.started_here = not ray.is_initialized()
         if not self.started_here:
             self.description = "the connected Ray cluster"
             return self
         try:
-            _connect_to_ray(ray, self.address, self.jobs, self.done_with_ray)
+            connect_to_ray(ray, self.address, self.jobs, self.done_with_ray)
         except BaseException:
             self._shut_down()
             raise
@@ -145,10 +138,10 @@ class RayWorkers:
         self._shut_down()
 
     def _shut_down(self) -> None:
-        from kvtrace.replay.sweep import _shut_down_ray
+        from kvtrace.ray_cluster import shut_down_ray
 
         if self.started_here:  # an instance started here, even half-way, is shut down
-            _shut_down_ray(self.ray)
+            shut_down_ray(self.ray)
             self.done_with_ray.set()
             self.started_here = False
 

@@ -52,8 +52,9 @@ from kvtrace.engine_config import (Overrides, SchedulerSettings, check_fits_mode
                                    speculative_method)
 from kvtrace.errors import ConfigError, KvtraceError
 from kvtrace.events import EngineConfig
-from kvtrace.replay.run import CAPTURED_VARIANT
-from kvtrace.replay.scheduler import ASYNC_BATCHES, Arrival, accepted_drafts, arrivals_of
+from kvtrace.replay.arrivals import Arrival, arrivals_of
+from kvtrace.replay.options import CAPTURED_VARIANT
+from kvtrace.replay.scheduling_rules import ASYNC_BATCHES, accepted_drafts
 from kvtrace.replay.variants import get_variant
 from kvtrace.replay.vllm_backend import (UNLIMITED_MODEL_LEN, MadeUpHashIds, kv_cache_config_of,
                                           new_request)

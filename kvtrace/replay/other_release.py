@@ -37,7 +37,8 @@ KEEP_MARK = "keep the source's"  # Overrides' KEEP, which does not survive a pic
 
 def release_version_for(variant, header: TraceHeader, mode: str, backend: str) -> str:
     """The version of the vLLM release ``variant`` (a ``Variant``) runs on, e.g. ``"0.33.0"``."""
-    from kvtrace.vllm_releases import WHEEL_MB, is_installed, running_vllm_version
+    from kvtrace.vllm_release_table import BY_VERSION
+    from kvtrace.vllm_releases import is_installed, running_vllm_version
 
     if variant.release is not None:
         if backend != "vllm":
@@ -59,7 +60,7 @@ def release_version_for(variant, header: TraceHeader, mode: str, backend: str) -
             f"same release's code, which is not installed beside this vLLM "
             f"{running_vllm_version()}",
             f"Install it: kvtrace vllm install {recorded} (downloads about "
-            f"{WHEEL_MB[recorded]} MB).")
+            f"{BY_VERSION[recorded].wheel_mb} MB).")
     return recorded
 
 

@@ -61,7 +61,6 @@ from kvtrace.engine_config import SchedulerSettings, check_fits_model_len
 from kvtrace.errors import ConfigError
 from kvtrace.events import EngineConfig
 from kvtrace.replay.arrivals import Arrival, InFlight
-from kvtrace.replay.arrivals import arrivals_of  # moved: kvtrace.replay.arrivals
 from kvtrace.replay.backend import CacheBackend
 from kvtrace.replay.scheduling_rules import (
     ASYNC_BATCHES,

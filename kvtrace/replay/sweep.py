@@ -19,20 +19,18 @@ grid order. A worker reads the source once and keeps it for the tasks that follo
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
 import signal
-import socket
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from math import ceil
 from typing import Any
 
-from kvtrace.children import die_with_parent
+from kvtrace.children import die_with_parent, stop_signals_deferred, stops_heard
 from kvtrace.engine_config import (
     KEEP,
     Overrides,
@@ -42,6 +40,7 @@ from kvtrace.engine_config import (
     describe_retention,
 )
 from kvtrace.errors import ConfigError, KvtraceError
+from kvtrace.ray_cluster import connect_to_ray, import_ray, shut_down_ray
 from kvtrace.replay.backend import BACKENDS, open_backend
 from kvtrace.replay.arrivals import Arrival
 from kvtrace.replay.options import DEFAULT_VARIANTS, ReplayOptions
@@ -311,7 +310,7 @@ def _run_in_processes(plan: SweepPlan, jobs: int,
         _warm_up(plan)
     pool = None
     try:
-        with _stop_signals_deferred():
+        with stop_signals_deferred():
             pool = multiprocessing.get_context(method).Pool(
                 jobs, initializer=_become_worker, initargs=(os.getpid(),))
         for index, row in pool.imap_unordered(
@@ -334,33 +333,6 @@ def _run_task(arguments: tuple[str, str, str, SweepTask]) -> tuple[int, dict[str
     return task.index, run_configuration(*arguments)
 
 
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
-_deferred_signals: list[int] = []  # stop signals heard while workers were being forked
-
-
-def _defer(signum: int, _frame: Any) -> None:
-    _deferred_signals.append(signum)
-
-
-@contextlib.contextmanager
-def _stop_signals_deferred() -> Iterator[None]:
-    """Hold the stop signals while the workers are forked, and deliver them after. Raised
-    there, the exception of a stop lands in fork's at-fork handlers, which swallow it: the
-    sweep went on and exited 0, and a second SIGTERM was ignored."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = {signum: signal.signal(signum, _defer) for signum in STOP_SIGNALS}
-    try:
-        yield
-    finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
-        heard, _deferred_signals[:] = list(_deferred_signals), []
-        for signum in heard:
-            signal.raise_signal(signum)  # to the handler it was meant for, in plain code
-
-
 def _become_worker(parent: int) -> None:
     """A worker's start: it dies with its parent (even a SIGKILLed one), takes SIGTERM's
     default action (the pool stops it so; SIGHUP's too, unless ignored), and leaves Ctrl-C to
@@ -369,7 +341,7 @@ def _become_worker(parent: int) -> None:
     if signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN:
         signal.signal(signal.SIGHUP, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    if not die_with_parent(parent) or _deferred_signals:  # orphaned, or stopped, while forked
+    if not die_with_parent(parent) or stops_heard():  # orphaned, or stopped, while forked
         os._exit(1)
 
 
@@ -383,33 +355,16 @@ def _warm_up(plan: SweepPlan) -> None:
         pass
 
 
-def _check_listening(address: str) -> None:
-    """Ray retries a ``HOST:PORT`` (or ``ray://HOST:PORT``, its client) where nothing listens
-    for a minute or more: try it first, briefly."""
-    host, _, port = address.removeprefix("ray://").rpartition(":")
-    if not host or not port.isdigit() or "://" in host:
-        return  # auto, or a form Ray itself refuses at once
-    try:
-        socket.create_connection((host, int(port)), timeout=5).close()
-    except (OSError, OverflowError) as error:
-        raise ConnectionError(f"nothing answers there ({error})") from None
-
-
 def _run_on_ray(plan: SweepPlan, address: str, jobs: int,
                 finished: Callable[[SweepTask, dict[str, Any]], None]) -> str:
     """The same tasks as Ray tasks; the source travels through Ray's object store, so workers
     on other hosts need no copy of it. A process already connected to Ray keeps using it."""
-    try:
-        import ray
-    except ImportError:
-        raise KvtraceError("--ray needs Ray, which is not installed",
-                           "pip install 'kvtrace[ray]', or drop --ray to use local processes."
-                           ) from None
+    ray = import_ray()
     started_here = not ray.is_initialized()
     done_with_ray = threading.Event()
     try:
         if started_here:
-            _connect_to_ray(ray, address, jobs, done_with_ray)
+            connect_to_ray(ray, address, jobs, done_with_ray)
         with open(plan.source, "rb") as file:
             data = ray.put(file.read())
         remote = ray.remote(num_cpus=1)(run_configuration)
@@ -435,111 +390,5 @@ def _run_on_ray(plan: SweepPlan, address: str, jobs: int,
         return "a local Ray instance" if address == "local" else f"Ray at {address}"
     finally:
         if started_here:  # an instance started here, even half-way, is shut down
-            _shut_down_ray(ray)
+            shut_down_ray(ray)
             done_with_ray.set()
-
-
-RAY_START_GRACE = 30.0  # seconds a stop heard while Ray starts waits for the start to end
-
-
-def _connect_to_ray(ray: Any, address: str, jobs: int, done_with_ray: threading.Event) -> None:
-    """``ray.init`` for ``address``, in a thread of its own while this one holds the stop
-    signals until it returns. Ray's driver takes SIGTERM for itself in the main thread
-    (``sys.exit(15)``, its instance left running a minute), and a stop raised inside
-    ``ray.init`` leaves its core worker half-built: the process then died of SIGSEGV (a timer
-    of that worker) or SIGABRT (absl's SIGTERM hook arms a 3 s alarm that aborts), after
-    saying "stopped by SIGTERM". A stop waits for the start up to ``RAY_START_GRACE``
-    seconds, or until a second stop. The starting thread lives until ``done_with_ray`` is
-    set: the processes of a local instance die with the thread that started them
-    (PR_SET_PDEATHSIG)."""
-    if threading.current_thread() is not threading.main_thread():
-        _ray_init(ray, address, jobs)  # Ray leaves the stop handlers alone there
-        return
-    failure: list[BaseException] = []
-    started = threading.Event()
-
-    def start_and_hold() -> None:
-        try:
-            _ray_init(ray, address, jobs)
-        except BaseException as error:  # noqa: BLE001 - handed to the waiting thread
-            failure.append(error)
-        finally:
-            started.set()
-        done_with_ray.wait()
-
-    alarm = signal.getsignal(signal.SIGALRM)
-    with _stop_signals_deferred(), _ray_thread_warning_muted():
-        threading.Thread(target=start_and_hold, name="kvtrace-ray", daemon=True).start()
-        heard_at = None
-        while not started.wait(0.1) and len(_deferred_signals) < 2 and (
-                heard_at is None or time.monotonic() - heard_at < RAY_START_GRACE):
-            if _deferred_signals and heard_at is None:
-                heard_at = time.monotonic()
-        signal.signal(signal.SIGTERM, _defer)  # unhooks absl, then its alarm is undone
-        signal.alarm(0)
-        if alarm is not None:  # None: not set from Python, nothing to put back
-            signal.signal(signal.SIGALRM, alarm)
-    if failure:
-        raise failure[0]
-
-
-def _ray_init(ray: Any, address: str, jobs: int) -> None:
-    try:
-        if address == "local":
-            ray.init(num_cpus=jobs, include_dashboard=False, log_to_driver=False)
-        else:
-            _check_listening(address)
-            ray.init(address=address, log_to_driver=False)
-    except (ConnectionError, RuntimeError, ValueError) as error:
-        raise KvtraceError(f"cannot connect to Ray at {address}: {error}",
-                           "Start a cluster (ray start --head), give its address, or use "
-                           "--ray local.") from None
-
-
-@contextlib.contextmanager
-def _ray_thread_warning_muted() -> Iterator[None]:
-    """Ray warns that it set no SIGTERM handler outside the main thread: by design here."""
-    import logging
-
-    def keep(record: logging.LogRecord) -> bool:
-        return not record.getMessage().startswith("SIGTERM handler is not set")
-
-    logger = logging.getLogger("ray._private.worker")
-    logger.addFilter(keep)
-    try:
-        yield
-    finally:
-        logger.removeFilter(keep)
-
-
-def _shut_down_ray(ray: Any) -> None:
-    """``ray.shutdown()``, then SIGKILL for what it left of the processes this one started:
-    an instance stopped while it started (SIGTERM inside ``ray.init``) left its dashboard and
-    runtime-env agents running, orphaned, for minutes. The processes are held by pidfd from
-    before the shutdown, so that no pid reused meanwhile is hit."""
-    handles = []
-    for pid in _descendants(os.getpid()):
-        with contextlib.suppress(OSError):  # gone already
-            handles.append(os.pidfd_open(pid))
-    try:
-        ray.shutdown()
-    finally:
-        for handle in handles:
-            with contextlib.suppress(OSError):  # gone as it should be
-                signal.pidfd_send_signal(handle, signal.SIGKILL)
-            os.close(handle)
-
-
-def _descendants(pid: int) -> list[int]:
-    """The processes below ``pid``, from /proc."""
-    parent_of = {}
-    for entry in os.scandir("/proc"):
-        if entry.name.isdigit():
-            with contextlib.suppress(OSError, IndexError, ValueError):
-                with open(os.path.join(entry.path, "stat")) as stat:
-                    parent_of[int(entry.name)] = int(stat.read().rsplit(")", 1)[1].split()[1])
-    found, frontier = [], {pid}
-    while frontier:
-        frontier = {child for child, parent in parent_of.items() if parent in frontier}
-        found += frontier
-    return found
