@@ -10,6 +10,7 @@ import click
 
 from kvtrace.cli.common import async_scheduling_option, lookahead_block_hashes_option
 from kvtrace.engine_config import MAX_SPECULATIVE_TOKENS, SPECULATIVE_METHODS, SchedulerSettings
+from kvtrace.vllm_release_table import RELEASES
 
 @click.command("engine")
 @click.argument("workload", type=click.Path(dir_okay=False))
@@ -45,8 +46,9 @@ from kvtrace.engine_config import MAX_SPECULATIVE_TOKENS, SPECULATIVE_METHODS, S
               help="Write the run's figures (requests, hit tokens, hit rate, steps, wall time) "
                    "as JSON to this file when the workload is done.")
 @click.option("--vllm", "release", default=None, metavar="VERSION",
-              help="Run on this vLLM release (0.30.0-0.33.0; installed beside the project's "
-                   "with kvtrace vllm install) instead of the project's own.")
+              help=f"Run on this vLLM release ({RELEASES[0].version}-{RELEASES[-1].version}; "
+                   "installed beside the project's with kvtrace vllm install) instead of the "
+                   "project's own.")
 def command(workload: str, variant: str, num_gpu_blocks: int | None, retention: str | None,
             async_scheduling: bool | None, num_speculative_tokens: int | None,
             speculative_method: str | None, lookahead_block_hashes: bool | None,

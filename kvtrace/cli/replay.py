@@ -8,14 +8,16 @@ import click
 
 from kvtrace.cli.common import async_scheduling_option, lookahead_block_hashes_option
 from kvtrace.cli.model_options import hf_overrides_option
+from kvtrace.vllm_release_table import RELEASES
 
 
 @click.command("replay")
 @click.argument("source", type=click.Path(dir_okay=False))
 @click.option("--variant", "variants", multiple=True, metavar="NAME",
               help="Checkpoint variant: unfixed, fixed, naive, upstream, or a vLLM release's own "
-                   "code, vllm-0.30.0 ... vllm-0.33.0 (kvtrace vllm install). Repeat to compare "
-                   "(default: unfixed and fixed; with --verify: the engine's own).")
+                   f"code, vllm-{RELEASES[0].version} ... vllm-{RELEASES[-1].version} (kvtrace "
+                   "vllm install). Repeat to compare (default: unfixed and fixed; with --verify: "
+                   "the engine's own).")
 @click.option("--backend", default="vllm", show_default=True,
               help="Cache implementation: vllm (the installed vLLM's KVCacheManager, the "
                    "fidelity reference) or model (kvtrace's re-implementation of it: the same "

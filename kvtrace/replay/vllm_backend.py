@@ -22,6 +22,7 @@ from kvtrace.probes import CacheProbes
 from kvtrace.probes.signatures import installed_vllm_version, release_has
 from kvtrace.replay.backend import RecordSink, started, take_pending_hit, tokens_to_sync
 from kvtrace.replay.variants import get_variant
+from kvtrace.vllm_release_table import PROJECT_RELEASE
 
 if TYPE_CHECKING:
     from kvtrace.replay.snapshot import StartSnapshot
@@ -364,5 +365,6 @@ def lookahead_hashes(config: EngineConfig) -> dict[str, int]:
         raise ConfigError(
             f"the engine hashed each block with the {config.num_hash_lookahead_tokens} tokens "
             f"after it (lookahead block hashes), which vLLM {installed_vllm_version()} does "
-            "not have", "Replay it on vLLM 0.33 (a variant that is not a vllm-X release).")
+            "not have",
+            f"Replay it on vLLM {PROJECT_RELEASE.version} (a variant that is not a vllm-X release).")
     return {}
