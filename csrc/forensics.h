@@ -49,7 +49,8 @@
 
 /* The causes (kvtrace/analysis/causes.py), each with whether it is in the shortfall. Their
    order here means nothing: a cause's level (its place in the waterfall) and its value in the
-   rows come from the order Python hands them in (Core.level, Core.cause_value). */
+   rows come from the order Python hands them in (ForensicsCore.level,
+   ForensicsCore.cause_value). */
 #define FORENSICS_CAUSES(X) \
     X(C_HIT_CAP, "hit_cap", 1) X(C_EAGLE_DROPPED_UNIT, "eagle_dropped_unit", 1) \
     X(C_BLOCK_QUANTISATION, "block_quantisation", 1) \
@@ -243,7 +244,7 @@ typedef struct {
     PyObject *lookups;  /* keep_lookups: a list of lookup tuples */
     /* scratch per lookup */
     LVec attention_levels, mamba_levels;
-} Core;
+} ForensicsCore;
 
 /* One batch kind's columns that follow_record() reads (RecordSpec.read), a list field's two. */
 typedef struct { Col cols[MAX_READ * 2]; int code, num_cols; Py_ssize_t row, element; } Source;
@@ -254,7 +255,7 @@ typedef struct { Col cols[MAX_READ * 2]; int code, num_cols; Py_ssize_t row, ele
    vLLM's own KV events). */
 static inline int32_t slot_of(i64 block_id) { return (int32_t)(block_id + 1); }
 
-static inline Key *key_of(Core *c, i64 hash_id, int group, int create) {
+static inline Key *key_of(ForensicsCore *c, i64 hash_id, int group, int create) {
     int32_t index = id_index_get(&c->keys[group], hash_id);
     if (index >= 0) return chunk_at(&c->key_info, index);
     if (!create) return NULL;
@@ -274,12 +275,12 @@ static inline Key *key_of(Core *c, i64 hash_id, int group, int create) {
 /* forensics_records.c */
 int fail(const char *format, ...);
 void free_request(Request *r);
-int entry_row(Core *c, Entry *e, i64 removed_seq, i64 removed_step, i64 reason,
+int entry_row(ForensicsCore *c, Entry *e, i64 removed_seq, i64 removed_step, i64 reason,
               i64 transient_cached);
-int follow_record(Core *c, Source *s);
+int follow_record(ForensicsCore *c, Source *s);
 
 /* forensics_lookup.c */
-int attribute_lookup(Core *c, Request *r, i64 req, i64 admission, i64 num_tokens);
+int attribute_lookup(ForensicsCore *c, Request *r, i64 req, i64 admission, i64 num_tokens);
 extern const char *const lookup_fields[], *const segment_fields[], *const key_fields[],
     *const removal_fields[];  /* NULL-terminated */
 

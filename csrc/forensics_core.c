@@ -138,7 +138,7 @@ static PyObject *table_take(Table *t, Py_ssize_t count, int index) {
 
 /* The output table numbered `t` as take_tables numbers them: the record tables, then the
    attribution's rows, then the cache entries' figures. */
-static Table *table_at(Core *c, int t) {
+static Table *table_at(ForensicsCore *c, int t) {
     return t < c->num_tables ? &c->tables[t] : t == c->num_tables ? &c->rows : &c->entry_rows;
 }
 
@@ -155,7 +155,7 @@ typedef struct {
 
 /* A record's row begins: its seq and step, in file order. Its fields follow in bulk, once the
    batch was followed (shape_rows). */
-static int shape_start(Core *c, Kind *k) {
+static int shape_start(ForensicsCore *c, Kind *k) {
     Table *table = &c->tables[k->spec->table];
     if (lvec_push(&table->columns[0], c->seq) || lvec_push(&table->columns[1], c->step))
         return -1;
@@ -194,7 +194,7 @@ static int col_append(LVec *out, const Col *col, Py_ssize_t count) {
 /* The fields of the rows a batch's records of one kind began (shape_start), column by column
    (a list field's length), and their list fields' rows (seq, the record's req or -1, position,
    element). */
-static int shape_rows(Core *c, Kind *k) {
+static int shape_rows(ForensicsCore *c, Kind *k) {
     const RecordSpec *spec = k->spec;
     Py_ssize_t count = k->shaped;
     if (!count) return 0;
@@ -302,7 +302,7 @@ static PyObject *refuse_broken(void) {
 /* feed(kinds, first_seq, records, columns): follow one batch of records, in file order.
    records: per batch kind, its index in the records spec (255: unknown); columns:
    per batch kind, its columns as the reader decoded them. */
-static PyObject *Core_feed(Core *c, PyObject *args) {
+static PyObject *Core_feed(ForensicsCore *c, PyObject *args) {
     Py_buffer kinds, records;
     long long first_seq;
     PyObject *columns;
@@ -359,7 +359,7 @@ static PyObject *Core_feed(Core *c, PyObject *args) {
 /* take_tables(chunk): [(table, columns as int64 bytes)], every whole chunk of `chunk` rows of
    every table (0: all of every table), taken out. Tables: the record tables, then the
    attribution's rows, then the cache entries' figures. */
-static PyObject *Core_take_tables(Core *c, PyObject *arg) {
+static PyObject *Core_take_tables(ForensicsCore *c, PyObject *arg) {
     if (c->broken) return refuse_broken();
     Py_ssize_t chunk = PyLong_AsSsize_t(arg);
     if (chunk == -1 && PyErr_Occurred()) return NULL;
@@ -377,7 +377,7 @@ static PyObject *Core_take_tables(Core *c, PyObject *arg) {
 }
 
 /* finish(): the entries still open when the trace ends (never removed) become rows. */
-static PyObject *Core_finish(Core *c, PyObject *unused) {
+static PyObject *Core_finish(ForensicsCore *c, PyObject *unused) {
     for (Py_ssize_t index = 0; index < c->num_entries; index++) {
         Entry *e = &c->entries[index];
         if (e->open && entry_row(c, e, NONE_VALUE, NONE_VALUE, NONE_VALUE, NONE_VALUE))
@@ -387,16 +387,16 @@ static PyObject *Core_finish(Core *c, PyObject *unused) {
     Py_RETURN_NONE;
 }
 
-static PyObject *Core_take_lookups(Core *c, PyObject *unused) {
+static PyObject *Core_take_lookups(ForensicsCore *c, PyObject *unused) {
     PyObject *lookups = c->lookups;
     c->lookups = PyList_New(0);
     if (!c->lookups) { c->lookups = lookups; return NULL; }
     return lookups;
 }
-static PyObject *Core_dropped_events(Core *c, void *closure) {
+static PyObject *Core_dropped_events(ForensicsCore *c, void *closure) {
     return PyLong_FromLongLong(c->dropped_events);
 }
-static PyObject *Core_spill(Core *c, void *closure) {
+static PyObject *Core_spill(ForensicsCore *c, void *closure) {
     return Py_BuildValue("(Ln)", c->spill.end, c->spill.trims);
 }
 
@@ -462,7 +462,7 @@ static int place_names(PyObject *names, const char *const *wanted, int num_wante
 
 /* records: per record kind, (tag, field names, field kinds, whether its rows go to tables). The
    kinds the attribution reads are found by tag, and the fields it reads by name. */
-static int parse_specs(Core *c, PyObject *records) {
+static int parse_specs(ForensicsCore *c, PyObject *records) {
     if (!PyTuple_Check(records)) {
         PyErr_SetString(PyExc_TypeError, "records must be a tuple");
         return -1;
@@ -527,7 +527,7 @@ static int parse_specs(Core *c, PyObject *records) {
 
 /* causes: per cause, (name, whether it is in the shortfall), in Python's order: a cause's value
    in the rows is its index there, and the shortfall causes' order is the waterfall's. */
-static int parse_causes(Core *c, PyObject *causes) {
+static int parse_causes(ForensicsCore *c, PyObject *causes) {
     if (!PyTuple_Check(causes) || PyTuple_GET_SIZE(causes) != NUM_CAUSES)
         return mismatch("causes: a tuple of the %d causes", NUM_CAUSES);
     PyObject *names = PyTuple_New(NUM_CAUSES);
@@ -561,7 +561,7 @@ static int parse_causes(Core *c, PyObject *causes) {
 
 /* columns: (miss_attribution's column names, cache_entry_figures'), in the order take_tables
    hands them over. */
-static int parse_columns(Core *c, PyObject *columns) {
+static int parse_columns(ForensicsCore *c, PyObject *columns) {
     if (!PyTuple_Check(columns) || PyTuple_GET_SIZE(columns) != 2)
         return mismatch("columns: (the attribution's, the cache entries')");
     return place_names(PyTuple_GET_ITEM(columns, 0), row_column_names, NUM_A, c->row_column,
@@ -572,14 +572,14 @@ static int parse_columns(Core *c, PyObject *columns) {
 
 /* enums: {"Enum.NAME": value} for the values the core compares with. */
 static const struct { const char *name; size_t offset; } enum_values[] = {
-    {"StoreKind.CHECKPOINT", offsetof(Core, checkpoint_kind)},
-    {"CheckpointClass.TRANSIENT", offsetof(Core, transient_class)},
-    {"RemoveReason.LRU_REUSE", offsetof(Core, lru_reuse)},
-    {"RemoveReason.STALE_CHECKPOINT", offsetof(Core, stale_checkpoint)},
-    {"RemoveReason.REKEY", offsetof(Core, rekey)},
-    {"RequestQueue.RUNNING", offsetof(Core, running_queue)},
+    {"StoreKind.CHECKPOINT", offsetof(ForensicsCore, checkpoint_kind)},
+    {"CheckpointClass.TRANSIENT", offsetof(ForensicsCore, transient_class)},
+    {"RemoveReason.LRU_REUSE", offsetof(ForensicsCore, lru_reuse)},
+    {"RemoveReason.STALE_CHECKPOINT", offsetof(ForensicsCore, stale_checkpoint)},
+    {"RemoveReason.REKEY", offsetof(ForensicsCore, rekey)},
+    {"RequestQueue.RUNNING", offsetof(ForensicsCore, running_queue)},
 };
-static int parse_enums(Core *c, PyObject *enums) {
+static int parse_enums(ForensicsCore *c, PyObject *enums) {
     for (size_t i = 0; i < sizeof(enum_values) / sizeof(enum_values[0]); i++) {
         PyObject *value = PyDict_GetItemString(enums, enum_values[i].name);  /* borrowed */
         if (!value) return mismatch("enums: no '%s'", enum_values[i].name);
@@ -592,7 +592,7 @@ static int parse_enums(Core *c, PyObject *enums) {
 
 /* Which columns of each table are stored in 32 bits: `narrow`, per table (as take_tables
    numbers them), a tuple of column indices. */
-static int parse_narrow(Core *c, PyObject *narrow) {
+static int parse_narrow(ForensicsCore *c, PyObject *narrow) {
     if (!PyTuple_Check(narrow) || PyTuple_GET_SIZE(narrow) != c->num_tables + 2) {
         PyErr_SetString(PyExc_TypeError, "narrow: a tuple of column indices per table");
         return -1;
@@ -633,7 +633,7 @@ static int geometry_int(PyObject *geometry, const char *name, long long *out) {
    enums: parse_enums'; request: the one request to
    attribute (None: all); narrow: parse_narrow's; spill: (a file descriptor or -1, the bytes of
    it to hold in memory). */
-static int Core_init(Core *c, PyObject *args, PyObject *kwargs) {
+static int Core_init(ForensicsCore *c, PyObject *args, PyObject *kwargs) {
     PyObject *records, *causes, *columns, *geometry, *enums, *request, *request_id, *narrow;
     int explain, keep_lookups, make_rows, make_entries, spill_fd;
     long long spill_resident;
@@ -729,7 +729,7 @@ static int Core_init(Core *c, PyObject *args, PyObject *kwargs) {
     return parse_narrow(c, narrow);
 }
 
-static void Core_dealloc(Core *c) {
+static void Core_dealloc(ForensicsCore *c) {
     for (size_t i = 0; i < c->requests.cap; i++)
         if (map_used(&c->requests, i)) free_request((Request *)(intptr_t)c->requests.slots[i].val);
     map_clear(&c->requests);
@@ -778,7 +778,7 @@ static PyGetSetDef Core_getset[] = {
 static PyTypeObject CoreType = {
     PyVarObject_HEAD_INIT(NULL, 0)
     .tp_name = "kvtrace._forensics_core.ForensicsCore",
-    .tp_basicsize = sizeof(Core),
+    .tp_basicsize = sizeof(ForensicsCore),
     .tp_flags = Py_TPFLAGS_DEFAULT,
     .tp_doc = "The streaming pass of kvtrace load and why (see the module).",
     .tp_new = PyType_GenericNew,

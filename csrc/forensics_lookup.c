@@ -1,14 +1,14 @@
 /* The attribution of one admitted lookup (kvtrace._forensics_core; csrc/forensics.h): the C
  * twin of kvtrace/analysis/attributor.py's MissAttributor._attribute and of
  * kvtrace/analysis/hit_search.py (the reference: same names, same steps). Levels are the
- * waterfall's, as Python handed the causes (Core.level): a key's level is the first restriction
- * of the ideal cache that takes it, Core.present when the cache held it.
+ * waterfall's, as Python handed the causes (ForensicsCore.level): a key's level is the first
+ * restriction of the ideal cache that takes it, ForensicsCore.present when the cache held it.
  */
 
 #include "forensics.h"
 
 /* MissAttributor._level: which restriction of the ideal cache takes hash_id in group. */
-static int level_of(Core *c, int group, i64 hash_id) {
+static int level_of(ForensicsCore *c, int group, i64 hash_id) {
     Key *key = key_of(c, hash_id, group, 0);
     if (key && key->copies) return c->present;
     int mamba = c->is_mamba[group];
@@ -30,7 +30,8 @@ static int level_of(Core *c, int group, i64 hash_id) {
 
 /* MissAttributor._levels: per unit depth 0..depth (0 is a placeholder), the first restriction
    that takes the key from any of groups. */
-static int levels_of(Core *c, const int *groups, int num_groups, const i64 *units, i64 depth,
+static int levels_of(ForensicsCore *c, const int *groups, int num_groups, const i64 *units,
+                     i64 depth,
                      LVec *out) {
     out->n = 0;
     if (lvec_push(out, 0)) return -1;
@@ -48,7 +49,8 @@ static int levels_of(Core *c, const int *groups, int num_groups, const i64 *unit
 }
 
 /* hit_search.Geometry.attention_reach */
-static i64 attention_reach(Core *c, const LVec *levels, i64 threshold, i64 num_units, i64 cap) {
+static i64 attention_reach(ForensicsCore *c, const LVec *levels, i64 threshold, i64 num_units,
+                           i64 cap) {
     if (!c->num_attention) return cap;
     i64 unit = c->unit, block = c->attention_block, per_block = floordiv(block, unit);
     i64 limit = c->eagle_drop ? cap + c->eagle_margin : cap;
@@ -76,13 +78,14 @@ static i64 attention_reach(Core *c, const LVec *levels, i64 threshold, i64 num_u
 }
 
 /* hit_search.Geometry.eagle_ideal */
-static i64 eagle_ideal(Core *c, i64 ideal, i64 cap) {
+static i64 eagle_ideal(ForensicsCore *c, i64 ideal, i64 cap) {
     i64 reach = min64(ideal, floordiv(cap + c->eagle_margin, c->unit) * c->unit);
     return max64(reach - c->eagle_drop, 0);
 }
 
 /* hit_search.Geometry.mamba_state */
-static i64 mamba_state(Core *c, const LVec *levels, i64 threshold, i64 num_units, i64 limit) {
+static i64 mamba_state(ForensicsCore *c, const LVec *levels, i64 threshold, i64 num_units,
+                       i64 limit) {
     if (!c->num_mamba) return limit;
     i64 unit = c->unit, block = c->mamba_block, known = levels->n - 1;
     if (c->alignment < block && block % c->alignment == 0) {
@@ -100,7 +103,7 @@ static i64 mamba_state(Core *c, const LVec *levels, i64 threshold, i64 num_units
     return 0;
 }
 
-static i64 joint_hit(Core *c, i64 threshold, i64 num_units, i64 cap) {
+static i64 joint_hit(ForensicsCore *c, i64 threshold, i64 num_units, i64 cap) {
     i64 reach = attention_reach(c, &c->attention_levels, threshold, num_units, cap);
     return mamba_state(c, &c->mamba_levels, threshold, num_units, reach);
 }
@@ -108,7 +111,7 @@ static i64 joint_hit(Core *c, i64 threshold, i64 num_units, i64 cap) {
 typedef struct { int group; i64 depth, hash_id; int32_t removal; } LostKey;
 
 /* MissAttributor._lost_key */
-static void lost_key(Core *c, const int *groups, int num_groups, int level, i64 depth,
+static void lost_key(ForensicsCore *c, const int *groups, int num_groups, int level, i64 depth,
                      const i64 *units, LostKey *out) {
     i64 hash_id = units[depth - 1];
     int group = groups[0];
@@ -123,7 +126,7 @@ static void lost_key(Core *c, const int *groups, int num_groups, int level, i64 
 
 /* MissAttributor._lost_keys: the keys of the restriction at `level` took between start and end
    (up to max_keys; 1 unless explaining): none unless keys carry it (a key class). */
-static Py_ssize_t lost_keys(Core *c, int level, i64 start, i64 end, const i64 *units,
+static Py_ssize_t lost_keys(ForensicsCore *c, int level, i64 start, i64 end, const i64 *units,
                             LostKey *keys, Py_ssize_t max_keys) {
     if (level < c->level[C_BLOCK_QUANTISATION] || level >= c->level[C_OTHER]) return 0;
     const LVec *attention = &c->attention_levels, *mamba = &c->mamba_levels;
@@ -152,7 +155,7 @@ const char *const key_fields[] = {"group", "depth_tokens", "hash_id", "removal",
 const char *const removal_fields[] = {
     "reason", "seq", "step", "block_id", "by_req", "transient_behind", "behind", NULL};
 
-static PyObject *removal_tuple(Core *c, int32_t index) {
+static PyObject *removal_tuple(ForensicsCore *c, int32_t index) {
     if (index < 0) Py_RETURN_NONE;
     const Removal *r = chunk_at(&c->removals, index);
     const Examples *behind = c->explain ? chunk_at(&c->examples, index) : NULL;
@@ -175,7 +178,7 @@ static PyObject *optional(i64 value) {
 
 /* One segment: a row for the table, or a (cause, start, end, keys) tuple for `why` (the cause
    by its value: its index among the causes Python handed). */
-static int segment_out(Core *c, PyObject *segments, const i64 *head, int cause, i64 start,
+static int segment_out(ForensicsCore *c, PyObject *segments, const i64 *head, int cause, i64 start,
                        i64 end, const LostKey *keys, Py_ssize_t num_keys) {
     if (c->make_rows) {
         const LostKey *key = num_keys ? &keys[0] : NULL;
@@ -213,7 +216,7 @@ static int segment_out(Core *c, PyObject *segments, const i64 *head, int cause, 
 }
 
 /* MissAttributor._attribute */
-int attribute_lookup(Core *c, Request *r, i64 req, i64 admission, i64 num_tokens) {
+int attribute_lookup(ForensicsCore *c, Request *r, i64 req, i64 admission, i64 num_tokens) {
     i64 unit = c->unit;
     const i64 *units = r && r->has_units ? r->units.v : NULL;
     i64 num_known = r && r->has_units ? r->units.n : 0;

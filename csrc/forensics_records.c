@@ -17,11 +17,11 @@ int fail(const char *format, ...) {
 }
 
 
-static Request *find_request(Core *c, i64 req) {
+static Request *find_request(ForensicsCore *c, i64 req) {
     i64 slot;
     return map_get(&c->requests, req, &slot) ? (Request *)(intptr_t)slot : NULL;
 }
-static Request *request_of(Core *c, i64 req) {
+static Request *request_of(ForensicsCore *c, i64 req) {
     Request *r = find_request(c, req);
     if (r) return r;
     r = PyMem_Calloc(1, sizeof(Request));
@@ -36,7 +36,7 @@ void free_request(Request *r) {
     PyMem_Free(r);
 }
 
-static int check_group(Core *c, i64 group, const char *kind) {
+static int check_group(ForensicsCore *c, i64 group, const char *kind) {
     if (group < 0 || group >= c->num_groups)
         return fail("record %lld (%s) names KV-cache group %lld, but the header has %d group%s "
                     "(0 to %d)", c->seq, kind, group, c->num_groups,
@@ -45,7 +45,7 @@ static int check_group(Core *c, i64 group, const char *kind) {
 }
 
 
-static Block *block_at(Core *c, i64 block_id, const char *kind) {
+static Block *block_at(ForensicsCore *c, i64 block_id, const char *kind) {
     if (block_id < -1 || block_id >= c->num_blocks - 1) {
         fail("record %lld (%s) names block %lld, outside the header's pool of %lld blocks",
              c->seq, kind, block_id, (i64)c->num_blocks - 1);
@@ -56,7 +56,7 @@ static Block *block_at(Core *c, i64 block_id, const char *kind) {
 
 /* --- the transient checkpoints cached in the free queue (attribution) ------------------------- */
 
-static void evictable_drop(Core *c, int32_t b) {
+static void evictable_drop(ForensicsCore *c, int32_t b) {
     Block *k = &c->blocks[b];
     if (!k->evictable) return;
     if (k->prev >= 0) c->blocks[k->prev].next = k->next; else c->evictable_head = k->next;
@@ -65,7 +65,7 @@ static void evictable_drop(Core *c, int32_t b) {
     k->evictable = 0;
     c->num_evictable--;
 }
-static void evictable_add(Core *c, int32_t b) {  /* at the end, unless already there */
+static void evictable_add(ForensicsCore *c, int32_t b) {  /* at the end, unless already there */
     Block *k = &c->blocks[b];
     if (k->evictable) return;
     k->prev = c->evictable_tail;
@@ -76,7 +76,7 @@ static void evictable_add(Core *c, int32_t b) {  /* at the end, unless already t
     c->num_evictable++;
 }
 /* MissAttributor._recheck */
-static void recheck(Core *c, int32_t b) {
+static void recheck(ForensicsCore *c, int32_t b) {
     Block *k = &c->blocks[b];
     if (k->transient && k->t_keys && !k->in_use) evictable_add(c, b);
     else evictable_drop(c, b);
@@ -84,7 +84,7 @@ static void recheck(Core *c, int32_t b) {
 
 /* --- the cache entries' block state (block_states) --------------------------------------------- */
 
-static void block_state_changed(Core *c, Block *k) {
+static void block_state_changed(ForensicsCore *c, Block *k) {
     char evictable = !k->s_in_use && k->s_transient && k->s_keys > 0;
     if (evictable != k->s_evictable) {
         c->s_num_evictable += evictable ? 1 : -1;
@@ -92,7 +92,7 @@ static void block_state_changed(Core *c, Block *k) {
     }
 }
 
-int entry_row(Core *c, Entry *e, i64 removed_seq, i64 removed_step, i64 reason,
+int entry_row(ForensicsCore *c, Entry *e, i64 removed_seq, i64 removed_step, i64 reason,
               i64 transient_cached) {
     if (!c->make_entries) return 0;
     i64 values[NUM_E] = {
@@ -104,7 +104,7 @@ int entry_row(Core *c, Entry *e, i64 removed_seq, i64 removed_step, i64 reason,
     return 0;
 }
 
-static int open_entry(Core *c, int32_t block_id, Block *k, i64 hash_id, int group,
+static int open_entry(ForensicsCore *c, int32_t block_id, Block *k, i64 hash_id, int group,
                       i64 position_class, int transient) {
     int32_t index;
     if (c->free_entries.n) {
@@ -143,7 +143,7 @@ static int open_entry(Core *c, int32_t block_id, Block *k, i64 hash_id, int grou
 
 /* A key's removal from a block: every open entry of that key on it ends here (the first removal
    after a store closes it), with the transient checkpoints cached just before. */
-static int close_entries(Core *c, Block *k, i64 hash_id, int group, i64 reason) {
+static int close_entries(ForensicsCore *c, Block *k, i64 hash_id, int group, i64 reason) {
     i64 cached = c->s_num_evictable;
     int32_t unknown = -1;
     int32_t *link = &k->open_entries;
@@ -182,7 +182,8 @@ static int add_units(Request *r, const Col *lengths, const Col *values, Py_ssize
     return 0;
 }
 
-static int on_allocated(Core *c, i64 req, i64 num_new, i64 num_computed, i64 num_new_computed,
+static int on_allocated(ForensicsCore *c, i64 req, i64 num_new, i64 num_computed,
+                        i64 num_new_computed,
                         i64 num_external, i64 num_tokens, int success) {
     c->allocating = req;
     c->allocation_ok = success;
@@ -214,7 +215,8 @@ static int on_allocated(Core *c, i64 req, i64 num_new, i64 num_computed, i64 num
     return 0;
 }
 
-static int on_stored(Core *c, i64 block_id, i64 hash_id, i64 group, i64 num_tokens, i64 kind,
+static int on_stored(ForensicsCore *c, i64 block_id, i64 hash_id, i64 group, i64 num_tokens,
+                     i64 kind,
                      i64 req) {
     if (check_group(c, group, "block_stored"))
         return -1;
@@ -250,7 +252,7 @@ static int on_stored(Core *c, i64 block_id, i64 hash_id, i64 group, i64 num_toke
     return open_entry(c, (int32_t)block_id, k, hash_id, (int)group, position_class, transient);
 }
 
-static int on_removed(Core *c, i64 block_id, i64 hash_id, i64 group, i64 reason) {
+static int on_removed(ForensicsCore *c, i64 block_id, i64 hash_id, i64 group, i64 reason) {
     if (check_group(c, group, "block_removed"))
         return -1;
     Block *k = block_at(c, block_id, "block_removed");
@@ -304,7 +306,7 @@ static int on_removed(Core *c, i64 block_id, i64 hash_id, i64 group, i64 reason)
 }
 
 /* A block reference: BlockAllocated and BlockTouched take it (touched: a hit on its entry). */
-static int on_taken(Core *c, i64 block_id, int touched) {
+static int on_taken(ForensicsCore *c, i64 block_id, int touched) {
     Block *k = block_at(c, block_id, touched ? "block_touched" : "block_allocated");
     if (!k) return -1;
     if (k->transient) {
@@ -322,7 +324,7 @@ static int on_taken(Core *c, i64 block_id, int touched) {
     return 0;
 }
 
-static int on_freed(Core *c, i64 block_id, i64 ref_cnt) {
+static int on_freed(ForensicsCore *c, i64 block_id, i64 ref_cnt) {
     Block *k = block_at(c, block_id, "block_freed");
     if (!k) return -1;
     if (ref_cnt == 0 && k->transient) {
@@ -334,7 +336,7 @@ static int on_freed(Core *c, i64 block_id, i64 ref_cnt) {
     return 0;
 }
 
-static int on_checkpoint(Core *c, i64 req, i64 group, i64 position, i64 position_class) {
+static int on_checkpoint(ForensicsCore *c, i64 req, i64 group, i64 position, i64 position_class) {
     Request *r = request_of(c, req);
     if (!r) return -1;
     if (r->num_classes == r->cap_classes) {
@@ -351,7 +353,7 @@ static int on_checkpoint(Core *c, i64 req, i64 group, i64 position, i64 position
     return 0;
 }
 
-static int request_matches(Core *c, PyObject *request_id) {
+static int request_matches(ForensicsCore *c, PyObject *request_id) {
     if (!c->request_id || !PyUnicode_Check(request_id)) return 0;
     return PyUnicode_Compare(request_id, c->request_id) == 0;
 }
@@ -360,7 +362,7 @@ static int request_matches(Core *c, PyObject *request_id) {
 
 /* A key cached at the start: present (so never cold), held by `num_blocks` blocks, an entry on
    each of them. */
-static int on_key_cached(Core *c, i64 hash_id, i64 group, const Col *lengths,
+static int on_key_cached(ForensicsCore *c, i64 hash_id, i64 group, const Col *lengths,
                          const Col *values, Py_ssize_t row, Py_ssize_t start) {
     if (check_group(c, group, "key_cached"))
         return -1;
@@ -380,7 +382,8 @@ static int on_key_cached(Core *c, i64 hash_id, i64 group, const Col *lengths,
 
 /* A request in flight at the start: its units so far, those its computed tokens covered, and the
    admissions it had (its first, and one after each preemption, if it runs now). */
-static int on_request_state(Core *c, i64 req, i64 queue, const Col *lengths, const Col *values,
+static int on_request_state(ForensicsCore *c, i64 req, i64 queue, const Col *lengths,
+                            const Col *values,
                             Py_ssize_t row, Py_ssize_t start, i64 num_computed,
                             i64 num_preemptions) {
     Request *r = request_of(c, req);
@@ -400,7 +403,7 @@ static int on_request_state(Core *c, i64 req, i64 queue, const Col *lengths, con
 /* --- feed ------------------------------------------------------------------------------------ */
 
 /* One record of a kind the attribution reads (its columns in FORENSICS_KINDS' order). */
-int follow_record(Core *c, Source *s) {
+int follow_record(ForensicsCore *c, Source *s) {
     Col *f = s->cols;
     Py_ssize_t row = s->row++;
     i64 req;

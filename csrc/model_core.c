@@ -58,7 +58,7 @@ static int parse_args(const char *function, PyObject *const *args, Py_ssize_t na
     return 0;
 }
 
-static int Core_traverse(Core *c, visitproc visit, void *arg) {
+static int Core_traverse(ModelCore *c, visitproc visit, void *arg) {
     Py_VISIT(c->sink);
     Py_VISIT(c->records);
     if (c->columns) Py_VISIT(c->columns->sink);
@@ -67,7 +67,7 @@ static int Core_traverse(Core *c, visitproc visit, void *arg) {
     return 0;
 }
 
-static int Core_clear(Core *c) {
+static int Core_clear(ModelCore *c) {
     if (c->columns) Py_CLEAR(c->columns->sink);
     Py_CLEAR(c->sink);
     Py_CLEAR(c->records);
@@ -76,7 +76,7 @@ static int Core_clear(Core *c) {
     return 0;
 }
 
-static void Core_dealloc(Core *c) {
+static void Core_dealloc(ModelCore *c) {
     PyObject_GC_UnTrack(c);
     for (Py_ssize_t i = 0; i < c->num_requests; i++)
         if (c->requests[i]) drop_request(c, c->requests[i]);
@@ -131,12 +131,12 @@ static void Core_dealloc(Core *c) {
     Py_TYPE(c)->tp_free((PyObject *)c);  /* a subclass's type is released by subtype_dealloc */
 }
 
-/* Core(sink, variant, num_blocks, hash_block_size, scheduler_block_size, max_model_len,
+/* ModelCore(sink, variant, num_blocks, hash_block_size, scheduler_block_size, max_model_len,
         retention_interval, enable_caching, hybrid, partial_hits, alignment, simple_hybrid,
         groups, specs): groups = [(is_mamba, block_size, num_checkpoint_blocks,
         checkpoint_alignment or None)], specs = [(is_mamba, block_size, (group ids...))].
    A sink of None: count (_counts()), make no record. */
-static int Core_init(Core *c, PyObject *args, PyObject *kwargs) {
+static int Core_init(ModelCore *c, PyObject *args, PyObject *kwargs) {
     PyObject *sink, *variant, *retention, *groups, *specs, *batch_sink = Py_None;
     int num_blocks, hash_block_size, enable_caching, hybrid, partial_hits, alignment, simple;
     long long scheduler_block_size, max_model_len;
@@ -282,12 +282,12 @@ static int Core_init(Core *c, PyObject *args, PyObject *kwargs) {
     return 0;
 }
 
-static PyObject *Core_flushed(Core *c, PyObject *result) {
+static PyObject *Core_flushed(ModelCore *c, PyObject *result) {
     if (flush(c)) { Py_XDECREF(result); return NULL; }
     return result;
 }
 
-static PyObject *Core_new_step(Core *c, PyObject *const *args, Py_ssize_t nargs,
+static PyObject *Core_new_step(ModelCore *c, PyObject *const *args, Py_ssize_t nargs,
                                PyObject *kwnames) {
     static const char *const names[] = {"step", "ts_ns"};
     PyObject *values[2];
@@ -300,7 +300,7 @@ static PyObject *Core_new_step(Core *c, PyObject *const *args, Py_ssize_t nargs,
 }
 
 /* _add(req, prompt_len, max_tokens, hash_ids): the request, validated by the Python side. */
-static PyObject *Core_add(Core *c, PyObject *args) {
+static PyObject *Core_add(ModelCore *c, PyObject *args) {
     long long req, prompt_len, max_tokens;
     PyObject *hash_ids;
     if (!PyArg_ParseTuple(args, "LLLO", &req, &prompt_len, &max_tokens, &hash_ids)
@@ -309,7 +309,7 @@ static PyObject *Core_add(Core *c, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-static PyObject *Core_get_computed_blocks(Core *c, PyObject *const *args, Py_ssize_t nargs,
+static PyObject *Core_get_computed_blocks(ModelCore *c, PyObject *const *args, Py_ssize_t nargs,
                                           PyObject *kwnames) {
     static const char *const names[] = {"req"};
     PyObject *value;
@@ -339,7 +339,7 @@ static PyObject *Core_get_computed_blocks(Core *c, PyObject *const *args, Py_ssi
     return Core_flushed(c, Py_BuildValue("LL", hit, junction));
 }
 
-static PyObject *Core_allocate_slots(Core *c, PyObject *const *args, Py_ssize_t nargs,
+static PyObject *Core_allocate_slots(ModelCore *c, PyObject *const *args, Py_ssize_t nargs,
                                      PyObject *kwnames) {
     static const char *const names[] = {
         "req", "num_new_tokens", "num_new_computed_tokens", "num_lookahead_tokens",
@@ -426,7 +426,7 @@ static PyObject *Core_allocate_slots(Core *c, PyObject *const *args, Py_ssize_t 
     return PyBool_FromLong(success == 1);
 }
 
-static PyObject *Core_end_schedule(Core *c, PyObject *unused) {
+static PyObject *Core_end_schedule(ModelCore *c, PyObject *unused) {
     IVec retained = {0};
     for (int g = 0; g < c->num_groups; g++) {
         IVec *cow = &c->managers[g].cow;
@@ -443,7 +443,7 @@ static PyObject *Core_end_schedule(Core *c, PyObject *unused) {
 
 /* The request and the count a method's two arguments ``names`` give (both required); NULL on
    error. */
-static Request *request_and_count(Core *c, const char *function, const char *const *names,
+static Request *request_and_count(ModelCore *c, const char *function, const char *const *names,
                                   PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames,
                                   i64 *count) {
     PyObject *values[2];
@@ -454,7 +454,7 @@ static Request *request_and_count(Core *c, const char *function, const char *con
     return find_request(c, req);
 }
 
-static PyObject *Core_advance(Core *c, PyObject *const *args, Py_ssize_t nargs,
+static PyObject *Core_advance(ModelCore *c, PyObject *const *args, Py_ssize_t nargs,
                               PyObject *kwnames) {
     static const char *const names[] = {"req", "num_tokens"};
     i64 count;
@@ -467,7 +467,7 @@ static PyObject *Core_advance(Core *c, PyObject *const *args, Py_ssize_t nargs,
 
 /* KVCacheManager.cache_blocks called by the scheduler itself (async scheduling): the input
    record, after the hash units the request completed, then the coordinator's caching. */
-static PyObject *Core_cache_blocks(Core *c, PyObject *const *args, Py_ssize_t nargs,
+static PyObject *Core_cache_blocks(ModelCore *c, PyObject *const *args, Py_ssize_t nargs,
                                    PyObject *kwnames) {
     static const char *const names[] = {"req", "num_tokens_to_cache"};
     i64 num_tokens;
@@ -481,7 +481,7 @@ static PyObject *Core_cache_blocks(Core *c, PyObject *const *args, Py_ssize_t na
 }
 
 /* status: the FinishStatus member's configured index, for RequestFinished. */
-static PyObject *release(Core *c, i64 req, int record_type, int status) {
+static PyObject *release(ModelCore *c, i64 req, int record_type, int status) {
     Request *r = find_request(c, req);
     if (!r) return NULL;
     r->has_pending = 0;
@@ -498,7 +498,7 @@ static PyObject *release(Core *c, i64 req, int record_type, int status) {
     return Core_flushed(c, Py_None);
 }
 
-static PyObject *Core_free(Core *c, PyObject *const *args, Py_ssize_t nargs,
+static PyObject *Core_free(ModelCore *c, PyObject *const *args, Py_ssize_t nargs,
                            PyObject *kwnames) {
     static const char *const names[] = {"req", "status"};
     PyObject *values[2];
@@ -512,7 +512,7 @@ static PyObject *Core_free(Core *c, PyObject *const *args, Py_ssize_t nargs,
     return release(c, req, T_REQUEST_FINISHED, aborted ? E_ABORTED : E_FINISHED);
 }
 
-static PyObject *Core_preempt(Core *c, PyObject *const *args, Py_ssize_t nargs,
+static PyObject *Core_preempt(ModelCore *c, PyObject *const *args, Py_ssize_t nargs,
                               PyObject *kwnames) {
     static const char *const names[] = {"req"};
     PyObject *value;
@@ -523,11 +523,11 @@ static PyObject *Core_preempt(Core *c, PyObject *const *args, Py_ssize_t nargs,
     return release(c, req, T_REQUEST_PREEMPTED, 0);
 }
 
-static PyObject *Core_num_free_blocks(Core *c, PyObject *unused) {
+static PyObject *Core_num_free_blocks(ModelCore *c, PyObject *unused) {
     return PyLong_FromLongLong(c->num_free);
 }
 
-static PyObject *Core_sync_request(Core *c, PyObject *const *args, Py_ssize_t nargs,
+static PyObject *Core_sync_request(ModelCore *c, PyObject *const *args, Py_ssize_t nargs,
                                    PyObject *kwnames) {
     static const char *const names[] = {"req", "num_computed_tokens", "num_tokens",
                                         "num_in_flight_tokens"};
@@ -553,7 +553,7 @@ static PyObject *Core_sync_request(Core *c, PyObject *const *args, Py_ssize_t na
 }
 
 /* _release(block_ids): the engine frees blocks itself (checked by the Python side). */
-static PyObject *Core_release(Core *c, PyObject *ids) {
+static PyObject *Core_release(ModelCore *c, PyObject *ids) {
     IVec blocks = {0};
     if (block_ids_of(ids, &blocks)) {
         ivec_free(&blocks);
@@ -566,13 +566,13 @@ static PyObject *Core_release(Core *c, PyObject *ids) {
     return Core_flushed(c, Py_None);
 }
 
-static PyObject *Core_ref_count(Core *c, PyObject *arg) {
+static PyObject *Core_ref_count(ModelCore *c, PyObject *arg) {
     long block = PyLong_AsLong(arg);
     if (block == -1 && PyErr_Occurred()) return NULL;
     return PyLong_FromLong(block >= 0 && block < c->num_blocks ? c->ref[block] : 0);
 }
 
-static PyObject *Core_cached_block_id(Core *c, PyObject *const *args, Py_ssize_t nargs,
+static PyObject *Core_cached_block_id(ModelCore *c, PyObject *const *args, Py_ssize_t nargs,
                                       PyObject *kwnames) {
     static const char *const names[] = {"hash_id", "group"};
     PyObject *values[2];
@@ -585,7 +585,7 @@ static PyObject *Core_cached_block_id(Core *c, PyObject *const *args, Py_ssize_t
     return PyLong_FromLong(block);
 }
 
-static PyObject *Core_request_counters(Core *c, PyObject *arg) {
+static PyObject *Core_request_counters(ModelCore *c, PyObject *arg) {
     i64 req;
     if (as_i64(arg, &req)) return NULL;
     Request *r = find_request(c, req);
@@ -596,7 +596,7 @@ static PyObject *Core_request_counters(Core *c, PyObject *arg) {
 /* _counts(): the Tally as reports.Counts' fields (prompt_tokens, hit_tokens,
    resumed_hit_tokens, removed, checkpoints_suppressed, stale_key_hazards, preemptions,
    hit_blocks, stored, evicted). */
-static PyObject *Core_counts(Core *c, PyObject *unused) {
+static PyObject *Core_counts(ModelCore *c, PyObject *unused) {
     if (!c->counting) {
         PyErr_SetString(PyExc_RuntimeError, "a model core with a sink counts nothing");
         return NULL;
@@ -624,7 +624,7 @@ static PyObject *Core_counts(Core *c, PyObject *unused) {
                          i64_list(t->evicted, c->num_groups));
 }
 
-static PyObject *Core_close(Core *c, PyObject *unused) {
+static PyObject *Core_close(ModelCore *c, PyObject *unused) {
     if (flush(c) || (c->columns && c->columns->num_kinds
                      && write_batch(c, c->columns->num_kinds)))
         return NULL;
@@ -658,7 +658,7 @@ static PyMethodDef Core_methods[] = {
 static PyTypeObject CoreType = {
     PyVarObject_HEAD_INIT(NULL, 0)
     .tp_name = "kvtrace._model_core.ModelCore",
-    .tp_basicsize = sizeof(Core),
+    .tp_basicsize = sizeof(ModelCore),
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC,
     .tp_doc = "The model backend's cache, in C (the twin of kvtrace.replay.model).",
     .tp_new = PyType_GenericNew,

@@ -11,7 +11,7 @@
 
 /* --- the managers (managers.py) --------------------------------------------------------------- */
 
-static int num_evictable(Core *c, IVec *hit) {
+static int num_evictable(ModelCore *c, IVec *hit) {
     int count = 0;
     for (Py_ssize_t i = 0; i < hit->n; i++)
         if (hit->v[i] != NULL_BLOCK && c->ref[hit->v[i]] == 0) count++;
@@ -27,7 +27,7 @@ static int checkpoint_valid(Manager *m, int unit, i64 start, i64 end, i64 positi
         && (position - start) % m->checkpoint_alignment == 0;
 }
 
-static int blocks_to_allocate(Core *c, Manager *m, Request *r, i64 num_tokens, IVec *hit,
+static int blocks_to_allocate(ModelCore *c, Manager *m, Request *r, i64 num_tokens, IVec *hit,
                               i64 total, i64 num_local, i64 num_main, int admission,
                               i64 prefill_end, i64 *need) {
     GroupState *s = &r->groups[m->group];
@@ -82,7 +82,7 @@ static int blocks_to_allocate(Core *c, Manager *m, Request *r, i64 num_tokens, I
     return 0;
 }
 
-static int apply_cow(Core *c, Manager *m, Request *r, int32_t index, int32_t source,
+static int apply_cow(ModelCore *c, Manager *m, Request *r, int32_t index, int32_t source,
                      int32_t copy) {
     IVec *table = &r->groups[m->group].table;
     if (!(index < table->n && table->v[index] == source && source != NULL_BLOCK
@@ -97,7 +97,7 @@ static int apply_cow(Core *c, Manager *m, Request *r, int32_t index, int32_t sou
     return 0;
 }
 
-static int add_hit(Core *c, Manager *m, Request *r, IVec *hit, i64 num_local, i64 total) {
+static int add_hit(ModelCore *c, Manager *m, Request *r, IVec *hit, i64 num_local, i64 total) {
     GroupState *s = &r->groups[m->group];
     if (s->table.n) {
         PyErr_Format(PyExc_AssertionError, "request %lld already holds blocks", r->req);
@@ -127,7 +127,7 @@ static int add_hit(Core *c, Manager *m, Request *r, IVec *hit, i64 num_local, i6
     return 0;
 }
 
-static int allocate_blocks(Core *c, Manager *m, Request *r, i64 num_tokens, i64 num_main) {
+static int allocate_blocks(ModelCore *c, Manager *m, Request *r, i64 num_tokens, i64 num_main) {
     GroupState *s = &r->groups[m->group];
     IVec *table = &s->table, *fresh = &c->scratch;
     i64 block_size = m->block_size;
@@ -202,7 +202,7 @@ static int allocate_blocks(Core *c, Manager *m, Request *r, i64 num_tokens, i64 
     return 0;
 }
 
-static int retire(Core *c, Manager *m, Request *r, i64 num_processed) {
+static int retire(ModelCore *c, Manager *m, Request *r, i64 num_processed) {
     GroupState *s = &r->groups[m->group];
     IVec *table = &s->table;
     i64 block_size = m->block_size;
@@ -234,7 +234,7 @@ static int retire(Core *c, Manager *m, Request *r, i64 num_processed) {
 }
 
 /* reachable_block_mask into ``mask`` (end - start entries); returns 0 for None (dense). */
-static int block_mask(Core *c, Manager *m, i64 start, i64 end, const i64 *boundaries,
+static int block_mask(ModelCore *c, Manager *m, i64 start, i64 end, const i64 *boundaries,
                       int num_boundaries, char *mask) {
     if (!m->is_mamba || c->retention == -1) return 0;
     i64 block_size = m->block_size;
@@ -254,7 +254,7 @@ static int block_mask(Core *c, Manager *m, i64 start, i64 end, const i64 *bounda
     return 1;
 }
 
-static int cache_full(Core *c, Manager *m, Request *r, i64 num_cached, i64 num_full) {
+static int cache_full(ModelCore *c, Manager *m, Request *r, i64 num_cached, i64 num_full) {
     GroupState *s = &r->groups[m->group];
     i64 boundaries[2] = {r->prompt_len - 1, r->junction};
     char small[256], *mask = NULL, *heap = NULL;
@@ -274,7 +274,7 @@ static int cache_full(Core *c, Manager *m, Request *r, i64 num_cached, i64 num_f
     return 0;
 }
 
-static int is_retained(Core *c, Manager *m, i64 position) {
+static int is_retained(ModelCore *c, Manager *m, i64 position) {
     if (position % m->block_size) return 0;
     i64 index = position / m->block_size - 1;
     char keep;
@@ -282,7 +282,7 @@ static int is_retained(Core *c, Manager *m, i64 position) {
 }
 
 /* Decision 2, by the shared Python table; *keyed: a key was published (*key). */
-static int decide_checkpoint(Core *c, Manager *m, Request *r, i64 num_tokens, int *keyed,
+static int decide_checkpoint(ModelCore *c, Manager *m, Request *r, i64 num_tokens, int *keyed,
                              i64 *key, int *stripped) {
     GroupState *s = &r->groups[m->group];
     i64 position = s->checkpoint_position;
@@ -321,7 +321,7 @@ static int decide_checkpoint(Core *c, Manager *m, Request *r, i64 num_tokens, in
     return rc;
 }
 
-static int cache_prompt_tail(Core *c, Manager *m, Request *r, i64 num_tokens, int *keyed,
+static int cache_prompt_tail(ModelCore *c, Manager *m, Request *r, i64 num_tokens, int *keyed,
                              i64 *key) {
     GroupState *s = &r->groups[m->group];
     *keyed = 0;
@@ -346,7 +346,7 @@ static int cache_prompt_tail(Core *c, Manager *m, Request *r, i64 num_tokens, in
     return 0;
 }
 
-static int report_decision(Core *c, Manager *m, Request *r, i64 position, int32_t index,
+static int report_decision(ModelCore *c, Manager *m, Request *r, i64 position, int32_t index,
                            int stripped) {
     int32_t slot = r->groups[m->group].table.v[index];
     if (slot == NULL_BLOCK || !c->has_key[slot]) {
@@ -375,7 +375,7 @@ static int report_decision(Core *c, Manager *m, Request *r, i64 position, int32_
     return 0;
 }
 
-static int cache_group(Core *c, Manager *m, Request *r, i64 num_tokens) {
+static int cache_group(ModelCore *c, Manager *m, Request *r, i64 num_tokens) {
     GroupState *s = &r->groups[m->group];
     i64 limit = r->num_hashes * c->hash_block_size;
     i64 num_full = (num_tokens < limit ? num_tokens : limit) / m->block_size;
@@ -428,7 +428,7 @@ static int cache_group(Core *c, Manager *m, Request *r, i64 num_tokens) {
     return 0;
 }
 
-void release_group(Core *c, Manager *m, Request *r, int *error) {
+void release_group(ModelCore *c, Manager *m, Request *r, int *error) {
     GroupState *s = &r->groups[m->group];
     IVec table = s->table;
     memset(s, 0, sizeof(*s));
@@ -446,7 +446,7 @@ void release_group(Core *c, Manager *m, Request *r, int *error) {
 
 /* --- requests --------------------------------------------------------------------------------- */
 
-Request *find_request(Core *c, i64 req) {
+Request *find_request(ModelCore *c, i64 req) {
     i64 index;
     if (!map_get(&c->request_slots, req, &index)) {
         PyObject *key = PyLong_FromLongLong(req);
@@ -456,7 +456,7 @@ Request *find_request(Core *c, i64 req) {
     return c->requests[index];
 }
 
-void drop_request(Core *c, Request *r) {
+void drop_request(ModelCore *c, Request *r) {
     i64 index;
     if (map_get(&c->request_slots, r->req, &index)) {
         map_del(&c->request_slots, r->req);
@@ -474,13 +474,13 @@ void drop_request(Core *c, Request *r) {
 }
 
 /* The prefix lengths the records report hash units ``start..stop`` of ``r`` at. */
-int set_depths(Core *c, Request *r, i64 start, i64 stop) {
+int set_depths(ModelCore *c, Request *r, i64 start, i64 stop) {
     for (i64 i = start; i < stop; i++)
         if (map_set(&c->depth, r->hash_ids.v[i], (i + 1) * c->hash_block_size)) return -1;
     return 0;
 }
 
-int report_request(Core *c, Request *r) {
+int report_request(ModelCore *c, Request *r) {
     i64 unit = c->hash_block_size;
     if (r->num_reported < 0) {
         i64 units = r->prompt_len / unit;
@@ -502,7 +502,7 @@ int report_request(Core *c, Request *r) {
     return 0;
 }
 
-int append_tokens(Core *c, Request *r, i64 count) {
+int append_tokens(ModelCore *c, Request *r, i64 count) {
     r->num_tokens += count;
     i64 stop = r->num_tokens / c->hash_block_size;
     while (r->hash_ids.n < stop)
@@ -513,7 +513,7 @@ int append_tokens(Core *c, Request *r, i64 count) {
 
 /* A new request, known from now on, its hash ids (known ones) taken from a sequence; NULL on
    error. Made-up ids continue past them. */
-Request *new_request(Core *c, i64 req, i64 prompt_len, i64 max_tokens,
+Request *new_request(ModelCore *c, i64 req, i64 prompt_len, i64 max_tokens,
                      PyObject *hash_ids) {
     Request *r = PyMem_Calloc(1, sizeof(Request));
     if (!r) return (Request *)PyErr_NoMemory();
@@ -563,7 +563,7 @@ Request *new_request(Core *c, i64 req, i64 prompt_len, i64 max_tokens,
 
 /* --- the coordinator (backend.py) ------------------------------------------------------------- */
 
-int lookup(Core *c, const SpecGroup *spec, i64 hash_id, int32_t *found) {
+int lookup(ModelCore *c, const SpecGroup *spec, i64 hash_id, int32_t *found) {
     for (int k = 0; k < spec->num_groups; k++) {
         found[k] = cached_block(c, hash_id, spec->groups[k]);
         if (found[k] < 0) return 0;
@@ -572,7 +572,8 @@ int lookup(Core *c, const SpecGroup *spec, i64 hash_id, int32_t *found) {
 }
 
 /* One spec group's hit into c->hits[its groups]; returns the hit length (-1 on error). */
-static i64 group_hit(Core *c, const SpecGroup *spec, Request *r, i64 max_length, i64 alignment) {
+static i64 group_hit(ModelCore *c, const SpecGroup *spec, Request *r, i64 max_length,
+                     i64 alignment) {
     i64 block_size = spec->block_size, unit = c->hash_block_size;
     i64 scale = block_size / unit, num_hashes = r->num_hashes;
     const i64 *hashes = r->hash_ids.v;
@@ -639,7 +640,7 @@ static i64 group_hit(Core *c, const SpecGroup *spec, Request *r, i64 max_length,
     return length;
 }
 
-int find_longest_cache_hit(Core *c, Request *r, i64 max_length, i64 *hit_length,
+int find_longest_cache_hit(ModelCore *c, Request *r, i64 max_length, i64 *hit_length,
                            i64 *uncached) {
     if (!c->hybrid) {
         SpecGroup *spec = &c->specs[0];
@@ -690,7 +691,7 @@ int find_longest_cache_hit(Core *c, Request *r, i64 max_length, i64 *hit_length,
 
 /* KVCacheCoordinator.cache_blocks: without partial hits a hybrid engine caches only up to the
    scheduler block a later hit could match. */
-int cache_coordinator_blocks(Core *c, Request *r, i64 num_tokens) {
+int cache_coordinator_blocks(ModelCore *c, Request *r, i64 num_tokens) {
     if (!c->enable_caching) return 0;
     if (c->hybrid && !c->partial_hits) num_tokens -= num_tokens % c->scheduler_block_size;
     for (int g = 0; g < c->num_groups; g++)
@@ -699,7 +700,7 @@ int cache_coordinator_blocks(Core *c, Request *r, i64 num_tokens) {
 }
 
 /* KVCacheManager.allocate_slots: 1 allocated, 0 not, -1 error. */
-int allocate(Core *c, Request *r, i64 num_new, i64 num_new_computed, int has_hits,
+int allocate(ModelCore *c, Request *r, i64 num_new, i64 num_new_computed, int has_hits,
              i64 lookahead, int full_sequence_must_fit, i64 reserved) {
     static IVec no_hit = {0};
     i64 max_model_len = c->max_model_len;

@@ -152,65 +152,65 @@ typedef struct {
     int counting;  /* no sink: count into tally, make no record */
     Tally tally;
     Columns *columns;  /* counting, and writing the records as column batches */
-} Core;
+} ModelCore;
 
 /* --- model_records.c: reports, errors and arguments ------------------------------------------- */
 PyObject *i64_list(const i64 *values, Py_ssize_t n);
 int tally_arrival(Tally *t, i64 req, i64 prompt_len);
-int write_batch(Core *c, Py_ssize_t count);
-int emit(Core *c, int type, const char *spec, ...);
-int flush(Core *c);
+int write_batch(ModelCore *c, Py_ssize_t count);
+int emit(ModelCore *c, int type, const char *spec, ...);
+int flush(ModelCore *c);
 int set_error_v(int type, const char *hint, const char *format, va_list ap);
 int block_ids_of(PyObject *ids, IVec *out);
 
 /* --- model_pool.c: the pool (pool.py) --------------------------------------------------------- */
-int map_block(Core *c, i64 hash_id, int group, int32_t block);
-int add_extra_key(Core *c, int32_t block, i64 hash_id, int group);
-int strip_keys(Core *c, int32_t block, int reason, LVec *removed);
-int move_keys(Core *c, int32_t source, int32_t target, i64 req);
-int get_new_blocks(Core *c, i64 count, i64 req, IVec *out);
-int touch(Core *c, const int32_t *blocks, Py_ssize_t n, i64 req);
-int free_blocks(Core *c, const int32_t *blocks, Py_ssize_t n, int released);
-int cache_full_blocks(Core *c, Request *r, IVec *table, i64 num_cached, i64 num_full,
+int map_block(ModelCore *c, i64 hash_id, int group, int32_t block);
+int add_extra_key(ModelCore *c, int32_t block, i64 hash_id, int group);
+int strip_keys(ModelCore *c, int32_t block, int reason, LVec *removed);
+int move_keys(ModelCore *c, int32_t source, int32_t target, i64 req);
+int get_new_blocks(ModelCore *c, i64 count, i64 req, IVec *out);
+int touch(ModelCore *c, const int32_t *blocks, Py_ssize_t n, i64 req);
+int free_blocks(ModelCore *c, const int32_t *blocks, Py_ssize_t n, int released);
+int cache_full_blocks(ModelCore *c, Request *r, IVec *table, i64 num_cached, i64 num_full,
                       int block_size, int group, const char *mask);
-int cache_partial_block(Core *c, Request *r, int32_t block, i64 num_tokens, int group,
+int cache_partial_block(ModelCore *c, Request *r, int32_t block, i64 num_tokens, int group,
                         int replace, int kind, i64 *key);
 
 /* --- model_managers.c: the managers and the coordinator (managers.py, backend.py) ------------- */
-void release_group(Core *c, Manager *m, Request *r, int *error);
-Request *find_request(Core *c, i64 req);
-void drop_request(Core *c, Request *r);
-int set_depths(Core *c, Request *r, i64 start, i64 stop);
-int report_request(Core *c, Request *r);
-int append_tokens(Core *c, Request *r, i64 count);
-Request *new_request(Core *c, i64 req, i64 prompt_len, i64 max_tokens,
+void release_group(ModelCore *c, Manager *m, Request *r, int *error);
+Request *find_request(ModelCore *c, i64 req);
+void drop_request(ModelCore *c, Request *r);
+int set_depths(ModelCore *c, Request *r, i64 start, i64 stop);
+int report_request(ModelCore *c, Request *r);
+int append_tokens(ModelCore *c, Request *r, i64 count);
+Request *new_request(ModelCore *c, i64 req, i64 prompt_len, i64 max_tokens,
                      PyObject *hash_ids);
-int lookup(Core *c, const SpecGroup *spec, i64 hash_id, int32_t *found);
-int find_longest_cache_hit(Core *c, Request *r, i64 max_length, i64 *hit_length,
+int lookup(ModelCore *c, const SpecGroup *spec, i64 hash_id, int32_t *found);
+int find_longest_cache_hit(ModelCore *c, Request *r, i64 max_length, i64 *hit_length,
                            i64 *uncached);
-int cache_coordinator_blocks(Core *c, Request *r, i64 num_tokens);
-int allocate(Core *c, Request *r, i64 num_new, i64 num_new_computed, int has_hits,
+int cache_coordinator_blocks(ModelCore *c, Request *r, i64 num_tokens);
+int allocate(ModelCore *c, Request *r, i64 num_new, i64 num_new_computed, int has_hits,
              i64 lookahead, int full_sequence_must_fit, i64 reserved);
 
 /* --- model_restore.c: a start snapshot -------------------------------------------------------- */
-PyObject *Core_restore(Core *c, PyObject *args);
+PyObject *Core_restore(ModelCore *c, PyObject *args);
 
 /* --- called per block: static inline, as fast as in one unit ---------------------------------- */
 
-static inline i64 depth_get(Core *c, i64 hash_id, i64 fallback) {
+static inline i64 depth_get(ModelCore *c, i64 hash_id, i64 fallback) {
     i64 value;
     return map_get(&c->depth, hash_id, &value) ? value : fallback;
 }
 
-static inline int32_t holder_first(Core *c, i64 holder) {
+static inline int32_t holder_first(ModelCore *c, i64 holder) {
     return holder >= 0 ? (int32_t)holder : c->multi[-holder - 1].v[0];
 }
-static inline int32_t cached_block(Core *c, i64 hash_id, int group) {
+static inline int32_t cached_block(ModelCore *c, i64 hash_id, int group) {
     i64 holder;
     if (!map_get(&c->cached[group], hash_id, &holder)) return -1;
     return holder_first(c, holder);
 }
-static inline int holds(Core *c, i64 hash_id, int group, int32_t block) {
+static inline int holds(ModelCore *c, i64 hash_id, int group, int32_t block) {
     i64 holder;
     if (!map_get(&c->cached[group], hash_id, &holder)) return 0;
     if (holder >= 0) return holder == block;

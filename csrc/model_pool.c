@@ -5,7 +5,7 @@
 
 #include "model_parts.h"
 
-static int unmap(Core *c, i64 hash_id, int group, int32_t block) {
+static int unmap(ModelCore *c, i64 hash_id, int group, int32_t block) {
     Map *table = &c->cached[group];
     Py_ssize_t slot = map_find(table, hash_id);
     if (slot < 0) return 0;
@@ -28,7 +28,7 @@ static int unmap(Core *c, i64 hash_id, int group, int32_t block) {
     }
     return 0;
 }
-int map_block(Core *c, i64 hash_id, int group, int32_t block) {
+int map_block(ModelCore *c, i64 hash_id, int group, int32_t block) {
     Map *table = &c->cached[group];
     Py_ssize_t slot = map_find(table, hash_id);
     if (slot < 0) return map_set(table, hash_id, block);
@@ -56,7 +56,7 @@ int map_block(Core *c, i64 hash_id, int group, int32_t block) {
 }
 
 /* A secondary key on ``block`` (one beside its primary). */
-int add_extra_key(Core *c, int32_t block, i64 hash_id, int group) {
+int add_extra_key(ModelCore *c, int32_t block, i64 hash_id, int group) {
     Extra *extra = c->extra[block];
     if (!extra) {
         extra = c->extra[block] = PyMem_Calloc(1, sizeof(Extra));
@@ -77,7 +77,7 @@ int add_extra_key(Core *c, int32_t block, i64 hash_id, int group) {
     return 0;
 }
 
-static int insert_key(Core *c, i64 hash_id, int group, int32_t block, i64 num_tokens,
+static int insert_key(ModelCore *c, i64 hash_id, int group, int32_t block, i64 num_tokens,
                       int kind, i64 req) {
     if (c->has_key[block] && c->key_hash[block] == hash_id && c->key_group[block] == group)
         return 0;
@@ -97,7 +97,7 @@ static int insert_key(Core *c, i64 hash_id, int group, int32_t block, i64 num_to
 
 /* Take every key off ``block`` and report the removed ones; their keys go to ``removed`` (hash,
    group pairs) when given. Returns the count, or -1 on error. */
-int strip_keys(Core *c, int32_t block, int reason, LVec *removed) {
+int strip_keys(ModelCore *c, int32_t block, int reason, LVec *removed) {
     if (!c->has_key[block]) return 0;
     i64 first_hash = c->key_hash[block];
     int first_group = c->key_group[block];
@@ -120,7 +120,7 @@ int strip_keys(Core *c, int32_t block, int reason, LVec *removed) {
     return rc ? -1 : count;
 }
 
-int move_keys(Core *c, int32_t source, int32_t target, i64 req) {
+int move_keys(ModelCore *c, int32_t source, int32_t target, i64 req) {
     i64 num_tokens = c->key_tokens[source];
     LVec removed = {0};
     int rc = strip_keys(c, source, E_REKEY, &removed) < 0 ? -1 : 0;
@@ -131,7 +131,7 @@ int move_keys(Core *c, int32_t source, int32_t target, i64 req) {
     return rc;
 }
 
-int get_new_blocks(Core *c, i64 count, i64 req, IVec *out) {
+int get_new_blocks(ModelCore *c, i64 count, i64 req, IVec *out) {
     if (count > c->num_free) {
         PyErr_Format(PyExc_ValueError, "Cannot get %lld free blocks from the pool", count);
         return -1;
@@ -160,7 +160,7 @@ int get_new_blocks(Core *c, i64 count, i64 req, IVec *out) {
     return 0;
 }
 
-int touch(Core *c, const int32_t *blocks, Py_ssize_t n, i64 req) {
+int touch(ModelCore *c, const int32_t *blocks, Py_ssize_t n, i64 req) {
     for (Py_ssize_t i = 0; i < n; i++) {
         int32_t block = blocks[i];
         if (block == NULL_BLOCK) continue;
@@ -179,7 +179,7 @@ int touch(Core *c, const int32_t *blocks, Py_ssize_t n, i64 req) {
     return 0;
 }
 
-int free_blocks(Core *c, const int32_t *blocks, Py_ssize_t n, int released) {
+int free_blocks(ModelCore *c, const int32_t *blocks, Py_ssize_t n, int released) {
     if (released && emit(c, T_BLOCKS_RELEASED, "B", blocks, n)) return -1;
     /* Unkeyed blocks go to the head in the given order, keyed ones to the tail. */
     int32_t previous = c->head, old_first = c->next_free[c->head];
@@ -224,7 +224,7 @@ int free_blocks(Core *c, const int32_t *blocks, Py_ssize_t n, int released) {
     return 0;
 }
 
-int cache_full_blocks(Core *c, Request *r, IVec *table, i64 num_cached, i64 num_full,
+int cache_full_blocks(ModelCore *c, Request *r, IVec *table, i64 num_cached, i64 num_full,
                       int block_size, int group, const char *mask) {
     i64 scale = block_size / c->hash_block_size;
     i64 stop = num_full < table->n ? num_full : table->n;
@@ -248,7 +248,7 @@ int cache_full_blocks(Core *c, Request *r, IVec *table, i64 num_cached, i64 num_
 }
 
 /* 1 and *key: keyed; 0: the null block (None); -1: error. */
-int cache_partial_block(Core *c, Request *r, int32_t block, i64 num_tokens, int group,
+int cache_partial_block(ModelCore *c, Request *r, int32_t block, i64 num_tokens, int group,
                         int replace, int kind, i64 *key) {
     if (block == NULL_BLOCK) return 0;
     i64 unit = c->hash_block_size, num_units = num_tokens / unit;

@@ -51,7 +51,7 @@ static PyObject *blocks_list(const int32_t *blocks, Py_ssize_t n) {
 /* A report's fields, by spec letter: q = i64, d = int, b = truth (int), e = enum member (its
    configured index, int), o = borrowed object, L = ids (const i64 *, Py_ssize_t), B = block ids
    without the null block (const int32_t *, Py_ssize_t), r = a request id (i64, as str). */
-static int make_record(Core *c, int type, const char *spec, va_list ap) {
+static int make_record(ModelCore *c, int type, const char *spec, va_list ap) {
     PyObject *args[12];
     int n = 0, failed = 0;
     for (const char *p = spec; *p; p++) {
@@ -91,7 +91,7 @@ int tally_arrival(Tally *t, i64 req, i64 prompt_len) {
 }
 
 /* Count a report as ReplaySummary counts its record (reports.Tally does the same). */
-static int count_report(Core *c, int type, const char *spec, va_list ap) {
+static int count_report(ModelCore *c, int type, const char *spec, va_list ap) {
     i64 v[12];
     int n = 0;
     for (const char *p = spec; *p; p++) {
@@ -153,7 +153,7 @@ static int kinds_push(Columns *w, uint8_t kind) {
 }
 
 /* A report's fields into its type's columns (the spec letters of make_record). */
-static int column_report(Core *c, int type, const char *spec, va_list ap) {
+static int column_report(ModelCore *c, int type, const char *spec, va_list ap) {
     Columns *w = c->columns;
     TypeColumns *t = &w->types[type];
     if (!t->spec) {
@@ -256,7 +256,7 @@ static int out_int_column(Columns *w, const i64 *values, Py_ssize_t n) {
 }
 
 /* The first `count` records as one batch payload handed to the sink, then dropped. */
-int write_batch(Core *c, Py_ssize_t count) {
+int write_batch(ModelCore *c, Py_ssize_t count) {
     Columns *w = c->columns;
     int order[NUM_RECORD_TYPES], index_of[NUM_RECORD_TYPES];
     Py_ssize_t rows[NUM_RECORD_TYPES] = {0};
@@ -348,7 +348,7 @@ int write_batch(Core *c, Py_ssize_t count) {
 
 /* Report an effect or input: a record for the sink, or a count (and, writing columns, the
    record's fields into them). */
-int emit(Core *c, int type, const char *spec, ...) {
+int emit(ModelCore *c, int type, const char *spec, ...) {
     va_list ap;
     va_start(ap, spec);
     int rc;
@@ -366,7 +366,7 @@ int emit(Core *c, int type, const char *spec, ...) {
 
 /* Hand the records made so far to the sink, in order (they are dropped either way); writing
    columns, every whole batch of them. */
-int flush(Core *c) {
+int flush(ModelCore *c) {
     if (c->columns) {
         while (c->columns->num_kinds >= c->columns->batch_size)
             if (write_batch(c, c->columns->batch_size)) return -1;

@@ -19,14 +19,14 @@ static int snapshot_error(const char *format, ...) {
     return -1;
 }
 
-static int check_restored_block(Core *c, long long block, int null_ok) {
+static int check_restored_block(ModelCore *c, long long block, int null_ok) {
     if (block < !null_ok || block >= c->num_blocks)
         return snapshot_error("the start snapshot names block %lld, outside the pool of %d",
                               block, c->num_blocks);
     return 0;
 }
 
-static int check_restored_group(Core *c, int group) {
+static int check_restored_group(ModelCore *c, int group) {
     if (group < 0 || group >= c->num_groups)
         return snapshot_error("the start snapshot names KV-cache group %d; the engine has %d",
                               group, c->num_groups);
@@ -34,7 +34,7 @@ static int check_restored_group(Core *c, int group) {
 }
 
 /* ``ids`` into ``out`` (emptied first), each a block of the pool (or the null block). */
-static int restored_blocks(Core *c, PyObject *ids, IVec *out, int null_ok) {
+static int restored_blocks(ModelCore *c, PyObject *ids, IVec *out, int null_ok) {
     out->n = 0;
     if (block_ids_of(ids, out)) return -1;
     for (Py_ssize_t i = 0; i < out->n; i++)
@@ -43,7 +43,8 @@ static int restored_blocks(Core *c, PyObject *ids, IVec *out, int null_ok) {
 }
 
 /* Apply ``restore_one`` to every item of ``items`` (a sequence of tuples). */
-static int restore_each(Core *c, PyObject *items, int (*restore_one)(Core *, PyObject *)) {
+static int restore_each(ModelCore *c, PyObject *items, int (*restore_one)(ModelCore *,
+                        PyObject *)) {
     PyObject *fast = PySequence_Fast(items, "the start snapshot's records");
     if (!fast) return -1;
     int rc = 0;
@@ -57,7 +58,7 @@ static int restore_each(Core *c, PyObject *items, int (*restore_one)(Core *, PyO
    shared_prefix_boundary, num_in_flight_tokens, never admitted): a request in flight, its hash
    units reported up to num_hashes (their prefix lengths known); counting, an arrival if it was
    never admitted. */
-static int restore_request(Core *c, PyObject *item) {
+static int restore_request(ModelCore *c, PyObject *item) {
     long long req, prompt_len, max_tokens, num_hashes, num_tokens, num_computed, junction;
     long long num_in_flight;
     PyObject *hash_ids;
@@ -85,7 +86,7 @@ static int restore_request(Core *c, PyObject *item) {
 }
 
 /* A BlockState: (block_id, ref_cnt, hash_id, group, num_tokens); hash_id -1: no key. */
-static int restore_block(Core *c, PyObject *item) {
+static int restore_block(ModelCore *c, PyObject *item) {
     int block, ref_cnt, group;
     long long hash_id, num_tokens;
     if (!PyArg_ParseTuple(item, "iiLiL", &block, &ref_cnt, &hash_id, &group, &num_tokens)
@@ -105,7 +106,7 @@ static int restore_block(Core *c, PyObject *item) {
 /* A KeyCached: (hash_id, group, num_tokens, block_ids): its holders in lookup order, a key
    that is not a holder's primary one as a secondary key; its prefix length unless a request
    in flight reported the hash. */
-static int restore_key(Core *c, PyObject *item) {
+static int restore_key(ModelCore *c, PyObject *item) {
     long long hash_id, num_tokens;
     int group;
     PyObject *ids;
@@ -126,7 +127,7 @@ static int restore_key(Core *c, PyObject *item) {
 }
 
 /* The free queue in its order, head (reused first) to tail. */
-static int restore_free_queue(Core *c, PyObject *ids) {
+static int restore_free_queue(ModelCore *c, PyObject *ids) {
     IVec *queue = &c->scratch;
     if (restored_blocks(c, ids, queue, 0)) return -1;
     for (int b = 0; b < c->num_blocks + 2; b++) c->next_free[b] = c->prev_free[b] = -1;
@@ -161,7 +162,7 @@ static const struct { const char *name; int size, mamba_only; } request_fields[N
 
 /* One field of a request's state in ``m``'s group (the managers' restore_field); its indices
    within the request's blocks there. */
-static int restore_field(Core *c, Manager *m, Request *r, PyObject *name, PyObject *values) {
+static int restore_field(ModelCore *c, Manager *m, Request *r, PyObject *name, PyObject *values) {
     GroupState *s = &r->groups[m->group];
     int field = 0;
     while (field < NUM_FIELDS
@@ -229,7 +230,7 @@ static int restore_field(Core *c, Manager *m, Request *r, PyObject *name, PyObje
 
 /* A RequestBlocksState: (req, group, block_ids, fields): a request's blocks and state in one
    group (its manager's restore_request). */
-static int restore_table(Core *c, PyObject *item) {
+static int restore_table(ModelCore *c, PyObject *item) {
     long long req;
     int group;
     PyObject *ids, *fields;
@@ -252,7 +253,7 @@ static int restore_table(Core *c, PyObject *item) {
 /* _restore(requests, blocks, keys, free_queue, tables): start from a start snapshot (a new
    core only). Counting, the Tally starts from the snapshot as ReplaySummary does from its
    records; no record is made (the replay trace's writer has the snapshot's records already). */
-PyObject *Core_restore(Core *c, PyObject *args) {
+PyObject *Core_restore(ModelCore *c, PyObject *args) {
     PyObject *requests, *blocks, *keys, *free_queue, *tables;
     if (!PyArg_ParseTuple(args, "OOOOO", &requests, &blocks, &keys, &free_queue, &tables)
         || restore_each(c, requests, restore_request) || restore_each(c, blocks, restore_block)
