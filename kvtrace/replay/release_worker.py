@@ -16,6 +16,7 @@ import pickle
 import shutil
 import signal
 import sys
+import time
 from pathlib import Path
 
 from kvtrace.children import die_with_parent
@@ -32,6 +33,9 @@ def main(work: str) -> None:
         _stop(job, signal.SIGTERM)
     try:
         _run(job, work)
+    except BaseException:
+        _await_orphaning(job)
+        raise
     finally:  # however it ends: once its replay died, vLLM's next log line to the replay's
         _remove_if_orphaned(job)  # pipe raises BrokenPipeError, maybe before the SIGTERM
 
@@ -65,6 +69,21 @@ def _stop(job: Job, signum: int) -> None:
     """SIGTERM, sent by the kernel when the replay died or by anyone."""
     _remove_if_orphaned(job)
     os._exit(128 + signum)
+
+
+# How long a worker whose run broke waits to learn whether its replay is dying.
+ORPHANING_GRACE_S = 2.0
+
+
+def _await_orphaning(job: Job) -> None:
+    """A dying replay closes its pipes before the kernel hands its children to a new parent
+    (and sends them SIGTERM): a worker whose write to that pipe just failed still sees the
+    replay as its parent. It waits a moment for the hand-over, so that the check that follows
+    finds it orphaned and removes what the replay staged (before, the staged ``.partial``
+    directory was left behind on such a run)."""
+    deadline = time.monotonic() + ORPHANING_GRACE_S
+    while os.getppid() == job.parent and time.monotonic() < deadline:
+        time.sleep(0.01)
 
 
 def _remove_if_orphaned(job: Job) -> None:
