@@ -67,6 +67,7 @@ def _error(error: KvtraceError) -> tuple:
 
 def _stop(job: Job, signum: int) -> None:
     """SIGTERM, sent by the kernel when the replay died or by anyone."""
+    _await_orphaning(job)
     _remove_if_orphaned(job)
     os._exit(128 + signum)
 
@@ -76,11 +77,13 @@ ORPHANING_GRACE_S = 2.0
 
 
 def _await_orphaning(job: Job) -> None:
-    """A dying replay closes its pipes before the kernel hands its children to a new parent
-    (and sends them SIGTERM): a worker whose write to that pipe just failed still sees the
-    replay as its parent. It waits a moment for the hand-over, so that the check that follows
-    finds it orphaned and removes what the replay staged (before, the staged ``.partial``
-    directory was left behind on such a run)."""
+    """A replay dies a thread at a time, and the worker learns of it before the replay is
+    gone: its write to the replay's pipe fails once the pipe is closed, and the kernel sends
+    the parent-death SIGTERM when the thread that started the worker exits, handing the
+    worker to another thread of the same, dying replay (``getppid`` still names it). The
+    worker waits a moment for the replay to be gone, so that the check that follows finds it
+    orphaned and removes what the replay staged (before, a SIGKILLed replay's staged
+    ``.partial`` directory was left behind now and then)."""
     deadline = time.monotonic() + ORPHANING_GRACE_S
     while os.getppid() == job.parent and time.monotonic() < deadline:
         time.sleep(0.01)
