@@ -14,7 +14,7 @@ import numpy as np
 
 from kvtrace.analysis import stream
 from kvtrace.analysis.causes import CAUSES, SHORTFALL_CAUSES
-from kvtrace.analysis.miss_table import NONE
+from kvtrace.analysis.miss_table import ATTRIBUTION_COLUMNS, NONE
 from kvtrace.analysis.database import (
     ATTRIBUTION_TABLE,
     column_name,
@@ -134,7 +134,7 @@ _BOOL_COLUMNS = {(tag_of(record_type), column_name(name))
                  for record_type in RECORD_TYPES
                  for name, field_type in record_fields(record_type) if field_type is bool}
 # The streaming pass's columns: int64, NULL as NONE; flags as 0/1.
-_PASS_TABLES = {ATTRIBUTION_TABLE: stream.ATTRIBUTION_COLUMNS,
+_PASS_TABLES = {ATTRIBUTION_TABLE: ATTRIBUTION_COLUMNS,
                 "cache_entry_figures": stream.ENTRY_COLUMNS}
 _FLAGS = {"in_flight"}
 

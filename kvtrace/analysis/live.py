@@ -21,7 +21,8 @@ import msgspec
 import numpy as np
 
 from kvtrace.analysis.causes import CAUSES
-from kvtrace.analysis.stream import ATTRIBUTION_TABLE, new_pass
+from kvtrace.analysis.miss_table import ATTRIBUTION_TABLE
+from kvtrace.analysis.stream import new_pass
 from kvtrace.analysis.trace_tail import TraceTail
 from kvtrace.events import (
     BlockAllocated,
