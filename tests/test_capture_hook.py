@@ -313,3 +313,28 @@ def test_a_failing_keyframe_stops_the_ring_not_the_engine(vllm_backend_class, tm
                 session._keyframe(backend.manager, None)
     status = hook.disarm()
     assert said in status.error and patched_functions() == before
+
+
+def test_an_idle_engines_ring_still_ages_its_old_segments_out(vllm_backend_class, tmp_path):
+    """A ring opens a segment at each keyframe, and a keyframe waits for a step: an engine that
+    stops stepping still has the segments behind the one being written removed once they are
+    older than the ring, not kept until its next step."""
+    from kvtrace.ring import list_segments
+
+    ring = tmp_path / "ring"
+    with vllm_backend_class(seed_config(0, 40), "fixed", None) as backend:
+        hook.arm(hook.CaptureOptions(path=str(ring), hash_bytes=False, gpu_interval_ms=0,
+                                     ring_s=1.0, keyframe_s=0.05))
+        step, deadline = 0, time.monotonic() + 30
+        while len(list_segments(ring)) < 4 and time.monotonic() < deadline:
+            step += 1
+            backend.new_step(step, step * 1_000_000)  # each step may take the keyframe due
+            time.sleep(0.01)
+        stepped = list_segments(ring)
+        assert len(stepped) >= 4, stepped
+        while len(list_segments(ring)) > 1 and time.monotonic() < deadline:
+            time.sleep(0.05)  # idle: no step comes
+        kept = list_segments(ring)
+        status = hook.disarm()
+    assert kept == stepped[-1:], (stepped, kept)  # only the one being written
+    assert status.error is None and status.armed is False

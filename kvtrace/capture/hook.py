@@ -255,15 +255,22 @@ class CaptureSession:
 
     def _ask_for_keyframe(self) -> None:
         """On the writer thread: have the scheduler take the next keyframe at its next step,
-        once one is due (none is asked for once the capture stops)."""
+        once one is due (none is asked for once the capture stops). While an idle engine's
+        keyframe still waits for its step, no segment opens, so the segments behind the one
+        being written are aged out here instead, once a keyframe interval: the ring holds its
+        last ``ring_s`` however long the engine idles."""
         if (self._ring is None or self.snapshot_pause_ns is None
                 or time.monotonic_ns() < self._keyframe_due_ns):
             return
         with self._keyframe_lock:
-            if self._stopped or self.error is not None or self._next_step.pending():
-                return  # an idle engine's keyframe still waits for its step
+            if self._stopped or self.error is not None:
+                return
             self._schedule_keyframe()
-            self._next_step = NextStep(self._keyframe)
+            idle = self._next_step.pending()
+            if not idle:
+                self._next_step = NextStep(self._keyframe)
+        if idle:
+            self._ring.prune()
 
     def _schedule_keyframe(self) -> None:
         """The next keyframe is due one keyframe interval from now."""
