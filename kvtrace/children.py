@@ -121,6 +121,19 @@ def stops_heard() -> int:
     return len(_deferred_signals)
 
 
+def become_pool_worker(parent: int) -> None:
+    """A process pool's initializer (``kvtrace sql`` loads, sweeps): the worker dies with its
+    parent (even a SIGKILLed one), takes SIGTERM's default action (a pool stops its workers so;
+    SIGHUP's too, unless ignored), leaves Ctrl-C to its parent, and exits at once when it was
+    orphaned, or stopped, while it was forked."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    if signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN:
+        signal.signal(signal.SIGHUP, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if not die_with_parent(parent) or stops_heard():
+        os._exit(1)
+
+
 def descendants(pid: int) -> list[int]:
     """The processes below ``pid``, from /proc."""
     parent_of = {}

@@ -15,7 +15,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import shutil
-import signal
 import tempfile
 from collections import Counter
 from collections.abc import Iterator
@@ -40,6 +39,7 @@ from kvtrace.analysis.load_trace import (
 )
 from kvtrace.analysis.part_files import PARTS_MANIFEST, PartTask, make_part_directory, part_file
 from kvtrace.analysis.sql_access import sql_string
+from kvtrace.children import become_pool_worker
 from kvtrace.errors import KvtraceError, error_class
 from kvtrace.files import OutputError, write_failure
 from kvtrace.analysis.trace_paths import TRACE_SUFFIX
@@ -204,7 +204,7 @@ class LocalWorkers(PartRunner):
         others = set(multiprocessing.active_children())
         self.executor = ProcessPoolExecutor(
             self.count, mp_context=multiprocessing.get_context(method),
-            initializer=_become_worker, initargs=(os.getpid(),))
+            initializer=become_pool_worker, initargs=(os.getpid(),))
         self.executor.submit(int).result()  # every worker started now (forked: all at once)
         # The pool does not name its processes (publicly): the children started with it.
         self.processes = [process for process in multiprocessing.active_children()
@@ -235,15 +235,6 @@ class LocalWorkers(PartRunner):
                 process.kill()
                 process.join()
             self.executor, self.processes = None, []
-
-
-def _become_worker(parent: int) -> None:
-    """A worker dies with its parent (even a SIGKILLed one) and leaves Ctrl-C to it."""
-    from kvtrace.children import die_with_parent
-
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    if not die_with_parent(parent):
-        os._exit(1)
 
 
 @dataclass

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import signal
 import tempfile
 import threading
 import time
@@ -30,7 +29,7 @@ from dataclasses import dataclass
 from math import ceil
 from typing import Any
 
-from kvtrace.children import die_with_parent, stop_signals_deferred, stops_heard
+from kvtrace.children import become_pool_worker, stop_signals_deferred
 from kvtrace.engine_config import (
     KEEP,
     Overrides,
@@ -312,7 +311,7 @@ def _run_in_processes(plan: SweepPlan, jobs: int,
     try:
         with stop_signals_deferred():
             pool = multiprocessing.get_context(method).Pool(
-                jobs, initializer=_become_worker, initargs=(os.getpid(),))
+                jobs, initializer=become_pool_worker, initargs=(os.getpid(),))
         for index, row in pool.imap_unordered(
                 _run_task, [(plan.source, plan.digest, plan.backend, task) for task in plan.tasks]):
             finished(plan.tasks[index], row)
@@ -331,18 +330,6 @@ def _run_task(arguments: tuple[str, str, str, SweepTask]) -> tuple[int, dict[str
     """A worker's task: one configuration, and its place in the grid."""
     task = arguments[-1]
     return task.index, run_configuration(*arguments)
-
-
-def _become_worker(parent: int) -> None:
-    """A worker's start: it dies with its parent (even a SIGKILLed one), takes SIGTERM's
-    default action (the pool stops it so; SIGHUP's too, unless ignored), and leaves Ctrl-C to
-    its parent."""
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    if signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN:
-        signal.signal(signal.SIGHUP, signal.SIG_DFL)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    if not die_with_parent(parent) or stops_heard():  # orphaned, or stopped, while forked
-        os._exit(1)
 
 
 def _warm_up(plan: SweepPlan) -> None:
