@@ -377,5 +377,5 @@ class Ptrace(Debugger):
         return bool(re.search(r"exports no .*(Py_AddPendingCall|PyRun_SimpleString)", output))
 
 
-# In the order --method auto tries them: the one that stops the engine least first.
-DEBUGGERS: dict[str, type[Debugger]] = {"ptrace": Ptrace, "gdb": Gdb, "lldb": Lldb}
+# Each injector's class by its --method name (``attach_methods.INJECTORS`` gives the order).
+DEBUGGERS: dict[str, type[Debugger]] = {debugger.name: debugger for debugger in (Ptrace, Gdb, Lldb)}
