@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from importlib import metadata
 
 import pytest
 
@@ -41,6 +42,8 @@ def test_demo_quick_runs_the_whole_loop(quick_demo):
     armed, stopped = map(int, re.search(r"(\d+) requests in flight when it armed, (\d+) when it "
                                         r"stopped", err).groups())
     assert armed > 0 and stopped > 0, err
+    # The engine it names is the one installed: the project's release, read from its table.
+    assert f"vLLM {metadata.version('vllm')}'s scheduler and cache" in err, err
     # Under pressure, as production: the captured engine evicted by LRU reuse.
     causes = out.split("== Eviction causes ==")[1]
     assert re.search(r"^\s*0\s+capture\s+LRU_REUSE", causes, re.M), out

@@ -77,6 +77,7 @@ def command(workdir: str, quick: bool) -> None:
     from kvtrace.engine.process import EngineProcess
     from kvtrace.replay.options import ReplayOptions
     from kvtrace.replay.run import replay
+    from kvtrace.vllm_release_table import PROJECT_RELEASE
     from kvtrace.workloads.workload import EngineShape, write_workload
     from kvtrace.workloads.synth import synthesize
 
@@ -105,8 +106,8 @@ def command(workdir: str, quick: bool) -> None:
         [str(workload), "--variant", "unfixed", "--speed", str(DEMO_SPEED)],
         {**os.environ, "KVTRACE_PLUGIN": "1"}, cwd=str(work))
     try:
-        stages.start("Starting `kvtrace engine` "
-                     "(vLLM 0.33's scheduler and cache, unfixed checkpoint logic)")
+        stages.start(f"Starting `kvtrace engine` (vLLM {PROJECT_RELEASE.version}'s scheduler "
+                     "and cache, unfixed checkpoint logic)")
         pid = engine.wait_ready()
         stages.done(f"pid {pid}, process title VLLM::EngineCore")
 
