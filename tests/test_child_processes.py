@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from cli_runs import fill, full_disk  # noqa: F401
 
 import kvtrace
 from kvtrace import vllm_releases
@@ -66,7 +67,7 @@ def run_in(cwd: Path, *args: str, **kwargs) -> subprocess.CompletedProcess:
                           stdin=subprocess.DEVNULL, timeout=300, **kwargs)
 
 
-# --- R4-1: no child Python takes code from the working directory ------------------------------
+# --- no child Python takes code from the working directory ----------------------------------------
 
 
 @needs_release
@@ -126,7 +127,7 @@ def test_pip_does_not_run_code_planted_in_the_working_directory(planted, tmp_pat
     assert result.returncode == 0 and result.stdout.startswith("pip "), result.stderr
 
 
-# --- R4-5: a release worker dies with its replay ----------------------------------------------
+# --- a release worker dies with its replay --------------------------------------------------------
 
 
 def children_running(pid: int, name: str) -> list[int]:
@@ -187,27 +188,13 @@ def test_a_killed_replay_takes_its_release_worker_and_its_scratch_with_it(tmp_pa
     assert list(scratch.glob("kvtrace-release-worker-*")) == []
 
 
-# --- R4-8: a worker's full disk is one error ----------------------------------------------------
-
-
-@pytest.fixture
-def full_disk(tmp_path):
-    """A 64 KiB tmpfs (root only)."""
-    if os.geteuid() != 0:
-        pytest.skip("mounting a small tmpfs needs root")
-    mount = tmp_path / "full"
-    mount.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mount)],
-                             capture_output=True, text=True)
-    if mounted.returncode:
-        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
-    yield mount
-    subprocess.run(["umount", str(mount)], check=True)
+# --- a worker's full disk is one error ------------------------------------------------------------
 
 
 @needs_release
 def test_a_release_worker_out_of_space_is_one_error_line(full_disk, workload, tmp_path):
     out = full_disk / "out"
+    fill(full_disk)
     result = run_in(tmp_path, "replay", str(workload), "--variant", f"vllm-{RELEASE}", "-o",
                     str(out))
     assert result.returncode == 1
