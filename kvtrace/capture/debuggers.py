@@ -209,6 +209,12 @@ if any(n.startswith({ALLOCATOR_FRAMES!r}) for n in names):
 """
 
 
+# lldb's wait for its lldb-server, in seconds (the first packet waits at least 6): on a loaded
+# 2-core host the default, 5, failed an attach whose canary had just passed ("failed to get
+# reply to handshake packet within timeout of 9.7 seconds"). A canary run allows 60.
+LLDB_PACKET_S = 30
+
+
 class Lldb(Debugger):
     """Debian's ``lldb``. The whole sequence runs in lldb's embedded Python (``LLDB_PROGRAM``),
     whose module Debian's lldb 14 does not find by itself (``lldb -P`` names a directory that
@@ -224,6 +230,7 @@ class Lldb(Debugger):
         return [self.binary, "--batch", "--no-lldbinit",
                 "-O", "settings set interpreter.echo-commands false",
                 "-O", "settings set target.preload-symbols false",
+                "-O", f"settings set plugin.process.gdb-remote.packet-timeout {LLDB_PACKET_S}",
                 "-p", str(pid), "-o", f"script exec({program!r})"]
 
     def _pending_call_command(self, pid: int, code: str) -> list[str]:
