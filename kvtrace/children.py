@@ -122,7 +122,7 @@ def stops_heard() -> int:
 
 
 def become_pool_worker(parent: int) -> None:
-    """A process pool's initializer (``kvtrace sql`` loads, sweeps): the worker dies with its
+    """A process pool's initializer (``kvtrace load --workers``, sweeps): the worker dies with its
     parent (even a SIGKILLed one), takes SIGTERM's default action (a pool stops its workers so;
     SIGHUP's too, unless ignored), leaves Ctrl-C to its parent, and exits at once when it was
     orphaned, or stopped, while it was forked."""
