@@ -699,10 +699,27 @@ int cache_coordinator_blocks(ModelCore *c, Request *r, i64 num_tokens) {
     return 0;
 }
 
+/* KVCacheCoordinator.get_num_blocks_to_allocate: the blocks all groups need for
+   ``num_tokens``, each from the request's pending hit (``has_hits``) or none; -1 error. */
+static int coordinator_blocks_to_allocate(ModelCore *c, Request *r, i64 num_tokens, int has_hits,
+                                          i64 total, i64 num_local, i64 num_main, int admission,
+                                          i64 prefill_end, i64 *need) {
+    static IVec no_hit = {0};
+    i64 part;
+    *need = 0;
+    for (int g = 0; g < c->num_groups; g++) {
+        if (blocks_to_allocate(c, &c->managers[g], r, num_tokens,
+                               has_hits ? &r->pending[g] : &no_hit, total, num_local, num_main,
+                               admission, prefill_end, &part))
+            return -1;
+        *need += part;
+    }
+    return 0;
+}
+
 /* KVCacheManager.allocate_slots: 1 allocated, 0 not, -1 error. */
 int allocate(ModelCore *c, Request *r, i64 num_new, i64 num_new_computed, int has_hits,
              i64 lookahead, int full_sequence_must_fit, i64 reserved) {
-    static IVec no_hit = {0};
     i64 max_model_len = c->max_model_len;
     i64 num_local = r->num_computed + num_new_computed;
     i64 total = num_local < max_model_len ? num_local : max_model_len;
@@ -711,17 +728,12 @@ int allocate(ModelCore *c, Request *r, i64 num_new, i64 num_new_computed, int ha
         prefill_end = r->num_tokens - 1;
         if (prefill_end < r->prompt_len) prefill_end = r->prompt_len;
     }
-    i64 need, part;
+    i64 need;
     if (full_sequence_must_fit) {
         i64 full = r->num_tokens < max_model_len ? r->num_tokens : max_model_len;
-        need = 0;
-        for (int g = 0; g < c->num_groups; g++) {
-            if (blocks_to_allocate(c, &c->managers[g], r, full,
-                                   has_hits ? &r->pending[g] : &no_hit, total, num_local, full,
-                                   1, prefill_end, &part))
-                return -1;
-            need += part;
-        }
+        if (coordinator_blocks_to_allocate(c, r, full, has_hits, total, num_local, full, 1,
+                                           prefill_end, &need))
+            return -1;
         if (need > c->num_free) return 0;
     }
     i64 num_main = total + num_new;
@@ -732,14 +744,9 @@ int allocate(ModelCore *c, Request *r, i64 num_new, i64 num_new_computed, int ha
     if (num_processed < 0) num_processed = 0;
     for (int g = 0; g < c->num_groups; g++)
         if (c->managers[g].is_mamba && retire(c, &c->managers[g], r, num_processed)) return -1;
-    need = 0;
-    for (int g = 0; g < c->num_groups; g++) {
-        if (blocks_to_allocate(c, &c->managers[g], r, num_tokens,
-                               has_hits ? &r->pending[g] : &no_hit, total, num_local, num_main,
-                               0, prefill_end, &part))
-            return -1;
-        need += part;
-    }
+    if (coordinator_blocks_to_allocate(c, r, num_tokens, has_hits, total, num_local, num_main, 0,
+                                       prefill_end, &need))
+        return -1;
     if (need > c->num_free - reserved) return 0;
     if (has_hits) {
         int running = 0, any_hit = 0;
