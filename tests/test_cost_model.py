@@ -9,7 +9,7 @@ import json
 import pytest
 
 from kvtrace.errors import ConfigError
-from kvtrace.geometry.architecture import Attention, Mamba2
+from kvtrace.geometry.architecture import MAMBA, Attention, Mamba2
 from kvtrace.geometry.bundled import PRESET_TENSOR_PARALLEL, geometry_for
 from kvtrace.geometry.cost import (
     UTILISATION,
@@ -19,7 +19,7 @@ from kvtrace.geometry.cost import (
     flops_per_token,
     gpu_throughput,
 )
-from kvtrace.geometry.families import MAMBA, architecture_of, family_of
+from kvtrace.geometry.families import architecture_of, family_of
 from kvtrace.geometry.presets import preset_names, resolve_model
 from kvtrace.geometry.weights import model_weights
 

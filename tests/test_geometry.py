@@ -21,8 +21,9 @@ from kvtrace.cli import cli
 from kvtrace.errors import ConfigError
 from kvtrace.geometry.bundled import PRESET_TENSOR_PARALLEL, geometry_for
 from kvtrace.geometry import compute_geometry, preset_names, resolve_model
-from kvtrace.geometry.families import (ATTENTION, FLASHINFER_GDN_CHECKPOINT_ALIGNMENT,
-                                       FLASHKDA_CHECKPOINT_ALIGNMENT, MAMBA, MLA, family_of)
+from kvtrace.geometry.architecture import ATTENTION, MAMBA, MLA
+from kvtrace.geometry.families import (FLASHINFER_GDN_CHECKPOINT_ALIGNMENT,
+                                       FLASHKDA_CHECKPOINT_ALIGNMENT, family_of)
 from kvtrace.geometry.rule import SM90_BACKENDS, SM90_KERNEL_BLOCK, hybrid_block_size
 from kvtrace.geometry.weights import model_weights
 

@@ -30,7 +30,8 @@ import msgspec
 
 from kvtrace.errors import ConfigError, KvtraceError
 from kvtrace.files import write_atomically
-from kvtrace.geometry.families import ATTENTION, GRID, MAMBA, MLA, family_of
+from kvtrace.geometry.architecture import ATTENTION, MAMBA, MLA
+from kvtrace.geometry.families import GRID, family_of
 from kvtrace.geometry.presets import ModelSource, resolve_model
 from kvtrace.geometry.result import GIB, Geometry, GeometryGroup, MemorySplit
 from kvtrace.geometry.rule import SM90_BACKENDS, SM90_KERNEL_BLOCK, hybrid_block_size

@@ -16,9 +16,6 @@ from typing import Any
 
 from kvtrace.errors import ConfigError
 from kvtrace.geometry.architecture import (
-    ATTENTION,
-    MAMBA,
-    MLA,
     Architecture,
     Attention,
     Block,

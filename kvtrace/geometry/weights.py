@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from kvtrace.geometry.architecture import MAMBA
 from kvtrace.geometry.families import nemotron_h_pattern
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
@@ -148,7 +149,7 @@ def _kimi_vision(c: _Counter, v: dict[str, Any], text_hidden: int) -> None:
 
 
 def _qwen3_next(c: _Counter, t: dict[str, Any]) -> None:
-    from kvtrace.geometry.families import MAMBA, Qwen3NextFamily
+    from kvtrace.geometry.families import Qwen3NextFamily
 
     hidden, head_dim = t["hidden_size"], t["head_dim"]
     heads, kv_heads = t["num_attention_heads"], t["num_key_value_heads"]
